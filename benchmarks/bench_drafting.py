@@ -1,0 +1,140 @@
+"""Host-side cost of n-gram drafting per decode step: corpus update, batch_get, derive_tree_links.
+
+Simulates ``num_requests`` concurrent requests over a repetitive synthetic text (sentences drawn
+from a small pool, as in templated or code-like output): each gets a prompt of ``prompt_len``
+tokens, then every step appends 1-4 tokens of its own stream. Per step it times the corpus update
+of all requests, one batch_get for the batch, and derive_tree_links on the drafted mask. It also
+reports how many draft tokens greedy verification would accept against the true continuation, as
+a sanity check that the drafts are useful.
+
+Run from the repo root: ``.venv/bin/python -m benchmarks.bench_drafting``
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from ngrammar.spec.corpus import NgramCorpus
+from ngrammar.spec.tree import DraftTree, derive_tree_links
+
+
+def synthetic_stream(rng: np.random.Generator, sentences: list[list[int]], length: int) -> list[int]:
+    """A token stream made of sentences drawn with a skewed (Zipf-like) popularity."""
+    weights = 1.0 / np.arange(1, len(sentences) + 1)
+    weights /= weights.sum()
+    stream: list[int] = []
+    while len(stream) < length:
+        stream += sentences[rng.choice(len(sentences), p=weights)]
+    return stream[:length]
+
+
+def sentence_pool(rng: np.random.Generator, num_sentences: int, vocab_size: int) -> list[list[int]]:
+    return [rng.integers(1, vocab_size, size=int(rng.integers(5, 21))).tolist() for _ in range(num_sentences)]
+
+
+def accepted_length(tree: DraftTree, row: int, future: list[int]) -> int:
+    """Drafts greedy verification would accept when the target emits ``future`` (bonus excluded)."""
+    d = tree.draft_token_num
+    tokens = tree.tokens_2d()[row]
+    parents = tree.parents()[row]
+    node, accepted = 0, 0
+    for token in future:
+        children = [c for c in range(1, d) if parents[c] == node and tokens[c] == token]
+        if not children:
+            break
+        node, accepted = children[0], accepted + 1
+    return accepted
+
+
+def run_drafting_benchmark(
+    num_requests: int = 32,
+    draft_token_num: int = 16,
+    steps: int = 200,
+    prompt_len: int = 300,
+    match_type: str = "BFS",
+    max_trie_depth: int = 18,
+    index_prompts: bool = True,
+    seed: int = 0,
+    cpu_time: bool = False,
+) -> dict[str, float]:
+    """Simulate ``steps`` decode steps and return median/p90 host costs in microseconds per step.
+
+    ``cpu_time`` times with this thread's CPU clock instead of the wall clock, which keeps the
+    figures meaningful on a machine shared with other busy processes.
+    """
+    clock = time.thread_time if cpu_time else time.perf_counter
+    rng = np.random.default_rng(seed)
+    sentences = sentence_pool(rng, num_sentences=200, vocab_size=32_000)
+    streams = [synthetic_stream(rng, sentences, prompt_len + 4 * steps + 32) for _ in range(num_requests)]
+    corpus = NgramCorpus(
+        max_trie_depth=max_trie_depth, draft_token_num=draft_token_num, match_type=match_type, capacity=1_000_000
+    )
+    req_ids = list(range(num_requests))
+    lengths = [prompt_len] * num_requests
+
+    start = clock()
+    for req_id in req_ids:
+        if index_prompts:
+            corpus.index_prompt(req_id, streams[req_id][:prompt_len])
+        else:
+            corpus.update(req_id, streams[req_id][:prompt_len])
+    prompt_us = (clock() - start) * 1e6 / num_requests
+
+    update_us: list[float] = []
+    get_us: list[float] = []
+    links_us: list[float] = []
+    accepted: list[int] = []
+    for _ in range(steps):
+        histories = [streams[r][: lengths[r]] for r in req_ids]
+        start = clock()
+        tree = corpus.batch_get(req_ids, histories)
+        get_us.append((clock() - start) * 1e6)
+
+        start = clock()
+        derive_tree_links(tree.flat_mask(), tree.bs, draft_token_num)
+        links_us.append((clock() - start) * 1e6)
+
+        for r in req_ids:
+            accepted.append(accepted_length(tree, r, streams[r][lengths[r] : lengths[r] + draft_token_num]))
+            lengths[r] += int(rng.integers(1, 5))
+        histories = [streams[r][: lengths[r]] for r in req_ids]
+        start = clock()
+        for r in req_ids:
+            corpus.update(r, histories[r])
+        update_us.append((clock() - start) * 1e6)
+
+    def p90(samples: list[float]) -> float:
+        return float(np.percentile(samples, 90))
+
+    return {
+        "update_us_median": statistics.median(update_us),
+        "update_us_p90": p90(update_us),
+        "batch_get_us_median": statistics.median(get_us),
+        "batch_get_us_p90": p90(get_us),
+        "derive_tree_links_us_median": statistics.median(links_us),
+        "derive_tree_links_us_p90": p90(links_us),
+        "index_prompt_us_per_request": prompt_us,
+        "mean_accepted_drafts": float(np.mean(accepted)),
+        "trie_nodes": float(corpus.num_nodes),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu-time", action="store_true", help="time with the thread CPU clock")
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args()
+    for match_type in ("BFS", "PROB"):
+        result = run_drafting_benchmark(match_type=match_type, steps=args.steps, cpu_time=args.cpu_time)
+        clock = "thread CPU time" if args.cpu_time else "wall time"
+        print(f"match_type={match_type} (32 requests, D=16, {args.steps} steps, {clock})")
+        for key, value in result.items():
+            print(f"  {key:32s} {value:12.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""Command line: ``ngrammar generate | serve | bench``. Errors print one line and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Sequence
+
+from ngrammar.sampling_params import SamplingParams
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: embedded SmolLM2-135M)")
+    g.add_argument("--device", default="auto")
+    g.add_argument("--dtype", default="auto")
+    g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--kv-cache-tokens", type=int, default=None)
+    g.add_argument("--max-running-requests", type=int, default=64)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "triton"])
+    s = p.add_argument_group("speculation")
+    s.add_argument("--speculative", default=None, choices=["ngram"])
+    s.add_argument("--num-draft-tokens", type=int, default=None)
+    s.add_argument("--ngram-match-type", default=None, choices=["BFS", "PROB"])
+    s.add_argument("--ngram-max-bfs-breadth", type=int, default=None)
+    s.add_argument("--ngram-min-bfs-breadth", type=int, default=None)
+    s.add_argument("--ngram-max-trie-depth", type=int, default=None)
+    s.add_argument("--ngram-capacity", type=int, default=None)
+    s.add_argument("--no-spec-adaptive", dest="spec_adaptive", action="store_const", const=False, default=None)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    kw: dict[str, Any] = {
+        "model": args.model,
+        "device": args.device,
+        "dtype": args.dtype,
+        "page_size": args.page_size,
+        "kv_cache_tokens": args.kv_cache_tokens,
+        "max_running_requests": args.max_running_requests,
+        "max_model_len": args.max_model_len,
+        "attention_backend": args.attention_backend,
+        "speculative": args.speculative,
+    }
+    for name in ("num_draft_tokens", "ngram_match_type", "ngram_max_bfs_breadth", "ngram_min_bfs_breadth",
+                 "ngram_max_trie_depth", "ngram_capacity", "spec_adaptive"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
+    return kw
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--json-schema", default=None, help="JSON schema (inline JSON or @file)")
+    p.add_argument("--regex", default=None)
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    schema = args.json_schema
+    if schema is not None and schema.startswith("@"):
+        with open(schema[1:]) as f:
+            schema = f.read()
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, stop=tuple(args.stop), json_schema=schema, regex=args.regex,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ngrammar", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for a prompt or a JSONL file of prompts")
+    gen.add_argument("prompt", nargs="?", default=None)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--stream", action="store_true")
+    gen.add_argument("--input", default=None, help="JSONL with {prompt | messages, optional sampling fields}")
+    gen.add_argument("--output", default=None, help="JSONL results (default: stdout)")
+    add_sampling_args(gen)
+    add_engine_args(gen)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=30000)
+    srv.add_argument("--api-key", default=None)
+    srv.add_argument("--max-queue", type=int, default=256)
+    add_engine_args(srv)
+
+    bench = sub.add_parser("bench", help="benchmarks (see benchmarks/)")
+    bench.add_argument("suite", nargs="?", default="engine", choices=["engine", "spec", "grammar", "serve"])
+    bench.add_argument("--grammar", action="store_true", help="same as the 'grammar' suite")
+    bench.add_argument("--batch-sizes", default=None, help="comma-separated, e.g. 1,8,32")
+    bench.add_argument("--max-tokens", type=int, default=None)
+    bench.add_argument("--repeats", type=int, default=None)
+    bench.add_argument("--out", default=None, help="write the results as JSON here")
+    bench.add_argument("--no-transformers", action="store_true")
+    add_engine_args(bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "serve":
+            from ngrammar.server.app import serve
+
+            return serve(args)
+        from benchmarks.cli import run_benchmark
+
+        return run_benchmark(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # the CLI's contract: one clear line, exit code 2, no traceback
+        print(f"ngrammar: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from ngrammar.llm import LLM
+
+    if (args.prompt is None) == (args.input is None):
+        raise ValueError("give either a PROMPT or --input prompts.jsonl")
+    params = sampling_params(args)
+    llm = LLM(**engine_kwargs(args))
+    if args.input is not None:
+        return _generate_batch(llm, args, params)
+    prompt: Any = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    if args.stream:
+        return _stream(llm, prompt, params)
+    out = llm.chat(prompt, params)[0] if args.chat else llm.generate(prompt, params)[0]
+    if out.outputs[0].error:
+        raise ValueError(out.outputs[0].error)
+    print(out.text)
+    return 0
+
+
+def _stream(llm: Any, prompt: Any, params: SamplingParams) -> int:
+    engine = llm.engine
+    rid = engine.add_request(prompt, params)
+    shown = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid:
+                text = out.text
+                sys.stdout.write(text[shown:])
+                sys.stdout.flush()
+                shown = len(text)
+    sys.stdout.write("\n")
+    return 0
+
+
+def _generate_batch(llm: Any, args: argparse.Namespace, params: SamplingParams) -> int:
+    rows = []
+    with open(args.input) as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{args.input}:{n}: not JSON ({e})") from e
+    prompts: list[Any] = []
+    plist: list[SamplingParams] = []
+    for n, row in enumerate(rows, 1):
+        if "messages" in row:
+            prompts.append(row["messages"])
+        elif "prompt" in row:
+            prompts.append(row["prompt"])
+        else:
+            raise ValueError(f"{args.input}: line {n} has neither 'prompt' nor 'messages'")
+        overrides = {k: row[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                                         "json_schema", "regex") if k in row}
+        plist.append(SamplingParams(**{**_params_dict(params), **overrides}))
+    outs = llm._run(prompts, plist, None)
+    sink = open(args.output, "w") if args.output else sys.stdout
+    try:
+        for row, out in zip(rows, outs):
+            record = {"prompt": row.get("prompt", row.get("messages")), "text": out.text,
+                      "finish_reason": out.finish_reason, "metrics": out.metrics}
+            sink.write(json.dumps(record) + "\n")
+    finally:
+        if sink is not sys.stdout:
+            sink.close()
+    return 0
+
+
+def _params_dict(p: SamplingParams) -> dict[str, Any]:
+    return {f: getattr(p, f) for f in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                                       "json_schema", "regex")}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

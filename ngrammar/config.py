@@ -1,0 +1,65 @@
+"""Engine configuration: frozen dataclasses, validated once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """NGRAM tree speculation (no draft model). D = ``num_draft_tokens`` counts the root node."""
+
+    num_draft_tokens: int = 8
+    match_type: str = "BFS"  # "BFS": recency; "PROB": frequency
+    max_bfs_breadth: int = 10
+    min_bfs_breadth: int = 1
+    max_trie_depth: int = 18
+    capacity: int = 1_000_000  # trie nodes
+    threshold_single: float = 1.0  # 1.0/1.0 = lossless target sampling
+    threshold_acc: float = 1.0
+    adaptive: bool = True  # shrink D or decode plainly when speculation would not pay
+    index_prompt: bool = True  # prompts feed the corpus at admission (prompt copying)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_draft_tokens <= 64:
+            raise ValueError(f"num_draft_tokens must be in [1, 64], got {self.num_draft_tokens}")
+        if self.match_type not in ("BFS", "PROB"):
+            raise ValueError(f"ngram_match_type must be 'BFS' or 'PROB', got {self.match_type!r}")
+        if not 1 <= self.min_bfs_breadth <= self.max_bfs_breadth:
+            raise ValueError("need 1 <= ngram_min_bfs_breadth <= ngram_max_bfs_breadth")
+        if self.max_trie_depth < 2:
+            raise ValueError("ngram_max_trie_depth must be >= 2")
+        if self.capacity < 1:
+            raise ValueError("ngram_capacity must be positive")
+        if not (0 < self.threshold_acc <= 1 and 0 <= self.threshold_single <= 1):
+            raise ValueError("thresholds must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
+    device: str = "auto"
+    dtype: str = "auto"
+    page_size: int = 16
+    kv_cache_tokens: int | None = None  # KV pool size in tokens; None: from memory
+    gpu_memory_utilization: float = 0.5  # share of free GPU memory for the KV pool
+    cpu_kv_cache_tokens: int = 65536
+    max_running_requests: int = 64
+    max_prefill_tokens: int = 2048  # per step; longer prompts are prefilled in chunks
+    max_model_len: int | None = None  # None: the model's context length
+    attention_backend: str = "auto"  # "auto", "sdpa", "triton"
+    speculative: SpeculativeConfig | None = None
+    seed: int = 0  # seeds requests that bring none
+    grammar_cache_size: int = 256
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.max_running_requests < 1:
+            raise ValueError("max_running_requests must be positive")
+        if self.max_prefill_tokens < self.page_size:
+            raise ValueError("max_prefill_tokens must be at least one page")
+        if self.attention_backend not in ("auto", "sdpa", "triton"):
+            raise ValueError(f"attention_backend must be auto, sdpa or triton, got {self.attention_backend!r}")
+        if not 0 < self.gpu_memory_utilization < 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1)")

@@ -1,0 +1,351 @@
+"""LLMEngine: the request lifecycle and the engine loop.
+
+add_request -> validate, tokenize, compile grammar -> Scheduler.waiting
+step        -> Scheduler.schedule -> prefill | decode | NGRAM verify -> commit -> outputs
+finished    -> pages released, match state erased, RequestOutput(finished=True)
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence as Seq
+
+import numpy as np
+import torch
+
+from ngrammar.config import EngineConfig
+from ngrammar.engine.block_manager import BlockManager, PageAllocator
+from ngrammar.engine.scheduler import ScheduledBatch, Scheduler
+from ngrammar.engine.sequence import Sequence
+from ngrammar.model.loader import resolve_checkpoint
+from ngrammar.model.tokenizer import Message, Tokenizer
+from ngrammar.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from ngrammar.runner.attention import AttentionBackend, TorchSDPABackend
+from ngrammar.runner.model_runner import ModelRunner, StepInput, kv_bytes_per_token, resolve_device, resolve_dtype
+from ngrammar.runner.sampler import SamplingTensors, sample
+from ngrammar.sampling_params import InvalidRequestError, SamplingParams
+
+if TYPE_CHECKING:
+    from ngrammar.grammar import GrammarBackend
+    from ngrammar.spec.worker import NgramSpecWorker
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    reported: list[int] = field(default_factory=list)  # text length already streamed, per seq
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    verify_steps: int = 0  # sequence-steps verified with a draft tree
+    verify_emitted: int = 0  # tokens those verify steps emitted, bonus included
+    forward_seconds: float = 0.0
+    step_seconds: float = 0.0
+    last_step_seconds: float = 0.0
+    finished_requests: int = 0
+
+    @property
+    def avg_spec_accept_length(self) -> float:
+        return self.verify_emitted / self.verify_steps if self.verify_steps else 0.0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        checkpoint = resolve_checkpoint(config.model)
+        self.model_config = checkpoint.config
+        self.model_name = checkpoint.name
+        self.tokenizer = Tokenizer(checkpoint.tokenizer_dir, checkpoint.config.eos_token_ids)
+        self.max_model_len = min(config.max_model_len or checkpoint.config.max_position, checkpoint.config.max_position)
+        num_pages = self._num_pages()
+        self.runner = ModelRunner(checkpoint, self.device, self.dtype, num_pages, config.page_size, self._backend())
+        self.blocks = BlockManager(PageAllocator(num_pages, config.page_size))
+        self.scheduler = Scheduler(self.blocks, config.max_running_requests, config.max_prefill_tokens)
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self._rng = random.Random(config.seed)
+        self._ids = itertools.count()
+        self._grammar: GrammarBackend | None = None
+        self.spec: NgramSpecWorker | None = None
+        if config.speculative is not None:
+            from ngrammar.spec.worker import NgramSpecWorker
+
+            self.spec = NgramSpecWorker(config.speculative, self)
+
+    # ----------------------------------------------------------------- set-up
+    def _backend(self) -> AttentionBackend:
+        name = self.config.attention_backend
+        if name == "auto":
+            name = "triton" if self.device.type == "cuda" else "sdpa"
+        if name == "triton":
+            from ngrammar.kernels.triton_attention import TritonAttentionBackend
+
+            return TritonAttentionBackend()
+        return TorchSDPABackend()
+
+    def _num_pages(self) -> int:
+        c = self.config
+        tokens = c.kv_cache_tokens
+        if tokens is None and self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            tokens = int(free * c.gpu_memory_utilization) // kv_bytes_per_token(self.model_config, self.dtype)
+        tokens = tokens or c.cpu_kv_cache_tokens
+        return max(tokens // c.page_size, 2)
+
+    @property
+    def grammar_backend(self) -> "GrammarBackend":
+        if self._grammar is None:
+            from ngrammar.grammar import GrammarBackend
+
+            self._grammar = GrammarBackend(self.tokenizer, self.model_config.vocab_size, self.config.grammar_cache_size)
+        return self._grammar
+
+    # ------------------------------------------------------------- requests
+    def tokenize(self, prompt: str | list[int] | Seq[Message]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            return self.tokenizer.encode(prompt)
+        if prompt and all(isinstance(m, dict) for m in prompt):
+            return self.tokenizer.apply_chat_template(prompt)  # type: ignore[arg-type]
+        ids = [int(t) for t in prompt]  # type: ignore[union-attr]
+        if any(not 0 <= t < self.model_config.vocab_size for t in ids):
+            raise InvalidRequestError("prompt token ids must be in [0, vocab_size)")
+        return ids
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise InvalidRequestError("prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt is {len(prompt_ids)} tokens; the model's context is {self.max_model_len} tokens"
+            )
+        capacity = self.blocks.allocator.num_pages * self.blocks.page_size
+        if len(prompt_ids) + 1 > capacity:
+            raise InvalidRequestError(f"prompt is {len(prompt_ids)} tokens; the KV cache holds {capacity} tokens")
+
+    def add_request(
+        self, prompt: str | list[int] | Seq[Message], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        """Queue a request; raises InvalidRequestError / GrammarError for bad input (nothing queued)."""
+        prompt_ids = self.tokenize(prompt)
+        self.validate(prompt_ids, params)
+        compiled = self._compile_grammar(params)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
+        seqs = [
+            Sequence(
+                request_id,
+                i,
+                prompt_ids,
+                params,
+                self.tokenizer,
+                seed=base_seed + i,
+                grammar=None if compiled is None else self.grammar_backend.new_matcher(compiled),
+            )
+            for i in range(params.n)
+        ]
+        self.requests[request_id] = Request(request_id, prompt_ids, params, seqs, [0] * params.n)
+        for seq in seqs:
+            self.scheduler.add(seq)
+            if self.spec is not None:
+                self.spec.on_admit(seq)
+        return request_id
+
+    def _compile_grammar(self, params: SamplingParams) -> Any:
+        if not params.has_grammar:
+            return None
+        from ngrammar.grammar import grammar_spec_from_request
+
+        spec = grammar_spec_from_request(params.json_schema, params.regex, params.ebnf, params.json_object)
+        return None if spec is None else self.grammar_backend.compile(spec)
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            for seq in req.seqs:
+                seq.finish("abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled forward; returns outputs of requests that progressed or finished."""
+        start = time.perf_counter()
+        self._finish_overlong()
+        batch = self.scheduler.schedule(self._decode_width)
+        for seq in batch.failed:
+            seq.finish("error", "the KV cache is too small for this request")
+        if batch.prefill:
+            self._run_prefill(batch.prefill)
+        elif batch.decode:
+            if batch.width > 1 and self.spec is not None:
+                self.spec.run_verify(batch.decode, batch.width)
+            else:
+                self._run_decode(batch.decode)
+        self.stats.steps += 1
+        self.stats.last_step_seconds = time.perf_counter() - start
+        self.stats.step_seconds += self.stats.last_step_seconds
+        if self.spec is not None and batch.decode:
+            self.spec.observe_step(len(batch.decode), batch.width, self.stats.last_step_seconds)
+        return self._collect_outputs()
+
+    def _decode_width(self, batch_size: int) -> int:
+        return 1 if self.spec is None or batch_size == 0 else self.spec.choose_width(batch_size)
+
+    def _finish_overlong(self) -> None:
+        for seq in self.scheduler.running:
+            if len(seq.token_ids) >= self.max_model_len and not seq.is_finished:
+                seq.finish("length")
+
+    def _run_prefill(self, chunks: list[tuple[Sequence, int]]) -> None:
+        tokens, positions, rows, sampled = [], [], [], []
+        offset = 0
+        for seq, n in chunks:
+            lo = seq.num_cached
+            tokens.append(seq.token_ids[lo : lo + n])
+            positions.append(list(range(lo, lo + n)))
+            offset += n
+            if lo + n == len(seq.token_ids):  # the final chunk of a new sequence: sample its first token
+                rows.append(offset - 1)
+                sampled.append(seq)
+        step = StepInput(tokens, positions, [s.num_cached for s, _ in chunks], [s.pages for s, _ in chunks], rows or [0])
+        logits = self._timed_forward(step)
+        for seq, n in chunks:
+            seq.num_cached += n
+        self.stats.prefill_tokens += sum(n for _, n in chunks)
+        if sampled:
+            self._sample_and_commit(sampled, logits[: len(sampled)])
+
+    def _run_decode(self, seqs: list[Sequence]) -> None:
+        step = StepInput(
+            [[s.token_ids[-1]] for s in seqs],
+            [[s.num_cached] for s in seqs],
+            [s.num_cached for s in seqs],
+            [s.pages for s in seqs],
+            list(range(len(seqs))),
+        )
+        logits = self._timed_forward(step)
+        for seq in seqs:
+            seq.num_cached += 1
+        self._sample_and_commit(seqs, logits)
+        self.stats.decode_tokens += len(seqs)
+
+    def _timed_forward(self, step: StepInput) -> torch.Tensor:
+        t = time.perf_counter()
+        logits = self.runner.forward(step)
+        self.stats.forward_seconds += time.perf_counter() - t
+        return logits
+
+    def _sample_and_commit(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Grammar-mask, sample, read back once, and append one token per sequence."""
+        self.apply_grammar_rows(seqs, logits)
+        st = SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs],
+                                   [len(s.token_ids) for s in seqs], self.device)
+        tokens = sample(logits, st)
+        rows = torch.arange(len(seqs), device=self.device)[:, None]
+        lp = self.logprob_tensors(seqs, logits, rows, tokens[:, None])
+        host = self.runner.to_host(tokens, *lp)
+        token_list = host[0].tolist()
+        logprobs = self.unpack_logprobs(seqs, host[1:], [1] * len(seqs))
+        for i, seq in enumerate(seqs):
+            seq.append_tokens([token_list[i]], None if logprobs is None else logprobs[i])
+            if self.spec is not None:
+                self.spec.on_tokens(seq)
+
+    def apply_grammar_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Mask row i of ``logits`` with sequence i's grammar (plain decoding: one row each)."""
+        if not any(s.grammar is not None for s in seqs):
+            return
+        from ngrammar.grammar import allocate_bitmask, apply_bitmask
+
+        bitmask = allocate_bitmask(len(seqs), self.model_config.vocab_size, pin_memory=self.device.type == "cuda")
+        for i, seq in enumerate(seqs):
+            if seq.grammar is not None:
+                seq.grammar.fill_bitmask(bitmask, i)
+        apply_bitmask(logits, bitmask.to(self.device, non_blocking=True))
+
+    # -------------------------------------------------------------- logprobs
+    def logprob_tensors(
+        self, seqs: list[Sequence], logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor
+    ) -> list[torch.Tensor]:
+        """Logprobs of emitted tokens ([B, K]: row of ``logits`` and token of each) plus top-k."""
+        k = max((s.params.logprobs for s in seqs if s.params.logprobs is not None), default=None)
+        if k is None:
+            return []
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        r = rows.clamp(min=0)
+        chosen = logp[r, tokens.clamp(min=0)]  # [B, K]
+        top = logp[r].topk(max(k, 1), dim=-1)  # [B, K, k]
+        return [chosen, top.values, top.indices]
+
+    @staticmethod
+    def unpack_logprobs(
+        seqs: list[Sequence], host: list[torch.Tensor], counts: list[int]
+    ) -> list[list[TokenLogprob]] | None:
+        if not host:
+            return None
+        chosen, top_v, top_i = (t.tolist() for t in host)
+        out: list[list[TokenLogprob]] = []
+        for b, seq in enumerate(seqs):
+            k = seq.params.logprobs or 0
+            out.append([
+                TokenLogprob(0, chosen[b][j], tuple(zip(top_i[b][j][:k], top_v[b][j][:k])))
+                for j in range(counts[b])
+            ])
+        return out
+
+    # --------------------------------------------------------------- outputs
+    def _collect_outputs(self) -> list[RequestOutput]:
+        done = self.scheduler.remove_finished()
+        if self.spec is not None and done:
+            self.spec.on_finish(done)
+        outputs = []
+        for rid in list(self.requests):
+            req = self.requests[rid]
+            lens = [len(s.token_ids) for s in req.seqs]
+            if lens == req.reported and not req.finished:
+                continue
+            req.reported = lens
+            outputs.append(self.request_output(req))
+            if req.finished:
+                del self.requests[rid]
+                self.stats.finished_requests += 1
+        return outputs
+
+    def request_output(self, req: Request) -> RequestOutput:
+        completions = []
+        for s in req.seqs:
+            lps = s.logprobs
+            if lps is not None:
+                lps = [TokenLogprob(t, lp.logprob, lp.top) for t, lp in zip(s.output_token_ids, lps)]
+            completions.append(
+                CompletionOutput(s.index, s.visible_text(), list(s.output_token_ids), s.finish_reason, lps, s.error)
+            )
+        metrics = req.seqs[0].metrics()
+        if len(req.seqs) > 1:
+            metrics["completion_tokens"] = sum(s.num_output_tokens for s in req.seqs)
+        return RequestOutput(req.request_id, req.prompt_token_ids, completions, req.finished, metrics)
+
+    def kv_usage(self) -> float:
+        a = self.blocks.allocator
+        return 1.0 - a.num_free / a.num_pages

@@ -1,0 +1,171 @@
+"""A sequence: one completion of a request, from prompt to finish, and its stop conditions."""
+
+from __future__ import annotations
+
+import time
+from enum import Enum, auto
+from typing import TYPE_CHECKING, Any, Sequence as Seq
+
+from ngrammar.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from ngrammar.outputs import TokenLogprob
+from ngrammar.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ngrammar.grammar import GrammarMatcher
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()  # queued, or preempted and waiting to recompute its KV
+    RUNNING = auto()  # holds KV pages; prefilling while num_cached < len(token_ids)
+    FINISHED = auto()
+
+
+class Sequence:
+    """Token history, KV bookkeeping and stop state of one completion.
+
+    Invariants: ``token_ids`` = prompt + output; ``num_cached`` tokens have KV in ``pages``; in
+    decode, exactly the last token (the root of the next step) has no KV yet.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer,
+        seed: int,
+        grammar: "GrammarMatcher | None" = None,
+    ) -> None:
+        self.request_id = request_id
+        self.index = index
+        self.seq_id = f"{request_id}#{index}"
+        self.prompt_token_ids = prompt_token_ids
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.params = params
+        self.seed = seed
+        self.grammar = grammar
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.num_cached = 0
+        self.pages: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self._detok = IncrementalDetokenizer(tokenizer, len(prompt_token_ids), len(prompt_token_ids))
+        self._eos = frozenset() if params.ignore_eos else tokenizer.eos_token_ids
+        self._stop_ids = frozenset(params.stop_token_ids)
+        self._holdback = max((len(s) for s in params.stop), default=1) - 1
+        self.text = ""
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.spec_verify_steps = 0
+        self.spec_accepted_tokens = 0  # tokens emitted by verify steps, bonus included
+        self.spec_draft_tokens = 0  # draft nodes offered (D - 1 per verify step)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens whose KV prefill must compute: the whole prompt for a new sequence (its last
+        logits give the first token); all but the last token for a preempted one being recomputed."""
+        return len(self.token_ids) if self.num_output_tokens == 0 else len(self.token_ids) - 1
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_cached < self.prefill_target
+
+    def visible_text(self) -> str:
+        """Text safe to show now: while running, a possible stop-string prefix is held back."""
+        if self.is_finished or not self._holdback:
+            return self.text
+        return self.text[: max(len(self.text) - self._holdback, 0)]
+
+    def append_tokens(self, tokens: Seq[int], logprobs: Seq[TokenLogprob] | None = None) -> int:
+        """Append a run of sampled tokens, stopping exactly where plain decoding would.
+
+        Returns how many were kept. Tokens after a stop condition (EOS, stop id, stop string,
+        max_tokens, grammar termination) are dropped, as if they had never been sampled.
+        """
+        kept = 0
+        for i, token in enumerate(tokens):
+            if self.grammar is not None and not self._grammar_accepts(token):
+                break
+            self.token_ids.append(int(token))
+            kept += 1
+            if self.first_token_time is None:
+                self.first_token_time = time.perf_counter()
+            if self.logprobs is not None and logprobs is not None:
+                self.logprobs.append(logprobs[i])
+            if self._check_stop(int(token)):
+                break
+        return kept
+
+    def _grammar_accepts(self, token: int) -> bool:
+        assert self.grammar is not None
+        if self.grammar.accept_token(token):
+            return True
+        self.finish("error", f"grammar rejected sampled token {token}")
+        return False
+
+    def _check_stop(self, token: int) -> bool:
+        if token in self._eos or token in self._stop_ids:
+            self._detok.step(self.token_ids)
+            self.text = self._detok.text
+            return self.finish("stop")
+        delta = self._detok.step(self.token_ids)
+        self.text = self._detok.text
+        if delta and self.params.stop and self._check_stop_strings(len(delta)):
+            return True
+        if self.grammar is not None and self.grammar.is_terminated():
+            return self.finish("stop")
+        if self.num_output_tokens >= self.params.max_tokens:
+            return self.finish("length")
+        return False
+
+    def _check_stop_strings(self, delta_len: int) -> bool:
+        window_start = max(len(self.text) - delta_len - self._holdback, 0)
+        hits = [(i, s) for s in self.params.stop if (i := self.text.find(s, window_start)) >= 0]
+        if not hits:
+            return False
+        self.text = self.text[: min(i for i, _ in hits)]
+        return self.finish("stop")
+
+    def finish(self, reason: str, error: str | None = None) -> bool:
+        if not self.is_finished:
+            self.status = SequenceStatus.FINISHED
+            self.finish_reason = reason
+            self.error = error
+            self.finish_time = time.perf_counter()
+        return True
+
+    def metrics(self) -> dict[str, Any]:
+        end = self.finish_time or time.perf_counter()
+        m: dict[str, Any] = {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": self.num_output_tokens,
+            "e2e_latency_s": end - self.arrival_time,
+        }
+        if self.first_token_time is not None:
+            m["ttft_s"] = self.first_token_time - self.arrival_time
+            if self.num_output_tokens > 1:
+                m["tpot_s"] = (end - self.first_token_time) / (self.num_output_tokens - 1)
+        if self.spec_verify_steps:
+            m["spec_verify_steps"] = self.spec_verify_steps
+            m["spec_accept_length"] = self.spec_accepted_tokens / self.spec_verify_steps
+            m["spec_accept_rate"] = (self.spec_accepted_tokens - self.spec_verify_steps) / max(self.spec_draft_tokens, 1)
+        return m

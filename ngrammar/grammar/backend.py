@@ -1,0 +1,301 @@
+"""Grammar specs, compilation (cached, off the engine loop) and per-request matchers on xgrammar.
+
+A request names at most one output grammar: a JSON schema, a regex, an EBNF grammar or "any JSON
+object". ``grammar_spec_from_request`` turns the request fields into a hashable ``GrammarSpec``;
+``GrammarBackend`` compiles specs against the model's vocabulary once each (bounded LRU, shared by
+the blocking and the thread-pool entry points) and hands out ``GrammarMatcher`` objects, which track
+one request's position in its grammar as tokens are committed.
+
+Every user-caused failure surfaces as ``GrammarError`` (a ``ValueError``) whose message names the
+kind of grammar that is wrong, so the server can answer 400 with it verbatim.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
+
+import torch
+
+from ngrammar.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # xgrammar takes seconds to import; the backend loads it on first use
+    import xgrammar as xgr
+
+GrammarKind = Literal["json_schema", "regex", "ebnf", "json_object"]
+
+# xgrammar's C++ checks prefix messages with "[hh:mm:ss] /path/file.cc:123: Check failed: (...) is
+# false: "; users need only the part after it.
+_XGR_LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: .*? is false: )?")
+
+
+class GrammarError(ValueError):
+    """A grammar that cannot be used: malformed, unsupported, or more than one per request."""
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """One request's output grammar; hashable, so it keys the compile cache.
+
+    ``source`` is the compact JSON text for ``json_schema``, the pattern for ``regex``, the
+    grammar text for ``ebnf`` and the empty string for ``json_object``.
+    """
+
+    kind: GrammarKind
+    source: str
+
+
+def grammar_spec_from_request(
+    json_schema: dict[str, Any] | str | None = None,
+    regex: str | None = None,
+    ebnf: str | None = None,
+    json_object: bool = False,
+) -> GrammarSpec | None:
+    """The request's grammar, or None when it has none; raises GrammarError if two are set."""
+    given = [json_schema is not None, regex is not None, ebnf is not None, bool(json_object)]
+    if sum(given) > 1:
+        raise GrammarError("only one of json_schema, regex, ebnf, json_object may be set")
+    if json_schema is not None:
+        return GrammarSpec("json_schema", _canonical_schema(json_schema))
+    if regex is not None:
+        return GrammarSpec("regex", regex)
+    if ebnf is not None:
+        return GrammarSpec("ebnf", ebnf)
+    if json_object:
+        return GrammarSpec("json_object", "")
+    return None
+
+
+def _canonical_schema(schema: dict[str, Any] | str) -> str:
+    """Compact JSON text, so equal schemas spelled with different whitespace share a cache entry.
+
+    Keys are deliberately not sorted: xgrammar emits object properties in the order the schema
+    lists them, so sorting ``properties`` would change the output the grammar produces.
+    """
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise GrammarError(f"invalid JSON schema: not valid JSON ({e})") from None
+    if not isinstance(schema, (dict, bool)):
+        raise GrammarError(f"invalid JSON schema: must be a JSON object, got {type(schema).__name__}")
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+
+
+def check_json_schema(schema: dict[str, Any] | bool) -> None:
+    """Validate against the schema's meta-schema (its ``$schema`` draft, else the newest).
+
+    xgrammar itself rejects only what it cannot convert; the meta-schema also catches wrongly typed
+    keywords that it would silently ignore.
+    """
+    from jsonschema.exceptions import SchemaError
+    from jsonschema.validators import validator_for
+
+    try:
+        validator_for(schema).check_schema(schema)
+    except SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path)
+        raise GrammarError(f"invalid JSON schema: {e.message}" + (f" (at {where})" if where else "")) from None
+
+
+def _xgrammar_message(error: Exception) -> str:
+    text = str(error).strip()
+    return _XGR_LOCATION.sub("", text).strip() or type(error).__name__
+
+
+class GrammarMatcher:
+    """One request's parser state in its grammar; a thin wrapper over ``xgrammar.GrammarMatcher``.
+
+    Invariant kept by the engine: the matcher has accepted exactly the request's committed output
+    tokens (through ``commit``); draft exploration (``tree_mask``) always rolls back what it accepts.
+    """
+
+    def __init__(self, inner: xgr.GrammarMatcher, vocab_size: int) -> None:
+        self._m = inner
+        self.vocab_size = vocab_size
+
+    def accept_token(self, token: int) -> bool:
+        """Advance by one token; False (state unchanged) if the grammar forbids it."""
+        if not 0 <= token < self.vocab_size:
+            return False
+        return bool(self._m.accept_token(int(token)))
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed-next-token bits into ``bitmask[row]`` (CPU int32 [R, ceil(V/32)]).
+
+        Must not be called once terminated: nothing may follow the stop token.
+        """
+        self._m.fill_next_token_bitmask(bitmask, row)
+
+    def rollback(self, n: int) -> None:
+        """Undo the last ``n`` accepted tokens (history is unlimited; n must not exceed it)."""
+        if n > 0:
+            self._m.rollback(n)
+
+    def is_terminated(self) -> bool:
+        """True once a stop token ended the grammar; no further token is accepted."""
+        return bool(self._m.is_terminated())
+
+    def is_completed(self) -> bool:
+        """True when the text so far is a complete match (a stop token would be accepted now)."""
+        return bool(self._m.is_completed())
+
+    def commit(self, tokens: Sequence[int]) -> tuple[int, bool]:
+        """Accept verified tokens in order; returns (number retained, rejected?).
+
+        Stops right after the token that terminates the grammar (that token is retained, the rest
+        are past the end and are not a rejection), or before the first forbidden token (rejected).
+        A matcher that is already terminated retains nothing.
+        """
+        if self.is_terminated():
+            return 0, False
+        for i, token in enumerate(tokens):
+            if not self.accept_token(int(token)):
+                return i, True
+            if self.is_terminated():
+                return i + 1, False
+        return len(tokens), False
+
+    def fork(self) -> GrammarMatcher:
+        """An independent copy of the current state (same compiled grammar)."""
+        return GrammarMatcher(self._m.fork(), self.vocab_size)
+
+    def reset(self) -> None:
+        """Back to the grammar's start, as if nothing had been accepted."""
+        self._m.reset()
+
+    @property
+    def xgrammar_matcher(self) -> xgr.GrammarMatcher:
+        """The wrapped ``xgrammar.GrammarMatcher``, for calls this wrapper does not cover."""
+        return self._m
+
+
+class GrammarBackend:
+    """Compiles grammar specs for one model's vocabulary and creates matchers.
+
+    ``vocab_size`` is the model's logits width (the config's vocab), which may exceed the
+    tokenizer's length; xgrammar then treats the extra ids as never allowed.
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = 256, compile_threads: int = 2
+    ) -> None:
+        import xgrammar as xgr
+
+        if cache_size < 1:
+            raise ValueError(f"cache_size must be >= 1, got {cache_size}")
+        self._xgr = xgr
+        self.vocab_size = vocab_size
+        self.cache_size = cache_size
+        stop = sorted(int(t) for t in tokenizer.eos_token_ids)
+        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer.hf, vocab_size=vocab_size, stop_token_ids=stop or None
+        )
+        # Our LRU is the only cache: xgrammar's own one is unbounded by count and would duplicate it.
+        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=compile_threads, cache_enabled=False)
+        self._pool = ThreadPoolExecutor(max_workers=compile_threads, thread_name_prefix="grammar-compile")
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[GrammarSpec, xgr.CompiledGrammar] = OrderedDict()  # LRU order, newest last
+        self._in_flight: dict[GrammarSpec, Future[xgr.CompiledGrammar]] = {}  # one compilation per spec at a time
+        self.compile_count = 0  # compilations that actually ran (cache misses), for tests and stats
+
+    def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        """The ``xgrammar.CompiledGrammar`` for ``spec``; compiles on a cache miss (blocking).
+
+        Concurrent calls for the same spec wait for one compilation. Failures raise GrammarError
+        and leave nothing cached, so a later call tries again.
+        """
+        with self._lock:
+            hit = self._cache.get(spec)
+            if hit is not None:
+                self._cache.move_to_end(spec)
+                return hit
+            pending = self._in_flight.get(spec)
+            if pending is None:
+                pending = Future()
+                self._in_flight[spec] = pending
+                owner = True
+            else:
+                owner = False
+        if not owner:
+            return pending.result()
+        try:
+            compiled = self._compile_uncached(spec)
+        except BaseException as e:
+            with self._lock:
+                del self._in_flight[spec]
+            pending.set_exception(e)
+            raise
+        with self._lock:
+            del self._in_flight[spec]
+            self._cache[spec] = compiled
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        pending.set_result(compiled)
+        return compiled
+
+    def compile_async(self, spec: GrammarSpec) -> Future[xgr.CompiledGrammar]:
+        """``compile`` on the backend's thread pool; a cache hit returns an already-done future.
+
+        xgrammar releases the GIL while compiling, so the engine loop keeps running meanwhile.
+        """
+        with self._lock:
+            hit = self._cache.get(spec)
+            if hit is not None:
+                self._cache.move_to_end(spec)
+        if hit is not None:
+            done: Future[xgr.CompiledGrammar] = Future()
+            done.set_result(hit)
+            return done
+        return self._pool.submit(self.compile, spec)
+
+    def new_matcher(self, compiled: xgr.CompiledGrammar) -> GrammarMatcher:
+        """A fresh matcher at the grammar's start; the stop tokens are the tokenizer's EOS ids."""
+        return GrammarMatcher(self._xgr.GrammarMatcher(compiled), self.vocab_size)
+
+    def cached_specs(self) -> list[GrammarSpec]:
+        """Cached specs, least recently used first."""
+        with self._lock:
+            return list(self._cache)
+
+    def close(self) -> None:
+        """Stop the compile threads (pending compilations finish first)."""
+        self._pool.shutdown(wait=True)
+
+    def _compile_uncached(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        compile_fn, what = self._compiler_for(spec)
+        with self._lock:
+            self.compile_count += 1
+        try:
+            return compile_fn()
+        except GrammarError:
+            raise
+        except Exception as e:  # xgrammar raises RuntimeError (and a few others) for bad input
+            raise GrammarError(f"invalid {what}: {_xgrammar_message(e)}") from None
+
+    def _compiler_for(self, spec: GrammarSpec) -> tuple[Callable[[], xgr.CompiledGrammar], str]:
+        c = self._compiler
+        if spec.kind == "json_schema":
+            return (lambda: self._compile_schema(spec.source)), "JSON schema"
+        if spec.kind == "regex":
+            return (lambda: c.compile_regex(spec.source)), "regex"
+        if spec.kind == "ebnf":
+            return (lambda: c.compile_grammar(spec.source)), "EBNF grammar"
+        if spec.kind == "json_object":
+            return c.compile_builtin_json_grammar, "JSON grammar"
+        raise GrammarError(f"unknown grammar kind: {spec.kind!r}")
+
+    def _compile_schema(self, source: str) -> xgr.CompiledGrammar:
+        try:
+            schema = json.loads(source)
+        except json.JSONDecodeError as e:
+            raise GrammarError(f"invalid JSON schema: not valid JSON ({e})") from None
+        if not isinstance(schema, (dict, bool)):
+            raise GrammarError(f"invalid JSON schema: must be a JSON object, got {type(schema).__name__}")
+        check_json_schema(schema)
+        return self._compiler.compile_json_schema(source)

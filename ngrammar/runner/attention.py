@@ -1,0 +1,150 @@
+"""Attention over the paged KV cache: the metadata contract and the torch SDPA backend.
+
+One step batches B requests; request b brings ``q_lens[b]`` new query tokens (packed request-major
+into T = sum(q_lens) rows) whose K/V are written at ``slot_mapping`` before attending. After the
+write, request b has ``kv_lens[b]`` cached tokens, laid out in its page table in sequence order; its
+queries are the last ``q_lens[b]`` of them.
+
+Masking: query i of request b sees every kv index < kv_lens[b] - q_lens[b] (the committed prefix)
+and, inside its own block of q_lens[b] new tokens, column j iff ``tree_mask[b, i, j]``. When
+``tree_mask`` is None the block is causal (prefill and plain decode). Tree verify passes the draft
+tree's ancestor-or-self mask there.
+
+A backend (torch SDPA here, Triton on CUDA in ``ngrammar.kernels``) implements ``plan`` once per
+step and ``forward`` once per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Per-step inputs of attention; tensors live on the model's device."""
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (page * page_size + offset) of each new token
+    page_table: torch.Tensor  # [B, max_pages] int64: pages of each request in order, padded with 0
+    kv_lens: torch.Tensor  # [B] int64: cached length after this step's writes
+    q_lens: torch.Tensor  # [B] int64: new tokens per request
+    q_start: torch.Tensor  # [B + 1] int64: exclusive prefix sum of q_lens
+    max_q_len: int  # host copies of the maxima, so no backend reads a device tensor back
+    max_kv_len: int
+    page_size: int
+    tree_mask: torch.Tensor | None = None  # [B, max_q_len, max_q_len] bool, or None for causal
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.q_lens.shape[0])
+
+
+class AttentionBackend(Protocol):
+    def plan(self, meta: AttentionMetadata) -> Any:
+        """Precompute what every layer of this step shares (indices, masks)."""
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, d]
+        k: torch.Tensor,  # [T, Hkv, d]
+        v: torch.Tensor,  # [T, Hkv, d]
+        layer_cache: torch.Tensor,  # [2, pages, page_size, Hkv, d]
+        plan: Any,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, d]
+        """Write k/v at the plan's slots, then attend."""
+
+
+def write_kv(layer_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Scatter this step's K/V into the paged pool (slots are flat page*page_size+offset)."""
+    _, pages, page_size, heads, dim = layer_cache.shape
+    flat = layer_cache.view(2, pages * page_size, heads, dim)
+    flat[0].index_copy_(0, slot_mapping, k.to(flat.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
+
+
+@dataclass(frozen=True)
+class SDPAPlan:
+    meta: AttentionMetadata
+    kv_slots: torch.Tensor  # [B, Lk] int64: cache slot of each kv index (padding -> slot 0)
+    bias: torch.Tensor  # [B, 1, 1, Qm, Lk] float32: 0 where attention is allowed, -inf elsewhere
+    q_rows: torch.Tensor  # [T] int64: padded row (b * Qm + i) of each packed query
+
+
+def build_attention_mask(meta: AttentionMetadata) -> torch.Tensor:
+    """[B, Qm, Lk] bool mask implementing the contract above (padding rows see kv 0 only)."""
+    device = meta.kv_lens.device
+    qm, lk = meta.max_q_len, meta.max_kv_len
+    q_idx = torch.arange(qm, device=device)
+    kv_idx = torch.arange(lk, device=device)
+    prefix = (meta.kv_lens - meta.q_lens)[:, None, None]  # [B,1,1] first kv index of the new block
+    rel = kv_idx[None, None, :] - prefix  # [B,1,Lk] position inside the new block (<0: prefix)
+    if meta.tree_mask is None:
+        in_block = rel <= q_idx[None, :, None]
+    else:
+        gather_at = rel.clamp(0, qm - 1).expand(-1, qm, -1)
+        in_block = torch.gather(meta.tree_mask, 2, gather_at)
+    valid_kv = kv_idx[None, None, :] < meta.kv_lens[:, None, None]
+    mask = torch.where(rel < 0, True, in_block) & valid_kv
+    valid_q = q_idx[None, :, None] < meta.q_lens[:, None, None]
+    pad_row = torch.zeros(lk, dtype=torch.bool, device=device)
+    pad_row[0] = True
+    return torch.where(valid_q, mask, pad_row)
+
+
+def kv_slot_indices(meta: AttentionMetadata) -> torch.Tensor:
+    """[B, Lk] flat cache slot of every kv index of every request."""
+    kv_idx = torch.arange(meta.max_kv_len, device=meta.kv_lens.device)
+    page_col = (kv_idx // meta.page_size).clamp(max=meta.page_table.shape[1] - 1)
+    pages = meta.page_table[:, page_col]  # [B, Lk]
+    return pages * meta.page_size + (kv_idx % meta.page_size)[None, :]
+
+
+class TorchSDPABackend:
+    """Gathers each request's K/V into a padded batch and runs scaled dot-product attention per layer.
+
+    Simple and exact; the gather costs B * max_kv_len rows per layer, fine on the CPU and as the
+    reference the GPU kernel is checked against.
+    """
+
+    def plan(self, meta: AttentionMetadata) -> SDPAPlan:
+        b = torch.repeat_interleave(torch.arange(meta.batch_size, device=meta.q_lens.device), meta.q_lens)
+        within = torch.arange(int(meta.slot_mapping.shape[0]), device=b.device) - meta.q_start[b]
+        mask = build_attention_mask(meta)[:, None, None]
+        bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
+        return SDPAPlan(meta, kv_slot_indices(meta), bias, b * meta.max_q_len + within)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_cache: torch.Tensor,
+        plan: SDPAPlan,
+        scale: float,
+    ) -> torch.Tensor:
+        meta = plan.meta
+        write_kv(layer_cache, meta.slot_mapping, k, v)
+        _, pages, page_size, hkv, d = layer_cache.shape
+        flat = layer_cache.view(2, pages * page_size, hkv, d)
+        keys = flat[0][plan.kv_slots].permute(0, 2, 3, 1)  # [B, Hkv, d, Lk]
+        values = flat[1][plan.kv_slots].transpose(1, 2)  # [B, Hkv, Lk, d]
+        bsz, qm, hq = meta.batch_size, meta.max_q_len, q.shape[1]
+        group = hq // hkv
+        if qm == 1:
+            qp = q.view(bsz, 1, hq, d)
+        else:
+            qp = q.new_zeros(bsz * qm, hq, d)
+            qp[plan.q_rows] = q
+            qp = qp.view(bsz, qm, hq, d)
+        # Query heads h = j * group + g share kv head j: fold the group into the query axis so one
+        # batched matmul per step serves GQA without repeating K/V (torch's masked SDPA is slow on CPU).
+        qg = qp.view(bsz, qm, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(bsz, hkv, group * qm, d)
+        scores = torch.matmul(qg.to(keys.dtype), keys).float() * scale  # [B, Hkv, G*Qm, Lk]
+        scores = scores.view(bsz, hkv, group, qm, -1) + plan.bias
+        probs = torch.softmax(scores, dim=-1).to(values.dtype).view(bsz, hkv, group * qm, -1)
+        out = torch.matmul(probs, values).view(bsz, hkv, group, qm, d).permute(0, 3, 1, 2, 4)
+        out = out.reshape(bsz * qm, hq, d)
+        return out if qm == 1 else out[plan.q_rows]

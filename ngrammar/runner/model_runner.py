@@ -1,0 +1,160 @@
+"""The data plane: owns the model and the KV pool, turns a host step description into one forward.
+
+The control plane (scheduler, corpus, grammar) describes a step as a ``StepInput`` of plain Python
+values; ``ModelRunner`` copies it host->device (never the other way), runs the model and returns
+logits on the device. All device->host reads of a step go through ``to_host`` (one sync).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from ngrammar.model.config import ModelConfig
+from ngrammar.model.llama import LlamaForCausalLM
+from ngrammar.model.loader import Checkpoint, iter_weights
+from ngrammar.runner.attention import AttentionBackend, AttentionMetadata, TorchSDPABackend
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One forward over B sequences, each bringing ``len(tokens[b])`` new tokens.
+
+    ``starts[b]`` is the kv index of the first new token (tokens before it are cached);
+    ``tree_mask`` ([B, Q, Q] bool, all q equal) replaces the causal mask for tree verify.
+    """
+
+    tokens: list[list[int]]
+    positions: list[list[int]]
+    starts: list[int]
+    page_tables: list[list[int]]
+    logits_rows: list[int]  # rows of the packed token batch whose logits are wanted
+    tree_mask: np.ndarray | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.tokens)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was requested but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in table:
+        raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
+    return table[dtype]
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    return config.num_layers * 2 * config.kv_size * torch.tensor([], dtype=dtype).element_size()
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        device: torch.device,
+        dtype: torch.dtype,
+        num_pages: int,
+        page_size: int,
+        backend: AttentionBackend | None = None,
+    ) -> None:
+        self.config = checkpoint.config
+        self.device = device
+        self.dtype = dtype
+        self.page_size = page_size
+        self.backend = backend or TorchSDPABackend()
+        with torch.device("meta"):
+            model = LlamaForCausalLM(self.config, self.backend)
+        model = model.to_empty(device=device).to(dtype)
+        model.rotary.__init__(self.config)  # buffers were created on meta; rebuild them for real
+        model.rotary.to(device)
+        model.load_hf_weights(iter_weights(checkpoint))
+        self.model = model.eval()
+        c = self.config
+        self.kv_cache = torch.zeros(
+            (c.num_layers, 2, num_pages, page_size, c.num_kv_heads, c.head_dim), dtype=dtype, device=device
+        )
+        self.on_forward: Callable[[], None] | None = None  # test hook: called when a forward is launched
+        self.on_to_host: Callable[[], None] | None = None  # test hook: called on every device->host read
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def _tensor(self, values: Sequence[int] | np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        host = torch.as_tensor(np.asarray(values), dtype=dtype)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
+
+    def metadata(self, step: StepInput) -> AttentionMetadata:
+        q_lens = [len(t) for t in step.tokens]
+        kv_lens = [s + q for s, q in zip(step.starts, q_lens)]
+        max_pages = max(len(p) for p in step.page_tables)
+        table = np.zeros((step.batch_size, max_pages), dtype=np.int64)
+        for b, pages in enumerate(step.page_tables):
+            table[b, : len(pages)] = pages
+        ps = self.page_size
+        slots = [
+            table[b, i // ps] * ps + i % ps for b in range(step.batch_size) for i in range(step.starts[b], kv_lens[b])
+        ]
+        tree = None if step.tree_mask is None else self._tensor(step.tree_mask, torch.bool)
+        return AttentionMetadata(
+            slot_mapping=self._tensor(slots),
+            page_table=self._tensor(table),
+            kv_lens=self._tensor(kv_lens),
+            q_lens=self._tensor(q_lens),
+            q_start=self._tensor(np.concatenate([[0], np.cumsum(q_lens)])),
+            max_q_len=max(q_lens),
+            max_kv_len=max(kv_lens),
+            page_size=ps,
+            tree_mask=tree,
+        )
+
+    @torch.inference_mode()
+    def forward(self, step: StepInput) -> torch.Tensor:
+        """Launch the forward of ``step``; returns logits [len(logits_rows), V] float32 (device)."""
+        meta = self.metadata(step)
+        ids = self._tensor([t for toks in step.tokens for t in toks])
+        pos = self._tensor([p for ps in step.positions for p in ps])
+        rows = self._tensor(step.logits_rows)
+        if self.on_forward is not None:
+            self.on_forward()
+        hidden = self.model(ids, pos, self.kv_cache, self.backend.plan(meta))
+        return self.model.compute_logits(hidden.index_select(0, rows))
+
+    def to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """The step's one device->host read: copies into (pinned) host memory, one sync."""
+        if self.on_to_host is not None:
+            self.on_to_host()
+        if self.device.type != "cuda":
+            return [t.detach() for t in tensors]
+        out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for dst, src in zip(out, tensors):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        return out
+
+    @torch.inference_mode()
+    def move_kv(self, src_slots: Sequence[int], dst_slots: Sequence[int]) -> None:
+        """Copy KV between flat slots in every layer (accepted draft path -> contiguous prefix)."""
+        if not src_slots:
+            return
+        c = self.kv_cache
+        flat = c.view(c.shape[0], 2, c.shape[2] * c.shape[3], c.shape[4], c.shape[5])
+        src, dst = self._tensor(src_slots), self._tensor(dst_slots)
+        flat.index_copy_(2, dst, flat.index_select(2, src))

@@ -1,0 +1,76 @@
+"""Per-request decoding parameters, validated at construction (a bad value fails that request only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_LOGPROBS = 20
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses; the message names the offending input."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k >= 0: chosen token plus k alternatives
+    json_schema: dict[str, Any] | str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    json_object: bool = False
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        self._validate()
+
+    def _validate(self) -> None:
+        def fail(msg: str) -> None:
+            raise InvalidRequestError(msg)
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            fail(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not self.temperature >= 0:
+            fail(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            fail(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            fail(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not 0 <= self.min_p <= 1:
+            fail(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= 64:
+            fail(f"n must be an integer in [1, 64], got {self.n!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            fail(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if any(not s for s in self.stop):
+            fail("stop strings must be non-empty")
+        if self.seed is not None and not isinstance(self.seed, int):
+            fail(f"seed must be an integer, got {self.seed!r}")
+        grammars = [self.json_schema is not None, self.regex is not None, self.ebnf is not None, self.json_object]
+        if sum(grammars) > 1:
+            fail("only one of json_schema, regex, ebnf, json_object may be set")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_grammar(self) -> bool:
+        return self.json_schema is not None or self.regex is not None or self.ebnf is not None or self.json_object

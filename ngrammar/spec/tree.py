@@ -1,0 +1,191 @@
+"""The draft-tree contract shared by the drafter, the verifier and attention.
+
+A step drafts one tree per request, each with exactly D nodes (D = ``draft_token_num``):
+
+* node 0 is the root: the last committed token, whose KV is computed in this verify step;
+* the other nodes follow in BFS order, so every parent index is smaller than its child's;
+* trees with fewer real nodes are padded to D with extra root children (token 0), appended last;
+* ``mask[b, i, j]`` is true iff node j is an ancestor-or-self of node i (so column 0 is all true
+  and the diagonal is true);
+* node i of request b sits at position ``seq_len[b] + depth(i)``, depth = number of strict
+  ancestors.
+
+Links used by tree verification (local node indices, -1 where none):
+
+* ``next_token[i]``: the first child of i, i.e. its smallest-index child;
+* ``next_sibling[i]``: the next larger index with the same parent as i (the root has none).
+
+Two derivations of the links exist on purpose: ``derive_tree_links`` on the host (numpy, for the
+grammar mask, which is built on the CPU while the verify forward runs) and
+``reconstruct_indices_from_tree_mask`` on the device (torch, without any device->host sync). They
+use the same formulas so they agree on every mask, valid or not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A batch of ``bs`` draft trees with exactly ``draft_token_num`` nodes each."""
+
+    tokens: np.ndarray  # [bs * D] int64: node tokens, request-major
+    mask: np.ndarray  # [bs, D, D] bool: ancestor-or-self mask
+    bs: int
+    draft_token_num: int  # D, root included
+
+    def __post_init__(self) -> None:
+        d = self.draft_token_num
+        if self.tokens.shape != (self.bs * d,) or self.tokens.dtype != np.int64:
+            raise ValueError(f"tokens must be int64 [{self.bs * d}], got {self.tokens.dtype} {self.tokens.shape}")
+        if self.mask.shape != (self.bs, d, d) or self.mask.dtype != np.bool_:
+            raise ValueError(f"mask must be bool [{self.bs}, {d}, {d}], got {self.mask.dtype} {self.mask.shape}")
+
+    @classmethod
+    def from_parents(cls, tokens: np.ndarray, parents: np.ndarray) -> DraftTree:
+        """Build a tree batch from node tokens [bs*D] and parent indices [bs, D] (-1 at the root)."""
+        bs, d = parents.shape
+        return cls(np.asarray(tokens, dtype=np.int64), mask_from_parents(parents), bs, d)
+
+    def tokens_2d(self) -> np.ndarray:
+        """[bs, D] view of the node tokens."""
+        return self.tokens.reshape(self.bs, self.draft_token_num)
+
+    def flat_mask(self) -> np.ndarray:
+        """[bs*D*D] view of the mask, the layout the device kernels take."""
+        return self.mask.reshape(-1)
+
+    def depths(self) -> np.ndarray:
+        """[bs, D] int64: number of strict ancestors of each node."""
+        return self.mask.sum(axis=-1, dtype=np.int64) - 1
+
+    def parents(self) -> np.ndarray:
+        """[bs, D] int64: parent of each node, -1 at the root."""
+        return _parents_np(self.mask)
+
+
+def mask_from_parents(parents: np.ndarray) -> np.ndarray:
+    """Ancestor-or-self mask [bs, D, D] bool from parent indices [bs, D].
+
+    Requires parent < child (node 0 is the root, its parent entry is ignored): then row i is row
+    parent(i) plus the diagonal, and rows can be filled in index order for the whole batch at once.
+    """
+    bs, d = parents.shape
+    mask = np.zeros((bs, d, d), dtype=np.bool_)
+    if d == 0:
+        return mask
+    rows = np.arange(bs)
+    mask[:, 0, 0] = True
+    for i in range(1, d):
+        mask[:, i, :] = mask[rows, parents[:, i], :]
+        mask[:, i, i] = True
+    return mask
+
+
+@lru_cache(maxsize=64)
+def _strictly_lower(d: int) -> np.ndarray:
+    """[D, D] bool, true where j < i. Read-only: it is shared between calls."""
+    lower = np.tri(d, d, k=-1, dtype=np.bool_)
+    lower.flags.writeable = False
+    return lower
+
+
+def _parents_np(mask: np.ndarray) -> np.ndarray:
+    """Parent = largest j < i with mask[b, i, j]; -1 where i has no strict ancestor. [bs, D] int64."""
+    d = mask.shape[-1]
+    strict = mask & _strictly_lower(d)
+    largest = d - 1 - strict[..., ::-1].argmax(axis=-1)  # argmax finds the first True of the reversed row
+    return np.where(strict.any(axis=-1), largest, -1).astype(np.int64, copy=False)
+
+
+def _links_np(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(first child, next sibling) [bs, D] int64 from parent indices [bs, D], -1 where none.
+
+    Nodes are grouped by (request, parent) with one stable sort of the flat batch, so inside a group
+    children sit in index order: a group's head is its parent's first child and each member's
+    successor is its next sibling. Nodes without a parent (-1) form no links.
+    """
+    bs, d = parents.shape
+    n = bs * d
+    flat_parent = parents.reshape(-1)
+    key = (parents + np.arange(0, bs * (d + 1), d + 1)[:, None]).reshape(-1)  # unique per (b, parent)
+    order = np.argsort(key, kind="stable")  # flat node ids b*D + i, grouped
+    same_group = key[order[1:]] == key[order[:-1]]
+    has_parent = flat_parent[order] >= 0
+
+    next_sibling = np.full(n, -1, dtype=np.int64)
+    linked = same_group & has_parent[1:]
+    next_sibling[order[:-1][linked]] = order[1:][linked] % d
+
+    is_head = has_parent.copy()
+    is_head[1:] &= ~same_group
+    heads = order[is_head]
+    local = heads % d
+    next_token = np.full(n, -1, dtype=np.int64)
+    next_token[heads - local + flat_parent[heads]] = local  # flat id of the parent gets its first child
+    return next_token.reshape(bs, d), next_sibling.reshape(bs, d)
+
+
+def derive_tree_links(mask: np.ndarray, bs: int, draft_token_num: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host-side tree links (next_token, next_sibling), CPU int64 tensors [bs, D].
+
+    ``mask`` is the ancestor-or-self mask shaped [bs*D*D] or [bs, D, D], bool or 0/1 integers.
+    Equal to the links of ``reconstruct_indices_from_tree_mask`` on the same mask.
+    """
+    d = draft_token_num
+    m = np.asarray(mask).reshape(bs, d, d)
+    if m.dtype != np.bool_:
+        m = m != 0
+    next_token, next_sibling = _links_np(_parents_np(m))
+    return torch.from_numpy(next_token), torch.from_numpy(next_sibling)
+
+
+def reconstruct_indices_from_tree_mask(
+    tree_mask: torch.Tensor, seq_lens: torch.Tensor, bs: int, draft_token_num: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Device-side positions and tree links from the ancestor mask.
+
+    Args:
+        tree_mask: [bs*D*D] or [bs, D, D], bool or 0/1 integers, on any device.
+        seq_lens: [bs] committed length of each request (the root's position), same device.
+
+    Returns (all int64 on the mask's device):
+        positions [bs*D]: seq_lens[b] + depth(i);
+        retrive_index [bs, D]: b*D + i, the node's flat row in the verify batch;
+        next_token [bs, D]: first child, or -1;
+        next_sibling [bs, D]: next sibling, or -1.
+
+    Pure broadcasted tensor ops with shapes fixed by (bs, D): no host sync, no Python loop over
+    nodes or requests, so it can run inside a CUDA graph.
+    """
+    d = draft_token_num
+    device = tree_mask.device
+    m = tree_mask.reshape(bs, d, d).to(torch.bool)
+    ar = torch.arange(d, device=device, dtype=torch.int64)
+    below = ar[:, None] > ar[None, :]  # [D(i), D(j)]: j < i
+
+    strict = m & below  # strict ancestors only
+    depth = strict.sum(dim=-1)  # [bs, D]
+    parents = torch.where(strict, ar, -1).amax(dim=-1)  # largest strict ancestor, -1 if none
+
+    # First child: the smallest index among the nodes naming i as parent. Column 0 of the scatter
+    # target collects the parentless nodes (parent -1) and is dropped.
+    first_child = torch.full((bs, d + 1), d, device=device, dtype=torch.int64)
+    first_child.scatter_reduce_(1, parents + 1, ar.expand(bs, d), reduce="amin")
+    next_token = torch.where(first_child[:, 1:] == d, -1, first_child[:, 1:])
+
+    # Next sibling: after a stable sort by parent, the children of one parent are adjacent and in
+    # index order, so each node's successor in the sorted row is its next sibling.
+    sorted_parents, order = torch.sort(parents, dim=1, stable=True)
+    linked = (sorted_parents[:, 1:] == sorted_parents[:, :-1]) & (sorted_parents[:, 1:] >= 0)
+    next_sibling = torch.full((bs, d), -1, device=device, dtype=torch.int64)
+    next_sibling.scatter_(1, order[:, :-1], torch.where(linked, order[:, 1:], -1))  # order is a permutation
+
+    positions = (seq_lens.to(device=device, dtype=torch.int64)[:, None] + depth).reshape(-1)
+    retrive_index = torch.arange(bs * d, device=device, dtype=torch.int64).reshape(bs, d)
+    return positions, retrive_index, next_token, next_sibling

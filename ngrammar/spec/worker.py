@@ -1,0 +1,159 @@
+"""NGRAM speculative step: draft on the host, launch the tree verify, mask and accept, commit.
+
+One verify step for B sequences with D nodes each:
+  1. ``NgramCorpus.batch_get`` -> host DraftTree (tokens [B*D], ancestor mask [B, D, D]);
+  2. the verify forward is launched (host->device copies only; nothing is read back before it);
+  3. while it runs: host ``derive_tree_links`` + grammar DFS -> bitmask [B*D, V/32], copied in
+     non-blocking and applied to all B*D logits rows;
+  4. greedy or target-only sampling acceptance on the device;
+  5. one device->host read of the accepted tokens; commit (stop strings, EOS, max_tokens and grammar
+     termination cut the run), compact the accepted path's KV, release the rest.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ngrammar.config import SpeculativeConfig
+from ngrammar.engine.sequence import Sequence
+from ngrammar.runner.model_runner import StepInput
+from ngrammar.runner.sampler import STREAM_FINAL_COIN, STREAM_TREE_COIN, SamplingTensors, hash_uniform, target_probs
+from ngrammar.spec.corpus import NgramCorpus
+from ngrammar.spec.policy import AdaptiveDraftPolicy
+from ngrammar.spec.tree import DraftTree, derive_tree_links
+from ngrammar.spec.verify import TreeAcceptResult, tree_speculative_sampling_target_only, verify_tree_greedy
+
+if TYPE_CHECKING:
+    from ngrammar.engine.engine import LLMEngine
+
+
+class NgramSpecWorker:
+    def __init__(self, config: SpeculativeConfig, engine: "LLMEngine") -> None:
+        self.config = config
+        self.engine = engine
+        self.corpus = NgramCorpus(
+            max_trie_depth=config.max_trie_depth,
+            min_bfs_breadth=config.min_bfs_breadth,
+            max_bfs_breadth=config.max_bfs_breadth,
+            draft_token_num=config.num_draft_tokens,
+            match_type=config.match_type,
+            capacity=config.capacity,
+        )
+        self.policy = AdaptiveDraftPolicy(config.num_draft_tokens, config.adaptive)
+        self.readback_links = False  # benchmark switch: the old path that reads links back first
+        self._last_accept = 1.0
+
+    # ------------------------------------------------------- corpus upkeep
+    def on_admit(self, seq: Sequence) -> None:
+        if self.config.index_prompt:
+            self.corpus.index_prompt(seq.seq_id, seq.prompt_token_ids)
+
+    def on_tokens(self, seq: Sequence) -> None:
+        self.corpus.update(seq.seq_id, seq.token_ids)
+
+    def on_finish(self, seqs: list[Sequence]) -> None:
+        self.corpus.erase_match_state([s.seq_id for s in seqs])
+
+    # ------------------------------------------------------------- policy
+    def choose_width(self, batch_size: int) -> int:
+        return self.policy.choose(batch_size)
+
+    def observe_step(self, batch_size: int, width: int, seconds: float) -> None:
+        self.policy.observe(batch_size, width, seconds, self._last_accept if width > 1 else 1.0)
+
+    # --------------------------------------------------------------- step
+    def run_verify(self, seqs: list[Sequence], width: int) -> None:
+        eng, runner = self.engine, self.engine.runner
+        tree = self.corpus.batch_get([s.seq_id for s in seqs], [s.token_ids for s in seqs], width)
+        step = self._step_input(seqs, tree)
+        if self.readback_links:
+            self._read_links_back(tree)
+        logits = eng._timed_forward(step)  # [B*D, V]; launched before any host-side tree work
+        meta_mask = torch.as_tensor(tree.mask).to(eng.device, non_blocking=True)
+        candidates = torch.as_tensor(tree.tokens.reshape(len(seqs), width)).to(eng.device, non_blocking=True)
+        self._apply_grammar(seqs, tree, logits)
+        result = self._accept(seqs, candidates, meta_mask, logits, width)
+        lp = eng.logprob_tensors(seqs, logits, result.accept_index, result.accept_tokens)
+        host = runner.to_host(result.accept_tokens, result.accept_len, result.accept_nodes, *lp)
+        self._commit(seqs, width, host)
+
+    def _step_input(self, seqs: list[Sequence], tree: DraftTree) -> StepInput:
+        d = tree.draft_token_num
+        tokens = tree.tokens.reshape(len(seqs), d)
+        depths = tree.depths()  # [B, D] host: the mask is host data, no device read
+        starts = [s.num_cached for s in seqs]
+        positions = (np.asarray(starts)[:, None] + depths).tolist()
+        return StepInput(
+            tokens.tolist(), positions, starts, [s.pages for s in seqs], list(range(len(seqs) * d)), tree.mask
+        )
+
+    def _read_links_back(self, tree: DraftTree) -> None:
+        """The pre-#32380 path, kept as a benchmark switch: links computed on the device and read
+        back (a blocking device->host copy) before the verify launch."""
+        from ngrammar.spec.tree import reconstruct_indices_from_tree_mask
+
+        eng = self.engine
+        mask = torch.as_tensor(tree.mask).to(eng.device)
+        seq_lens = torch.zeros(tree.bs, dtype=torch.int64, device=eng.device)
+        _, _, nt, ns = reconstruct_indices_from_tree_mask(mask, seq_lens, tree.bs, tree.draft_token_num)
+        eng.runner.to_host(nt, ns, torch.as_tensor(tree.tokens).to(eng.device))
+
+    def _apply_grammar(self, seqs: list[Sequence], tree: DraftTree, logits: torch.Tensor) -> None:
+        if not any(s.grammar is not None for s in seqs):
+            return
+        from ngrammar.grammar import allocate_bitmask, apply_bitmask, build_tree_bitmask
+
+        eng = self.engine
+        bs, d = tree.bs, tree.draft_token_num
+        next_token, next_sibling = derive_tree_links(tree.mask, bs, d)
+        bitmask = allocate_bitmask(bs * d, eng.model_config.vocab_size, pin_memory=eng.device.type == "cuda")
+        drafts = torch.as_tensor(tree.tokens.reshape(bs, d))
+        build_tree_bitmask([s.grammar for s in seqs], next_token, next_sibling, drafts, bitmask)
+        apply_bitmask(logits, bitmask.to(eng.device, non_blocking=True))
+
+    def _accept(
+        self, seqs: list[Sequence], candidates: torch.Tensor, mask: torch.Tensor, logits: torch.Tensor, width: int
+    ) -> TreeAcceptResult:
+        bs = len(seqs)
+        eng = self.engine
+        st = SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs],
+                                   [len(s.token_ids) for s in seqs], eng.device)
+        if st.all_greedy:
+            return verify_tree_greedy(candidates, mask, logits.argmax(dim=-1).view(bs, width))
+        probs = target_probs(logits, st.repeat(width)).view(bs, width, -1)
+        coins = hash_uniform(st.seeds, st.offsets, width, STREAM_TREE_COIN)
+        final = hash_uniform(st.seeds, st.offsets, 1, STREAM_FINAL_COIN)[:, 0]
+        c = self.config
+        return tree_speculative_sampling_target_only(
+            candidates, mask, probs, coins, final, c.threshold_single, c.threshold_acc
+        )
+
+    def _commit(self, seqs: list[Sequence], width: int, host: list[torch.Tensor]) -> None:
+        eng = self.engine
+        tokens, lens, nodes = host[0].tolist(), host[1].tolist(), host[2].tolist()
+        logprobs = eng.unpack_logprobs(seqs, host[3:], lens)
+        src, dst = [], []
+        emitted = 0
+        for b, seq in enumerate(seqs):
+            start = seq.num_cached
+            kept = seq.append_tokens(tokens[b][: lens[b]], None if logprobs is None else logprobs[b])
+            # Keep KV of the root and the first kept-1 accepted drafts; the last kept token is the next root.
+            for j in range(1, kept):
+                if nodes[b][j] != j:
+                    src.append(eng.blocks.slot(seq, start + nodes[b][j]))
+                    dst.append(eng.blocks.slot(seq, start + j))
+            seq.num_cached = start + max(kept, 1)
+            eng.blocks.trim(seq, seq.num_cached)
+            seq.spec_verify_steps += 1
+            seq.spec_accepted_tokens += kept
+            seq.spec_draft_tokens += width - 1
+            emitted += kept
+            self.on_tokens(seq)
+        eng.runner.move_kv(src, dst)
+        eng.stats.verify_steps += len(seqs)
+        eng.stats.verify_emitted += emitted
+        eng.stats.decode_tokens += emitted
+        self._last_accept = emitted / len(seqs)

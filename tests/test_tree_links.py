@@ -1,0 +1,161 @@
+"""Draft-tree links: host derivation vs device reconstruction vs a naive definition."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ngrammar.spec.tree import DraftTree, derive_tree_links, mask_from_parents, reconstruct_indices_from_tree_mask
+
+TREE_KINDS = ("star", "chain", "bfs", "padded", "any_order")
+
+
+def random_parents(rng: np.random.Generator, d: int, kind: str) -> np.ndarray:
+    """Parent indices [D] (-1 at the root) of one random tree with parent < child.
+
+    star: every node under the root; chain: a path; bfs: random BFS-ordered tree (parents
+    non-decreasing); padded: a BFS tree of random size followed by extra root children, as the
+    drafter pads; any_order: parent < child but not BFS ordered.
+    """
+    parents = np.full(d, -1, dtype=np.int64)
+    if d == 1:
+        return parents
+    if kind == "star":
+        parents[1:] = 0
+    elif kind == "chain":
+        parents[1:] = np.arange(d - 1)
+    elif kind in ("bfs", "padded"):
+        real = d if kind == "bfs" else int(rng.integers(1, d + 1))
+        for i in range(1, real):
+            parents[i] = int(rng.integers(parents[i - 1] if i > 1 else 0, i))
+        parents[real:] = 0
+    elif kind == "any_order":
+        parents[1:] = [int(rng.integers(0, i)) for i in range(1, d)]
+    else:
+        raise ValueError(kind)
+    return parents
+
+
+def naive_links(parents: np.ndarray) -> tuple[list[int], list[int]]:
+    """First child and next sibling straight from their definitions, one node at a time."""
+    d = len(parents)
+    next_token = [next((c for c in range(d) if parents[c] == i), -1) for i in range(d)]
+    next_sibling = [
+        next((c for c in range(i + 1, d) if parents[i] >= 0 and parents[c] == parents[i]), -1) for i in range(d)
+    ]
+    return next_token, next_sibling
+
+
+def naive_depths(parents: np.ndarray) -> list[int]:
+    depths = []
+    for i in range(len(parents)):
+        depth, node = 0, i
+        while parents[node] >= 0:
+            depth, node = depth + 1, int(parents[node])
+        depths.append(depth)
+    return depths
+
+
+def test_sglang_golden_case() -> None:
+    mask = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=np.int64).reshape(-1)
+    next_token, next_sibling = derive_tree_links(mask, 1, 4)
+    positions, retrive_index, dev_next_token, dev_next_sibling = reconstruct_indices_from_tree_mask(
+        torch.from_numpy(mask != 0), torch.tensor([12]), 1, 4
+    )
+    for token_links, sibling_links in ((next_token, next_sibling), (dev_next_token, dev_next_sibling)):
+        assert token_links.tolist() == [[1, -1, 3, -1]]
+        assert sibling_links.tolist() == [[-1, 2, -1, -1]]
+    assert positions.tolist() == [12, 13, 13, 14]
+    assert retrive_index.tolist() == [[0, 1, 2, 3]]
+
+
+def test_host_device_and_naive_agree_on_random_trees() -> None:
+    rng = np.random.default_rng(1234)
+    trees = 0
+    while trees < 1200:
+        bs = int(rng.integers(1, 9))
+        d = int(rng.integers(1, 33))
+        parents = np.stack([random_parents(rng, d, TREE_KINDS[int(rng.integers(len(TREE_KINDS)))]) for _ in range(bs)])
+        mask = mask_from_parents(parents)
+        seq_lens = torch.from_numpy(rng.integers(0, 1000, size=bs))
+        trees += bs
+
+        host_next_token, host_next_sibling = derive_tree_links(mask.reshape(-1), bs, d)
+        positions, retrive_index, dev_next_token, dev_next_sibling = reconstruct_indices_from_tree_mask(
+            torch.from_numpy(mask.reshape(-1)), seq_lens, bs, d
+        )
+        assert host_next_token.dtype == host_next_sibling.dtype == torch.int64
+        assert host_next_token.shape == host_next_sibling.shape == (bs, d)
+        assert torch.equal(host_next_token, dev_next_token)
+        assert torch.equal(host_next_sibling, dev_next_sibling)
+        assert torch.equal(retrive_index, torch.arange(bs * d).reshape(bs, d))
+
+        expected_positions = []
+        for b in range(bs):
+            next_token, next_sibling = naive_links(parents[b])
+            assert host_next_token[b].tolist() == next_token
+            assert host_next_sibling[b].tolist() == next_sibling
+            expected_positions += [int(seq_lens[b]) + depth for depth in naive_depths(parents[b])]
+        assert positions.tolist() == expected_positions
+
+
+@pytest.mark.parametrize("dtype", [np.bool_, np.int64, np.int32, np.uint8])
+@pytest.mark.parametrize("flat", [True, False])
+def test_mask_layouts_and_dtypes(dtype: type, flat: bool) -> None:
+    rng = np.random.default_rng(7)
+    parents = np.stack([random_parents(rng, 6, "bfs") for _ in range(3)])
+    mask = mask_from_parents(parents).astype(dtype)
+    if flat:
+        mask = mask.reshape(-1)
+    expected = [naive_links(p) for p in parents]
+    next_token, next_sibling = derive_tree_links(mask, 3, 6)
+    assert next_token.tolist() == [links[0] for links in expected]
+    assert next_sibling.tolist() == [links[1] for links in expected]
+    _, _, dev_next_token, dev_next_sibling = reconstruct_indices_from_tree_mask(
+        torch.from_numpy(mask), torch.zeros(3, dtype=torch.int32), 3, 6
+    )
+    assert torch.equal(dev_next_token, next_token) and torch.equal(dev_next_sibling, next_sibling)
+
+
+def test_mask_from_parents_is_ancestor_or_self() -> None:
+    parents = np.array([[-1, 0, 0, 1, 2, 3, 0, 0]])
+    mask = mask_from_parents(parents)[0]
+    ancestors = {0: {0}, 1: {0, 1}, 2: {0, 2}, 3: {0, 1, 3}, 4: {0, 2, 4}, 5: {0, 1, 3, 5}, 6: {0, 6}, 7: {0, 7}}
+    for i, row in ancestors.items():
+        assert set(np.flatnonzero(mask[i]).tolist()) == row
+
+
+def test_draft_tree_helpers() -> None:
+    parents = np.array([[-1, 0, 0, 1], [-1, 0, 1, 2]])
+    tree = DraftTree.from_parents(np.arange(8), parents)
+    assert tree.tokens.dtype == np.int64 and tree.mask.dtype == np.bool_
+    assert tree.parents().tolist() == parents.tolist()
+    assert tree.depths().tolist() == [[0, 1, 1, 2], [0, 1, 2, 3]]
+    assert tree.tokens_2d().tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert tree.flat_mask().shape == (32,)
+
+
+def test_draft_tree_rejects_bad_shapes() -> None:
+    with pytest.raises(ValueError):
+        DraftTree(np.zeros(3, dtype=np.int64), np.ones((1, 4, 4), dtype=np.bool_), 1, 4)
+    with pytest.raises(ValueError):
+        DraftTree(np.zeros(4, dtype=np.int64), np.ones((1, 4, 4), dtype=np.int64), 1, 4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: checks for device->host syncs")
+def test_reconstruct_matches_cpu_without_syncing_on_cuda() -> None:
+    rng = np.random.default_rng(99)
+    parents = np.stack([random_parents(rng, 16, "padded") for _ in range(8)])
+    mask = torch.from_numpy(mask_from_parents(parents).reshape(-1))
+    seq_lens = torch.arange(8) * 10
+    expected = reconstruct_indices_from_tree_mask(mask, seq_lens, 8, 16)
+    mask_gpu, seq_lens_gpu = mask.cuda(), seq_lens.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        result = reconstruct_indices_from_tree_mask(mask_gpu, seq_lens_gpu, 8, 16)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for got, want in zip(result, expected):
+        assert got.device.type == "cuda" and torch.equal(got.cpu(), want)
