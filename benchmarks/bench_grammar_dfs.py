@@ -5,7 +5,7 @@ first child continues that output (the "right" guess) and its other children are
 grammar allows there, plus about one token in eight that it does not (a wrong n-gram guess). The
 tree is grown breadth-first to D nodes, so most nodes are grammar-valid and the DFS does real work.
 
-Run: .venv/bin/python benchmarks/bench_grammar_dfs.py [--trees 300] [--seed 0]
+Run from the repo root: .venv/bin/python -m benchmarks.bench_grammar_dfs [--trees 300] [--seed 0]
 """
 
 from __future__ import annotations

@@ -62,6 +62,10 @@ def golden_corpus(match_type: str) -> NgramCorpus:
     return corpus
 
 
+def windows(history: Sequence[int], depth: int) -> set[tuple[int, ...]]:
+    return {tuple(history[s:e]) for e in range(1, len(history) + 1) for s in range(max(0, e - depth), e)}
+
+
 # ------------------------------------------------------------------------------------ goldens
 
 
@@ -236,6 +240,24 @@ def test_stale_match_state_rebuilds_after_eviction() -> None:
     assert corpus.batch_get(["q"], [[1, 2]]).tokens.tolist() == [2, 3, 7]
 
 
+def test_match_state_sees_ngrams_created_after_a_miss() -> None:
+    corpus = NgramCorpus(max_trie_depth=4, draft_token_num=2)
+    assert corpus.batch_get(["q"], [[1, 2]]).tokens.tolist() == [2, 0]  # every suffix missed
+    corpus.index_prompt("a", [1, 2, 3, 4])
+    corpus.index_prompt("b", [9, 3, 5])  # [3] -> 5 is the most recent, [2,3] -> 4 the longest
+    assert corpus.batch_get(["q"], [[1, 2]]).tokens.tolist() == [2, 3]
+    assert corpus.batch_get(["q"], [[1, 2, 3]]).tokens.tolist() == [3, 4]
+
+
+def test_match_state_follows_a_rewritten_history() -> None:
+    corpus = NgramCorpus(max_trie_depth=4, draft_token_num=2)
+    corpus.index_prompt("a", [1, 2, 3, 4])
+    corpus.index_prompt("b", [5, 6])
+    assert corpus.batch_get(["q"], [[1, 2, 3]]).tokens.tolist() == [3, 4]
+    assert corpus.batch_get(["q"], [[1, 2, 5]]).tokens.tolist() == [5, 6]  # same length, new last token
+    assert corpus.batch_get(["q"], [[1, 2]]).tokens.tolist() == [2, 3]  # shrank
+
+
 def test_leaf_anchor_becomes_expandable() -> None:
     corpus = NgramCorpus(max_trie_depth=4, draft_token_num=2)
     corpus.update("a", [1, 2])
@@ -311,8 +333,10 @@ def test_incremental_matches_from_scratch(
     corpus = NgramCorpus(max_trie_depth=depth, draft_token_num=d, match_type=match_type, capacity=capacity)
     rng = np.random.default_rng(len(script))
     histories = [list(p) for p in prompts]
+    seen: set[tuple[int, ...]] = set()  # every window of every history the corpus was shown
     for req, history in enumerate(histories):
         corpus.index_prompt(req, history)
+        seen |= windows(history, depth)
     for op, req, amount in script:
         history = histories[req]
         if op == "append":
@@ -324,13 +348,16 @@ def test_incremental_matches_from_scratch(
             corpus.update(req, history)
         elif op == "erase":
             corpus.erase_match_state([req])
+        seen |= windows(history, depth)
         live = corpus.batch_get([0, 1, 2], histories)
         fresh = corpus.batch_get(["s0", "s1", "s2"], histories)  # no state: matched from scratch
         corpus.erase_match_state(["s0", "s1", "s2"])
         assert live.tokens.tolist() == fresh.tokens.tolist()
         assert np.array_equal(live.mask, fresh.mask)
-        assert corpus.num_nodes <= capacity
         assert_tree_contract(live, histories, corpus)
+    trie = dict(corpus.ngrams())
+    assert len(trie) == corpus.num_nodes <= capacity
+    assert set(trie) <= seen, "the trie holds an n-gram no history contains"
 
 
 @settings(max_examples=40, deadline=None)

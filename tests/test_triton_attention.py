@@ -176,14 +176,16 @@ def test_tree_verify_matches_reference(heads: tuple[int, int, int], dtype, depth
     kv_lens = [p + ql for p, ql in zip(TREE_PREFIX, q_lens, strict=False)]
     case = make_case(q_lens, kv_lens, page_size=16, heads=heads, dtype=dtype, tree=True, seed=depth)
     check_against_reference(*case)
-    check_against_reference(*case, backend=TritonAttentionBackend(num_kv_splits=2))
+    if not INTERPRET:  # the interpreter's automatic choice already splits (it assumes 4 SMs)
+        check_against_reference(*case, backend=TritonAttentionBackend(num_kv_splits=2))
 
 
 @pytest.mark.parametrize("heads", HEADS, ids=str)
 def test_arbitrary_block_mask(heads: tuple[int, int, int]):
     """The contract allows any tree_mask, not only ancestor masks: columns of the new block that
     follow a row, and a root column hidden from some rows. Diagonals stay set so no row is empty."""
-    meta, q, k, v, cache = make_case([9, 16, 5], [9, 40, 100], page_size=16, heads=heads, dtype=DTYPES[0], seed=3)
+    # Request 2's prefix is 63, so its first 64-wide tile ends on the block's first column.
+    meta, q, k, v, cache = make_case([9, 16, 5], [9, 40, 68], page_size=16, heads=heads, dtype=DTYPES[0], seed=3)
     gen = torch.Generator().manual_seed(4)
     mask = torch.rand(3, 16, 16, generator=gen) < 0.4
     mask |= torch.eye(16, dtype=torch.bool)

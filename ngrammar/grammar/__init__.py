@@ -15,6 +15,8 @@ from ngrammar.grammar.tree_mask import (
     bitmask_width,
     build_tree_bitmask,
     fill_tree_bitmask,
+    fill_tree_bitmask_native,
+    native_traverse_available,
     unpack_bitmask,
 )
 
@@ -30,6 +32,8 @@ __all__ = [
     "build_tree_bitmask",
     "check_json_schema",
     "fill_tree_bitmask",
+    "fill_tree_bitmask_native",
     "grammar_spec_from_request",
+    "native_traverse_available",
     "unpack_bitmask",
 ]

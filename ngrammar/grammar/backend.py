@@ -77,14 +77,23 @@ def _canonical_schema(schema: dict[str, Any] | str) -> str:
     Keys are deliberately not sorted: xgrammar emits object properties in the order the schema
     lists them, so sorting ``properties`` would change the output the grammar produces.
     """
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as e:
-            raise GrammarError(f"invalid JSON schema: not valid JSON ({e})") from None
-    if not isinstance(schema, (dict, bool)):
-        raise GrammarError(f"invalid JSON schema: must be a JSON object, got {type(schema).__name__}")
-    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    parsed = _parse_schema(schema) if isinstance(schema, str) else _require_schema_type(schema)
+    return json.dumps(parsed, separators=(",", ":"), ensure_ascii=False)
+
+
+def _parse_schema(text: str) -> dict[str, Any] | bool:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise GrammarError(f"invalid JSON schema: not valid JSON ({e})") from None
+    return _require_schema_type(value)
+
+
+def _require_schema_type(value: Any) -> dict[str, Any] | bool:
+    """A schema is a JSON object (or, per JSON Schema, true/false)."""
+    if not isinstance(value, (dict, bool)):
+        raise GrammarError(f"invalid JSON schema: must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 def check_json_schema(schema: dict[str, Any] | bool) -> None:
@@ -200,8 +209,8 @@ class GrammarBackend:
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=compile_threads, cache_enabled=False)
         self._pool = ThreadPoolExecutor(max_workers=compile_threads, thread_name_prefix="grammar-compile")
         self._lock = threading.Lock()
-        self._cache: OrderedDict[GrammarSpec, xgr.CompiledGrammar] = OrderedDict()  # LRU order, newest last
-        self._in_flight: dict[GrammarSpec, Future[xgr.CompiledGrammar]] = {}  # one compilation per spec at a time
+        self._cache: OrderedDict[GrammarSpec, xgr.CompiledGrammar] = OrderedDict()  # newest last
+        self._in_flight: dict[GrammarSpec, Future[xgr.CompiledGrammar]] = {}  # one compile per spec
         self.compile_count = 0  # compilations that actually ran (cache misses), for tests and stats
 
     def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
@@ -291,11 +300,5 @@ class GrammarBackend:
         raise GrammarError(f"unknown grammar kind: {spec.kind!r}")
 
     def _compile_schema(self, source: str) -> xgr.CompiledGrammar:
-        try:
-            schema = json.loads(source)
-        except json.JSONDecodeError as e:
-            raise GrammarError(f"invalid JSON schema: not valid JSON ({e})") from None
-        if not isinstance(schema, (dict, bool)):
-            raise GrammarError(f"invalid JSON schema: must be a JSON object, got {type(schema).__name__}")
-        check_json_schema(schema)
+        check_json_schema(_parse_schema(source))
         return self._compiler.compile_json_schema(source)

@@ -35,28 +35,36 @@ def allocate_bitmask(rows: int, vocab_size: int, pin_memory: bool = False) -> to
     return torch.full((rows, bitmask_width(vocab_size)), -1, dtype=torch.int32, pin_memory=pin)
 
 
+@lru_cache(maxsize=8)
 def _bit_weights(device: torch.device) -> torch.Tensor:
-    """[32] int32 with only bit k set at index k (index 31 is INT32_MIN, the sign bit)."""
+    """[32] int32 with only bit k set at index k (index 31 is INT32_MIN, the sign bit); cached per
+    device so applying a mask launches no set-up kernels."""
     one = torch.ones(BITS, dtype=torch.int32, device=device)
     return torch.bitwise_left_shift(one, torch.arange(BITS, dtype=torch.int32, device=device))
 
 
+def _forbidden(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, W] int32 -> [R, vocab_size] bool, True where the token is NOT allowed."""
+    clear = torch.bitwise_and(bitmask.unsqueeze(-1), _bit_weights(bitmask.device)) == 0  # [R, W, 32]
+    return clear.reshape(bitmask.shape[0], -1)[:, :vocab_size]
+
+
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[R, W] int32 -> [R, vocab_size] bool (True = allowed), on the bitmask's device."""
-    bits = torch.bitwise_and(bitmask.unsqueeze(-1), _bit_weights(bitmask.device)) != 0  # [R, W, 32]
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size]
+    return ~_forbidden(bitmask, vocab_size)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set disallowed logits to -inf in place. logits [R, V] float; bitmask [R, ceil(V/32)] int32.
 
-    Plain tensor ops, so it runs on any device (the bitmask must be on the logits' device). The
-    bitmask must cover every logits column: a column without a bit would escape the grammar.
+    Plain tensor ops (three kernels), so it runs on any device; the bitmask must be on the logits'
+    device. The bitmask must cover every logits column: a column without a bit would escape the
+    grammar.
     """
     rows, vocab = logits.shape
     if bitmask.shape[0] != rows or bitmask.shape[1] * BITS < vocab:
         raise ValueError(f"bitmask {tuple(bitmask.shape)} does not cover logits {tuple(logits.shape)}")
-    logits.masked_fill_(~unpack_bitmask(bitmask, vocab), float("-inf"))
+    logits.masked_fill_(_forbidden(bitmask, vocab), float("-inf"))
 
 
 def _bit_is_set(words: np.ndarray, row: int, token: int) -> bool:

@@ -177,6 +177,7 @@ def _paged_attention_kernel(
     tree_mask_ptr,
     qk_scale,
     num_kv_heads,
+    num_splits,
     stride_q_t,
     stride_q_h,
     stride_c_page,
@@ -198,11 +199,13 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT_OUTPUT: tl.constexpr,
     HAS_TREE: tl.constexpr,
     IEEE_DOT: tl.constexpr,
 ):
-    # grid = (query blocks, B * Hkv, NUM_SPLITS); query block fastest so programs sharing K/V run together.
+    # grid = (query blocks, B * Hkv, num_splits); query block fastest so programs sharing K/V run
+    # together. SPLIT_OUTPUT: write normalised partials + log-sum-exp per split instead of the output
+    # (num_splits is a runtime int so changing it costs no recompile).
     Q_PER_BLOCK: tl.constexpr = BLOCK_M // GROUP
     q_block = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -245,7 +248,7 @@ def _paged_attention_kernel(
 
     # This split's share of the tiles: contiguous, equal in tile count, possibly empty.
     num_tiles = (kv_end + BLOCK_N - 1) // BLOCK_N
-    tiles_per_split = (num_tiles + NUM_SPLITS - 1) // NUM_SPLITS
+    tiles_per_split = (num_tiles + num_splits - 1) // num_splits
     lo = split * tiles_per_split * BLOCK_N
     hi = tl.minimum(kv_end, lo + tiles_per_split * BLOCK_N)
     full_hi = lo + (tl.maximum(tl.minimum(hi, full_end) - lo, 0) // BLOCK_N) * BLOCK_N
@@ -272,7 +275,7 @@ def _paged_attention_kernel(
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     store_mask = row_valid[:, None]
-    if NUM_SPLITS == 1:
+    if not SPLIT_OUTPUT:
         o_offs = q_rows[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
@@ -294,7 +297,7 @@ def _merge_splits_kernel(
     stride_pl_t,
     stride_o_t,
     stride_o_h,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
     SPLITS_POW2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):
@@ -302,7 +305,7 @@ def _merge_splits_kernel(
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     splits = tl.arange(0, SPLITS_POW2)
-    split_ok = splits < NUM_SPLITS
+    split_ok = splits < num_splits
     offs_d = tl.arange(0, HEAD_DIM)
     lse = tl.load(part_lse_ptr + splits * stride_pl_s + t * stride_pl_t + h, mask=split_ok, other=float("-inf"))
     lse_max = tl.max(lse, 0)
@@ -494,7 +497,7 @@ class TritonAttentionBackend:
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, out, part_o_arg, part_lse_arg,
             meta.q_start, meta.q_lens, meta.kv_lens, meta.page_table, tree_arg,
-            scale * _LOG2E, num_kv_heads,
+            scale * _LOG2E, num_kv_heads, cfg.num_splits,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             out.stride(0), out.stride(1),
@@ -503,7 +506,7 @@ class TritonAttentionBackend:
             po_strides[0], po_strides[1], po_strides[2],
             pl_strides[0], pl_strides[1],
             GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            PAGE_SIZE=page_size, NUM_SPLITS=cfg.num_splits, HAS_TREE=tree is not None,
+            PAGE_SIZE=page_size, SPLIT_OUTPUT=split, HAS_TREE=tree is not None,
             IEEE_DOT=layer_cache.dtype == torch.float32,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
@@ -511,8 +514,8 @@ class TritonAttentionBackend:
             _merge_splits_kernel[(tokens, num_q_heads)](
                 part_o, part_lse, out,
                 po_strides[0], po_strides[1], po_strides[2], pl_strides[0], pl_strides[1],
-                out.stride(0), out.stride(1),
-                NUM_SPLITS=cfg.num_splits, SPLITS_POW2=_next_pow2(cfg.num_splits), HEAD_DIM=head_dim,
+                out.stride(0), out.stride(1), cfg.num_splits,
+                SPLITS_POW2=_next_pow2(cfg.num_splits), HEAD_DIM=head_dim,
                 num_warps=1 if head_dim <= 64 else 2,
             )  # fmt: skip
         return out

@@ -1,22 +1,22 @@
 """The n-gram draft corpus: one trie of token windows shared by all requests.
 
-Content. A node at depth n spells the n-gram on its root path; ``count`` is how many occurrences of
-that n-gram have been indexed. Indexing position p of a history inserts every window ending at p
-of length <= ``max_trie_depth``. Per request the corpus remembers how far it has indexed, so a step
-only inserts the windows ending at the newly appended tokens, and one insert cursor (the nodes of
-the windows ending at the previous position) makes that O(max_trie_depth) per token.
+Content. A node at depth n spells the n-gram on its root path; its count is how many occurrences
+of that n-gram have been indexed. Indexing position p of a history inserts every window ending at
+p of length <= ``max_trie_depth``. Per request the corpus remembers how far it has indexed, so a
+step only inserts the windows ending at the newly appended tokens, and an insert cursor (the nodes
+of the windows ending at the previous position) makes that O(max_trie_depth) per token.
 
 Recency and capacity. ``capacity`` bounds the number of nodes (root excluded). Creating or bumping
-a node touches it; when full, the least recently touched leaf is evicted. Eviction never fails and
-never raises: when nothing can be evicted the window is skipped, and windows extending a missing
-(evicted or skipped) window are skipped too until the gap slides out of the window range.
+a node touches it; when the trie is full, the least recently touched leaf is evicted. Eviction
+never fails and never raises: when nothing can be evicted the window is skipped, and windows that
+extend a missing (evicted or skipped) window are skipped too until the gap slides out of range.
 
-Matching. The anchors of a context are the nodes spelling its suffixes of length 1..max_trie_depth,
-longest first; only anchors with children add drafts. Each request keeps a match cursor (those
-nodes, for the history seen at its last ``batch_get``) and advances it over the appended tokens.
-A cursor is rebuilt from scratch when it may disagree with a fresh match: the history no longer
-extends the one it consumed, a node it holds was evicted since, or it records a missing suffix and
-nodes were created since.
+Matching. The anchors of a context are the nodes spelling its suffixes of length
+1..max_trie_depth, longest first; only anchors with children add drafts. Each request keeps a match
+cursor (those nodes, for the history seen at its last ``batch_get``) and advances it over the
+appended tokens. A cursor is rebuilt from scratch whenever it might disagree with a fresh match:
+the history no longer extends the one it consumed, a node it holds was evicted since, or it records
+a missing suffix and nodes were created since.
 
 Drafting. One budget of D-1 non-root nodes is shared by all anchors; a (draft parent, token) pair
 already in the draft is reused, so identical continuations from different anchors merge.
@@ -29,9 +29,10 @@ children of a draft node in the order they entered the draft), padded with token
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict, deque
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from collections import OrderedDict
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
 from itertools import count, islice
 
 import numpy as np
@@ -41,41 +42,196 @@ from ngrammar.spec.tree import DraftTree
 MATCH_TYPES = ("BFS", "PROB")
 PAD_TOKEN = 0
 
-
-class _Node:
-    """A trie node: the n-gram spelled by the tokens on its path from the root."""
-
-    __slots__ = ("token", "parent", "children", "count", "alive", "in_lru", "drop_seq", "top")
-
-    def __init__(self, token: int, parent: _Node | None) -> None:
-        self.token = token
-        self.parent = parent
-        self.children: dict[int, _Node] = {}  # token -> child, least recently touched first
-        self.count = 1  # indexed occurrences of this n-gram
-        self.alive = True  # False once evicted; an evicted node is never reused, so holders can tell
-        self.in_lru = False
-        self.drop_seq = 0  # when it last left the LRU while it still had children (see _evict_one)
-        self.top: list[tuple[_Node, float]] | None = None  # PROB cache: top children, count shares
+_ROOT = 0
+# A permanent, dead, childless node id standing for "this n-gram is not in the trie" inside cursors:
+# lookups through it simply miss, and being dead it is never extended by inserts.
+_ABSENT = 1
+# Shared by every childless node and never mutated: a node gets its own dict with its first child.
+_NO_CHILDREN: dict[int, int] = {}
 
 
-# Stands for "this n-gram is not in the trie" inside cursors. Its children stay empty, so lookups
-# through it miss without a branch, and it is never evicted.
-_ABSENT = _Node(PAD_TOKEN, None)
+class _Trie:
+    """Trie storage as parallel lists indexed by node id.
+
+    No per-node Python objects: the dicts hold only ints, which the cyclic GC does not track, so
+    a large trie adds no GC pauses. An evicted id is recycled only after the current insert call
+    (``release``), so inside a call ``alive`` says whether an id still names the node a caller saw.
+    Across calls, ``evicted_at`` does: it holds the eviction counter's value at the id's last
+    eviction, so an id recorded when the counter read E still names the same node iff
+    evicted_at[id] <= E.
+
+    Eviction order: a touch refreshes only the touched node, not its ancestors, so the LRU front
+    can be an interior node. Such a node leaves the LRU, stamped with ``drop_seq``, and re-enters
+    eviction through the ``cold`` heap once its last child is evicted. A cold leaf is older than
+    every LRU member (it was the LRU's oldest when dropped and has not been touched since) and cold
+    leaves are ordered by drop_seq, so popping cold leaves first keeps exact LRU order over leaves.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.size = 0  # live nodes, root excluded
+        self.token: list[int] = [PAD_TOKEN, PAD_TOKEN]
+        self.parent: list[int] = [-1, -1]
+        self.count: list[int] = [0, 0]  # indexed occurrences of the node's n-gram
+        self.children: list[dict[int, int]] = [{}, _NO_CHILDREN]  # token -> child, least recently touched first
+        self.alive: list[bool] = [True, False]
+        self.evicted_at: list[int] = [0, 0]
+        self.in_lru: list[bool] = [False, False]
+        self.drop_seq: list[int] = [0, 0]
+        self.lru: OrderedDict[int, None] = OrderedDict()  # least recently touched first
+        self.cold: list[tuple[int, int, int]] = []  # heap of (drop_seq, evicted_at, id)
+        self.top: dict[int, list[tuple[int, int, float]]] = {}  # PROB cache: id -> [(child, token, share)]
+        self.free: list[int] = []  # ids ready for reuse
+        self.freed: list[int] = []  # ids evicted during the current call
+        self.creations = 0  # monotone counters that let cursors detect trie changes cheaply
+        self.evictions = 0
+        self._drop_seqs = count(1)
+
+    def lookup(self, ngram: Sequence[int]) -> int:
+        node = _ROOT
+        for token in ngram:
+            node = self.children[node].get(int(token), _ABSENT)
+        return node
+
+    def extend(self, windows: list[int], token: int, keep: int) -> list[int]:
+        """Count ``token`` after each window ending at the previous position (``windows[n-1]`` has
+        length n) and after the empty window; returns the nodes of the windows ending at ``token``.
+
+        The hot loop of indexing (every token of every request), so bumping an existing child is
+        inlined here.
+        """
+        children, alive, count_, in_lru, lru, top = self.children, self.alive, self.count, self.in_lru, self.lru, self.top
+        grown: list[int] = []
+        for parent in [_ROOT, *windows[:keep]]:
+            if not alive[parent]:  # a skipped or evicted window cannot grow
+                grown.append(_ABSENT)
+                continue
+            siblings = children[parent]
+            child = siblings.get(token)
+            if child is None:
+                grown.append(self.new_child(parent, token))
+                continue
+            del siblings[token]  # re-append: children stay in least-recently-touched-first order
+            siblings[token] = child
+            count_[child] += 1
+            if top:
+                top.pop(parent, None)
+            if in_lru[child]:
+                lru.move_to_end(child)
+            else:
+                lru[child] = None
+                in_lru[child] = True
+            grown.append(child)
+        return grown
+
+    def new_child(self, parent: int, token: int) -> int:
+        """Create parent's child for ``token``, evicting when full; _ABSENT if that is impossible."""
+        if self.size >= self.capacity and not self.evict_one():
+            return _ABSENT
+        if not self.alive[parent]:  # the eviction took the parent itself (it was the oldest leaf)
+            return _ABSENT
+        node = self._allocate(parent, token)
+        if self.children[parent] is _NO_CHILDREN:
+            self.children[parent] = {}
+        self.children[parent][token] = node
+        self.top.pop(parent, None)
+        self.lru[node] = None
+        return node
+
+    def _allocate(self, parent: int, token: int) -> int:
+        """A fresh live leaf (count 1, in the LRU), reusing a released id when there is one."""
+        self.size += 1
+        self.creations += 1
+        if not self.free:
+            self.token.append(token)
+            self.parent.append(parent)
+            self.count.append(1)
+            self.children.append(_NO_CHILDREN)
+            self.alive.append(True)
+            self.evicted_at.append(0)
+            self.in_lru.append(True)
+            self.drop_seq.append(0)
+            return len(self.token) - 1
+        node = self.free.pop()
+        self.token[node], self.parent[node], self.count[node] = token, parent, 1
+        self.children[node], self.alive[node], self.in_lru[node] = _NO_CHILDREN, True, True
+        return node
+
+    def evict_one(self) -> bool:
+        """Evict the least recently touched leaf; False only when the trie is empty."""
+        while self.cold:
+            seq, evicted_at, node = heapq.heappop(self.cold)
+            if (
+                self.evicted_at[node] == evicted_at
+                and self.alive[node]
+                and not self.in_lru[node]
+                and not self.children[node]
+                and self.drop_seq[node] == seq
+            ):
+                self._detach(node)
+                return True
+        while self.lru:
+            node, _ = self.lru.popitem(last=False)
+            self.in_lru[node] = False
+            if self.children[node]:  # interior: evictable again once its subtree is gone
+                self.drop_seq[node] = next(self._drop_seqs)
+                continue
+            self._detach(node)
+            return True
+        return False
+
+    def _detach(self, leaf: int) -> None:
+        parent = self.parent[leaf]
+        siblings = self.children[parent]
+        del siblings[self.token[leaf]]
+        if not siblings and parent != _ROOT:
+            self.children[parent] = _NO_CHILDREN
+        self.top.pop(parent, None)
+        self.top.pop(leaf, None)
+        self.alive[leaf] = False
+        self.freed.append(leaf)
+        self.size -= 1
+        self.evictions += 1
+        self.evicted_at[leaf] = self.evictions
+        if parent != _ROOT and not self.children[parent] and not self.in_lru[parent]:
+            heapq.heappush(self.cold, (self.drop_seq[parent], self.evicted_at[parent], parent))
+
+    def release(self) -> None:
+        """End of an insert call: ids evicted during it may now be reused."""
+        self.free += self.freed
+        self.freed.clear()
+
+    def top_children(self, node: int, k: int) -> list[tuple[int, int, float]]:
+        """The k most frequent children (ties: smaller token) as (child, token, share of their counts)."""
+        top = self.top.get(node)
+        if top is None:
+            top = self.top[node] = self._rank_children(node, k)
+        return top
+
+    def _rank_children(self, node: int, k: int) -> list[tuple[int, int, float]]:
+        siblings = self.children[node]
+        if len(siblings) == 1:  # the common case on long matches
+            ((token, child),) = siblings.items()
+            return [(child, token, 1.0)]
+        count_ = self.count
+        best = heapq.nsmallest(k, siblings.items(), key=lambda item: (-count_[item[1]], item[0]))
+        total = sum(count_[child] for _, child in best)
+        return [(child, token, count_[child] / total) for token, child in best]
 
 
 @dataclass
 class _Cursor:
     """The trie nodes of the suffixes ending at the last consumed token of one request's history.
 
-    ``nodes[n-1]`` spells the last n consumed tokens (``_ABSENT`` if not in the trie); at most
-    ``max_trie_depth`` entries. A fresh cursor starts with no nodes at some position of the history,
-    so only suffixes starting at or after that position are known.
+    ``nodes[n-1]`` spells the last n consumed tokens (_ABSENT if not in the trie); at most
+    max_trie_depth entries. A fresh cursor starts with no nodes at some position of the history,
+    so it only knows suffixes starting at or after that position.
     """
 
     length: int  # tokens of the history consumed
-    tail: list[int]  # the last <= max_trie_depth consumed tokens: detects rewritten histories
-    nodes: list[_Node]
-    creations: int = 0  # corpus counters when the nodes were last known valid
+    tail: list[int]  # the last <= max_trie_depth consumed tokens, all the nodes depend on
+    nodes: list[int] = field(default_factory=list)
+    creations: int = 0  # trie counters when the nodes were recorded
     evictions: int = 0
 
 
@@ -108,34 +264,32 @@ class NgramCorpus:
             raise ValueError(f"match_type must be one of {MATCH_TYPES}, got {match_type!r}")
         self.match_type = match_type
         self.capacity = _check_int("capacity", capacity, 1)
-
-        # BFS breadth schedule: anchors of depth d start at (max_depth - d) * scale + min breadth, and
-        # each level below loses `scale`. A depth-max_trie_depth anchor is always a leaf, hence -1.
-        self._bfs_max_depth = max(1, self.max_trie_depth - 1)
-        self._bfs_scale = (self.max_bfs_breadth - self.min_bfs_breadth) / self._bfs_max_depth
-        self._creations = 0  # monotone counters that let cursors detect trie changes cheaply
-        self._evictions = 0
-        self._drop_seq = count(1)
-        self._push_seq = count()
-        self._clear()
+        self._bfs_takes = self._bfs_schedule()
+        self.reset()
 
     # ----------------------------------------------------------------------------- public API
 
     @property
     def num_nodes(self) -> int:
         """Trie nodes in use, root excluded (always <= capacity)."""
-        return self._size
+        return self._trie.size
 
     def ngram_count(self, ngram: Sequence[int]) -> int:
-        """Indexed occurrences of ``ngram`` (0 when it is not in the trie)."""
-        node = self._root
-        for token in ngram:
-            node = node.children.get(int(token), _ABSENT)
-        return 0 if node is _ABSENT or node is self._root else node.count
+        """Indexed occurrences of ``ngram`` (0 when it is not in the trie or empty)."""
+        return self._trie.count[self._trie.lookup(ngram)]
+
+    def ngrams(self) -> Iterator[tuple[tuple[int, ...], int]]:
+        """Every n-gram in the trie with its count, depth first (for debugging and tests)."""
+        children, count_ = self._trie.children, self._trie.count
+        stack = [((token,), child) for token, child in children[_ROOT].items()]
+        while stack:
+            ngram, node = stack.pop()
+            yield ngram, count_[node]
+            stack += [(ngram + (token,), child) for token, child in children[node].items()]
 
     def index_prompt(self, req_id: Hashable, tokens: Sequence[int]) -> None:
         """Index every window of a whole prompt (at admission); later ``update`` calls continue it."""
-        cursor = _Cursor(length=0, tail=[], nodes=[])
+        cursor = _Cursor(length=0, tail=[])
         self._insert_cursors[req_id] = cursor
         self._index(cursor, tokens)
 
@@ -146,7 +300,7 @@ class NgramCorpus:
         only its last ``max_trie_depth`` positions indexed (windows starting inside them).
         """
         cursor = self._insert_cursors.get(req_id)
-        if cursor is None or not self._extends(cursor, tokens):
+        if cursor is None or not _extends(cursor, tokens):
             cursor = self._fresh_cursor(tokens)
             self._insert_cursors[req_id] = cursor
         self._index(cursor, tokens)
@@ -180,172 +334,104 @@ class NgramCorpus:
 
     def reset(self) -> None:
         """Empty the trie and forget every request."""
-        self._clear()
-
-    # ---------------------------------------------------------------------------- cursors
-
-    def _clear(self) -> None:
-        self._root = _Node(PAD_TOKEN, None)
-        self._size = 0
-        self._lru: OrderedDict[_Node, None] = OrderedDict()  # least recently touched first
-        self._cold: list[tuple[int, int, _Node]] = []  # heap of leaves that left the LRU (see _evict_one)
+        self._trie = _Trie(self.capacity)
         self._insert_cursors: dict[Hashable, _Cursor] = {}
         self._match_cursors: dict[Hashable, _Cursor] = {}
+
+    # ------------------------------------------------------------------------------ indexing
 
     def _fresh_cursor(self, tokens: Sequence[int]) -> _Cursor:
         """A cursor knowing nothing, placed so that consuming the rest covers max_trie_depth tokens."""
         start = max(0, len(tokens) - self.max_trie_depth)
-        return _Cursor(length=start, tail=self._tail(tokens, start), nodes=[])
+        return _Cursor(length=start, tail=self._tail(tokens, start))
 
     def _tail(self, tokens: Sequence[int], end: int) -> list[int]:
         return list(tokens[max(0, end - self.max_trie_depth) : end])
 
-    @staticmethod
-    def _extends(cursor: _Cursor, tokens: Sequence[int]) -> bool:
-        """Whether ``tokens`` still starts with what the cursor consumed (its tail is all it depends on)."""
-        end = cursor.length
-        if end > len(tokens):
-            return False
-        return list(tokens[end - len(cursor.tail) : end]) == cursor.tail  # also right for numpy histories
-
-    def _is_stale(self, cursor: _Cursor) -> bool:
-        """Whether trie changes since the cursor was last valid may have changed its nodes."""
-        if cursor.evictions != self._evictions and any(not node.alive for node in cursor.nodes):
-            return True
-        return cursor.creations != self._creations and _ABSENT in cursor.nodes
-
-    # ------------------------------------------------------------------------------ insert
-
     def _index(self, cursor: _Cursor, tokens: Sequence[int]) -> None:
-        """Insert the windows ending at tokens[cursor.length:], advancing the insert cursor.
-
-        Hot loop (every generated token of every request): the bump of an existing child is inlined.
-        """
+        """Insert the windows ending at tokens[cursor.length:], advancing the insert cursor."""
+        trie = self._trie
+        windows = self._surviving(cursor)
         keep = self.max_trie_depth - 1  # windows ending at the previous position that can still grow
-        lru = self._lru
-        nodes = cursor.nodes
         for token in tokens[cursor.length :]:
-            token = int(token)
-            grown: list[_Node] = []
-            for parent in [self._root, *nodes[:keep]]:
-                if parent is _ABSENT or not parent.alive:  # a skipped or evicted window cannot grow
-                    grown.append(_ABSENT)
-                    continue
-                siblings = parent.children
-                child = siblings.get(token)
-                if child is None:
-                    grown.append(self._create(parent, token))
-                    continue
-                del siblings[token]  # re-append: children stay in least-recently-touched-first order
-                siblings[token] = child
-                parent.top = None
-                child.count += 1
-                if child.in_lru:
-                    lru.move_to_end(child)
-                else:
-                    self._touch(child)
-                grown.append(child)
-            nodes = grown
+            windows = trie.extend(windows, int(token), keep)
+        trie.release()
+        self._record(cursor, windows, tokens)
+
+    def _surviving(self, cursor: _Cursor) -> list[int]:
+        """The cursor's nodes, with those evicted since it was recorded replaced by _ABSENT."""
+        trie = self._trie
+        if cursor.evictions == trie.evictions:
+            return cursor.nodes
+        evicted_at, recorded = trie.evicted_at, cursor.evictions
+        return [node if evicted_at[node] <= recorded else _ABSENT for node in cursor.nodes]
+
+    def _record(self, cursor: _Cursor, nodes: list[int], tokens: Sequence[int]) -> None:
+        trie = self._trie
         cursor.nodes = nodes
-        cursor.length = len(tokens)
-        cursor.tail = self._tail(tokens, cursor.length)
+        cursor.creations = trie.creations
+        cursor.evictions = trie.evictions
+        if cursor.length != len(tokens):
+            cursor.length = len(tokens)
+            cursor.tail = self._tail(tokens, cursor.length)
 
-    def _create(self, parent: _Node, token: int) -> _Node:
-        if self._size >= self.capacity and not self._evict_one():
-            return _ABSENT
-        if not parent.alive:  # the eviction took the parent itself (it was the oldest leaf)
-            return _ABSENT
-        child = _Node(token, parent)
-        parent.children[token] = child
-        parent.top = None
-        self._size += 1
-        self._creations += 1
-        self._touch(child)
-        return child
+    # ------------------------------------------------------------------------------ matching
 
-    def _touch(self, node: _Node) -> None:
-        if node.in_lru:
-            self._lru.move_to_end(node)
-        else:
-            self._lru[node] = None
-            node.in_lru = True
-
-    # ---------------------------------------------------------------------------- eviction
-
-    def _evict_one(self) -> bool:
-        """Evict the least recently touched leaf; False only when the trie is empty.
-
-        A touch does not refresh the ancestors, so the LRU front can be an interior node. Such a
-        node leaves the LRU (stamped with ``drop_seq``) and re-enters eviction through the ``cold``
-        heap once its last child is evicted. Invariant: a cold leaf is older than every LRU member
-        (it was the LRU's oldest when dropped and has not been touched since), and cold leaves are
-        ordered by drop_seq, so popping cold leaves first keeps exact LRU order over leaves.
-        """
-        while self._cold:
-            seq, _, node = heapq.heappop(self._cold)
-            if node.alive and not node.in_lru and not node.children and node.drop_seq == seq:
-                self._detach(node)
-                return True
-        while self._lru:
-            node, _ = self._lru.popitem(last=False)
-            node.in_lru = False
-            if node.children:
-                node.drop_seq = next(self._drop_seq)
-                continue
-            self._detach(node)
-            return True
-        return False
-
-    def _detach(self, leaf: _Node) -> None:
-        parent = leaf.parent
-        assert parent is not None and not leaf.children
-        del parent.children[leaf.token]
-        parent.top = None
-        leaf.alive = False
-        leaf.parent = None
-        self._size -= 1
-        self._evictions += 1
-        if parent is not self._root and not parent.children and not parent.in_lru:
-            heapq.heappush(self._cold, (parent.drop_seq, next(self._push_seq), parent))
-
-    # ------------------------------------------------------------------------------ match
-
-    def _anchors(self, req_id: Hashable, context: Sequence[int]) -> list[tuple[_Node, int]]:
+    def _anchors(self, req_id: Hashable, context: Sequence[int]) -> list[tuple[int, int]]:
         """Expandable (node, suffix length) pairs for the context, longest suffix first."""
-        cursor = self._match_cursor(req_id, context)
-        nodes = cursor.nodes
-        return [(nodes[n - 1], n) for n in range(len(nodes), 0, -1) if nodes[n - 1].children]
+        nodes = self._match(req_id, context)
+        children = self._trie.children
+        return [(nodes[n - 1], n) for n in range(len(nodes), 0, -1) if children[nodes[n - 1]]]
 
-    def _match_cursor(self, req_id: Hashable, context: Sequence[int]) -> _Cursor:
+    def _match(self, req_id: Hashable, context: Sequence[int]) -> list[int]:
+        """The nodes of the context's suffixes (see _Cursor), advancing or rebuilding its match cursor."""
         cursor = self._match_cursors.get(req_id)
         if (
             cursor is None
-            or not self._extends(cursor, context)
+            or not _extends(cursor, context)
             or len(context) - cursor.length > self.max_trie_depth  # rebuilding is no dearer
             or self._is_stale(cursor)
         ):
             cursor = self._fresh_cursor(context)
             self._match_cursors[req_id] = cursor
-        self._advance_match(cursor, context)
-        return cursor
+        self._record(cursor, self._advance_match(cursor.nodes, context[cursor.length :]), context)
+        return cursor.nodes
 
-    def _advance_match(self, cursor: _Cursor, context: Sequence[int]) -> None:
+    def _is_stale(self, cursor: _Cursor) -> bool:
+        """Whether trie changes since the cursor was recorded may have changed its nodes."""
+        trie = self._trie
+        if cursor.evictions != trie.evictions and self._surviving(cursor) != cursor.nodes:
+            return True
+        return cursor.creations != trie.creations and _ABSENT in cursor.nodes
+
+    def _advance_match(self, nodes: list[int], appended: Sequence[int]) -> list[int]:
         keep = self.max_trie_depth - 1
-        root_children = self._root.children
-        nodes = cursor.nodes
-        appended = context[cursor.length :]
+        children = self._trie.children
+        root = children[_ROOT]
         for token in appended:
-            nodes = [root_children.get(token, _ABSENT)] + [node.children.get(token, _ABSENT) for node in nodes[:keep]]
-        if len(appended):
-            cursor.nodes = nodes
-            cursor.length = len(context)
-            cursor.tail = self._tail(context, cursor.length)
-        cursor.creations = self._creations
-        cursor.evictions = self._evictions
+            nodes = [root.get(token, _ABSENT)] + [children[node].get(token, _ABSENT) for node in nodes[:keep]]
+        return nodes
 
-    # ------------------------------------------------------------------------------ draft
+    # ------------------------------------------------------------------------------ drafting
 
-    def _draft(self, root_token: int, anchors: list[tuple[_Node, int]], d: int) -> tuple[list[int], list[int]]:
+    def _bfs_schedule(self) -> list[list[int]]:
+        """takes[d][level]: children BFS expands per node ``level`` steps below an anchor of depth d.
+
+        Breadth starts at (max_depth - d) * scale + min_bfs_breadth and loses ``scale`` per level; a
+        node takes max(1, int(breadth)) children. max_depth = max(1, max_trie_depth - 1) because a
+        depth-max_trie_depth anchor is always a leaf, and scale = (max_bfs_breadth -
+        min_bfs_breadth) / max_depth. Below an anchor of depth d the trie has at most
+        max_trie_depth - d levels, which bounds each list.
+        """
+        max_depth = max(1, self.max_trie_depth - 1)
+        scale = Fraction(self.max_bfs_breadth - self.min_bfs_breadth, max_depth)  # exact: int() sees no rounding
+        takes = []
+        for depth in range(self.max_trie_depth + 1):
+            breadth = (max_depth - depth) * scale + self.min_bfs_breadth
+            takes.append([max(1, int(breadth - level * scale)) for level in range(self.max_trie_depth - depth)])
+        return takes
+
+    def _draft(self, root_token: int, anchors: list[tuple[int, int]], d: int) -> tuple[list[int], list[int]]:
         """One request's tree as (tokens [D], parents [D]) in BFS order, padded."""
         tokens = [root_token]
         children: list[dict[int, int]] = [{}]  # draft node -> {token: draft child}, in insertion order
@@ -357,64 +443,61 @@ class NgramCorpus:
         return _bfs_order(tokens, children, d)
 
     def _grow_by_recency(
-        self, anchors: list[tuple[_Node, int]], tokens: list[int], children: list[dict[int, int]], d: int
+        self, anchors: list[tuple[int, int]], tokens: list[int], children: list[dict[int, int]], d: int
     ) -> None:
         """BFS from each anchor, level by level (the order of a FIFO queue): each node of a level takes
-        its first int(breadth) children, most recent first, and the next level has breadth - scale."""
-        scale = self._bfs_scale
+        its first ``take`` children, most recent first (see _bfs_schedule)."""
+        trie_children = self._trie.children
         for anchor, depth in anchors:
-            breadth = (self._bfs_max_depth - depth) * scale + self.min_bfs_breadth
             level = [(0, anchor)]  # (draft node, trie node)
-            while level and len(tokens) < d:  # once full, nothing more can be added
-                take = max(1, int(breadth))
-                below: list[tuple[int, _Node]] = []
+            for take in self._bfs_takes[depth]:
+                if not level or len(tokens) >= d:
+                    break
+                below: list[tuple[int, int]] = []
                 for parent, node in level:
                     drafted = children[parent]
-                    recent = node.children.values()
-                    picked = reversed(recent) if len(recent) <= take else islice(reversed(recent), take)
-                    for child in picked:
-                        slot = drafted.get(child.token)
+                    recent = trie_children[node].items()
+                    for token, child in reversed(recent) if len(recent) <= take else islice(reversed(recent), take):
+                        slot = drafted.get(token)
                         if slot is None:
                             if len(tokens) >= d:
                                 return
-                            slot = _add_draft_node(tokens, children, parent, child.token)
+                            slot = _add_draft_node(tokens, children, parent, token)
                         below.append((slot, child))
                 level = below
-                breadth -= scale
 
     def _grow_by_frequency(
-        self, anchors: list[tuple[_Node, int]], tokens: list[int], children: list[dict[int, int]], d: int
+        self, anchors: list[tuple[int, int]], tokens: list[int], children: list[dict[int, int]], d: int
     ) -> None:
         """Best-first over continuation probability; the heap is shared across anchors."""
-        heap: list[tuple[float, int, int, _Node]] = []  # (-probability, push order, draft parent, trie node)
-        pushes = count()
+        trie = self._trie
+        k = self.max_bfs_breadth
+        heap: list[tuple[float, int, int, int, int]] = []  # (-probability, push order, draft parent, node, token)
+        pushes = 0  # tie-break: equal probabilities pop in push order
         for anchor, _ in anchors:
             if len(tokens) >= d:
                 return
-            for child, share in self._top_children(anchor):
-                heapq.heappush(heap, (-share, next(pushes), 0, child))
+            for child, token, share in trie.top_children(anchor, k):
+                pushes += 1
+                heapq.heappush(heap, (-share, pushes, 0, child, token))
             while heap:
-                neg_prob, _, parent, node = heapq.heappop(heap)
-                slot = children[parent].get(node.token)
+                neg_prob, _, parent, node, token = heapq.heappop(heap)
+                slot = children[parent].get(token)
                 if slot is None:
                     if len(tokens) >= d:
                         return
-                    slot = _add_draft_node(tokens, children, parent, node.token)
-                for child, share in self._top_children(node):
-                    heapq.heappush(heap, (neg_prob * share, next(pushes), slot, child))
-
-    def _top_children(self, node: _Node) -> list[tuple[_Node, float]]:
-        """The max_bfs_breadth most frequent children (ties: smaller token) with their count shares."""
-        top = node.top
-        if top is None:
-            best = heapq.nsmallest(self.max_bfs_breadth, node.children.values(), key=_by_frequency)
-            total = sum(child.count for child in best)
-            top = node.top = [(child, child.count / total) for child in best]
-        return top
+                    slot = _add_draft_node(tokens, children, parent, token)
+                for child, child_token, share in trie.top_children(node, k):
+                    pushes += 1
+                    heapq.heappush(heap, (neg_prob * share, pushes, slot, child, child_token))
 
 
-def _by_frequency(node: _Node) -> tuple[int, int]:
-    return -node.count, node.token
+def _extends(cursor: _Cursor, tokens: Sequence[int]) -> bool:
+    """Whether ``tokens`` still starts with what the cursor consumed (its tail is all that matters)."""
+    end = cursor.length
+    if end > len(tokens):
+        return False
+    return list(tokens[end - len(cursor.tail) : end]) == cursor.tail  # list(): numpy histories too
 
 
 def _add_draft_node(tokens: list[int], children: list[dict[int, int]], parent: int, token: int) -> int:

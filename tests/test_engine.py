@@ -1,0 +1,175 @@
+"""Engine foundation on the real embedded model: parity with transformers, batching, sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ngrammar import LLM, InvalidRequestError, SamplingParams
+from ngrammar.runner.model_runner import StepInput
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea, there lived",
+    "List three colors:",
+]
+
+GREEDY = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+
+
+def test_logits_match_transformers(llm: LLM, hf_model) -> None:  # type: ignore[no-untyped-def]
+    ids = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog because it")
+    runner = llm.engine.runner
+    blocks = llm.engine.blocks
+    pages = blocks.allocator.allocate(-(-len(ids) // blocks.page_size))
+    try:
+        step = StepInput([ids], [list(range(len(ids)))], [0], [pages], list(range(len(ids))))
+        ours = runner.forward(step)
+    finally:
+        blocks.allocator.free(pages)
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0].float()
+    rel = (ours - ref).abs().max() / ref.abs().max()
+    assert rel.item() <= 1e-4
+
+
+def test_greedy_matches_transformers_generate(llm: LLM, hf_model) -> None:  # type: ignore[no-untyped-def]
+    outs = llm.generate(PROMPTS, GREEDY)
+    for prompt, out in zip(PROMPTS, outs):
+        ids = torch.tensor([llm.tokenizer.encode(prompt)])
+        with torch.no_grad():
+            ref = hf_model.generate(ids, max_new_tokens=64, do_sample=False, eos_token_id=None,
+                                    attention_mask=torch.ones_like(ids))
+        assert out.token_ids == ref[0, ids.shape[1]:].tolist(), prompt
+
+
+def test_batched_equals_one_at_a_time(llm: LLM) -> None:
+    prompts = [("word " * n) + "The end of the story is" for n in (0, 3, 9, 17, 30, 55, 80, 120)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    together = [o.token_ids for o in llm.generate(prompts, params)]
+    alone = [llm.generate(p, params)[0].token_ids for p in prompts]
+    assert together == alone
+
+
+def test_joining_mid_flight_does_not_change_outputs(llm: LLM) -> None:
+    eng = llm.engine
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    first = eng.add_request("Tell me about the moon.", params)
+    results = {}
+    steps = 0
+    second = None
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                results[out.request_id] = out.token_ids
+        steps += 1
+        if steps == 5:
+            second = eng.add_request("Why is the sky blue?", params)
+    assert second is not None
+    assert results[first] == llm.generate("Tell me about the moon.", params)[0].token_ids
+    assert results[second] == llm.generate("Why is the sky blue?", params)[0].token_ids
+
+
+def test_seeded_sampling_is_reproducible(llm: LLM) -> None:
+    p = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    a = llm.generate("A story about a dragon:", p)[0].token_ids
+    b = llm.generate(["A story about a dragon:", "Something else entirely"], [p, p])[0].token_ids
+    assert a == b
+    c = llm.generate("A story about a dragon:", SamplingParams(**{**_fields(p), "seed": 99}))[0].token_ids
+    assert a != c
+
+
+def test_n_completions_differ_and_min_p(llm: LLM) -> None:
+    out = llm.generate("My favourite animal is", SamplingParams(max_tokens=8, temperature=1.0, n=3, seed=7,
+                                                                   min_p=0.05, ignore_eos=True))[0]
+    assert len(out.outputs) == 3
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+
+def test_max_tokens_and_stop_strings_exact(llm: LLM) -> None:
+    out = llm.generate("Count: 1, 2, 3,", SamplingParams(max_tokens=7, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 7 and out.finish_reason == "length"
+    full = llm.generate("Count: 1, 2, 3,", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0].text
+    stop = " 6,"
+    assert stop in full
+    stopped = llm.generate("Count: 1, 2, 3,", SamplingParams(max_tokens=20, temperature=0, stop=[stop]))[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == full[: full.index(stop)]
+
+
+def test_stop_token_ids_and_logprobs(llm: LLM) -> None:
+    base = llm.generate("Count: 1, 2, 3,", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                                          logprobs=3))[0]
+    assert base.logprobs is not None and len(base.logprobs) == 6
+    for tok, lp in zip(base.token_ids, base.logprobs):
+        assert lp.token_id == tok and lp.logprob <= 0
+        assert lp.top[0][0] == tok  # greedy: the chosen token is the most likely one
+        assert len(lp.top) == 3
+    j = next(i for i in range(1, 6) if base.token_ids[i] not in base.token_ids[:i])
+    target = base.token_ids[j]
+    out = llm.generate("Count: 1, 2, 3,", SamplingParams(max_tokens=6, temperature=0, stop_token_ids=[target]))[0]
+    assert out.token_ids == base.token_ids[: j + 1] and out.finish_reason == "stop"
+
+
+def test_chat_template(llm: LLM) -> None:
+    out = llm.chat([{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+                   SamplingParams(max_tokens=8, temperature=0))[0]
+    assert "Paris" in out.text
+    assert out.metrics["prompt_tokens"] > 10 and out.metrics["completion_tokens"] >= 1
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(max_tokens=-1), dict(max_tokens=0), dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.5),
+     dict(top_k=-3), dict(n=0), dict(logprobs=99), dict(regex="a", json_object=True)],
+)
+def test_bad_sampling_params(kwargs: dict) -> None:  # type: ignore[type-arg]
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_fail_alone(llm: LLM) -> None:
+    with pytest.raises(InvalidRequestError, match="empty"):
+        llm.generate("", SamplingParams(max_tokens=2))
+    too_long = [5] * (llm.engine.max_model_len + 10)
+    with pytest.raises(InvalidRequestError, match="context"):
+        llm.generate([too_long], SamplingParams(max_tokens=2))
+    assert llm.generate("Hello", SamplingParams(max_tokens=2, temperature=0))[0].finish_reason == "length"
+    llm.engine.blocks.allocator.check_integrity()
+    assert llm.engine.blocks.allocator.num_free == llm.engine.blocks.allocator.num_pages
+
+
+def test_bad_model_paths(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from ngrammar.model.loader import ModelLoadError, resolve_checkpoint
+
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        resolve_checkpoint(tmp_path / "missing.gguf")
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(b"not a model at all")
+    with pytest.raises(ModelLoadError, match="neither a GGUF"):
+        resolve_checkpoint(junk)
+
+
+def test_long_prompt_is_chunked(llm: LLM) -> None:
+    eng = llm.engine
+    prompt = " ".join(f"item{i}" for i in range(900))  # > max_prefill_tokens: several chunks
+    assert len(llm.tokenizer.encode(prompt)) > eng.config.max_prefill_tokens
+    a = llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    assert len(a.token_ids) == 4
+    assert eng.blocks.allocator.num_free == eng.blocks.allocator.num_pages
+
+
+def test_preemption_under_a_tiny_pool() -> None:
+    small = LLM(device="cpu", dtype="float32", kv_cache_tokens=256, page_size=16, max_prefill_tokens=64)
+    prompts = [f"Story number {i}: once upon a time" for i in range(6)]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    together = [o.token_ids for o in small.generate(prompts, params)]
+    alone = [small.generate(p, params)[0].token_ids for p in prompts[:2]]
+    assert together[:2] == alone
+    small.engine.blocks.allocator.check_integrity()
+    assert small.engine.blocks.allocator.num_free == small.engine.blocks.allocator.num_pages
+
+
+def _fields(p: SamplingParams) -> dict:  # type: ignore[type-arg]
+    return {k: getattr(p, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "ignore_eos")}
