@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections import Counter
+import heapq
+from collections import Counter, deque
 from collections.abc import Sequence
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -20,13 +22,6 @@ def rows(tree: DraftTree) -> list[tuple[list[int], list[int]]]:
     """(tokens, parents) per request."""
     tokens, parents = tree.tokens_2d(), tree.parents()
     return [(tokens[b].tolist(), parents[b].tolist()) for b in range(tree.bs)]
-
-
-def ancestor_sets(parents: list[int]) -> list[set[int]]:
-    sets: list[set[int]] = []
-    for i, parent in enumerate(parents):
-        sets.append({i} | (sets[parent] if parent >= 0 else set()))
-    return sets
 
 
 def assert_tree_contract(tree: DraftTree, contexts: Sequence[Sequence[int]], corpus: NgramCorpus) -> None:
@@ -126,20 +121,14 @@ def test_batch_mixes_requests_and_overrides_draft_token_num() -> None:
 def test_paths_from_different_anchors_merge(match_type: str) -> None:
     # Depth-4 trie over "a" = 1 2 3 4 5 and "b" = 8 2 3 6. Context [1,2]: anchor [1,2] drafts 3 -> 4
     # (its subtree ends at depth 4); anchor [2] re-walks 3 and 4 (merged, no new slots) and adds 6
-    # under 3 and 5 under 4. Draft-order children of 3: 4 then 6.
+    # under 3 and 5 under 4. BFS takes [2,3]'s children most recent first (6, then 4 merged); PROB
+    # takes them in a 1/2 tie, smaller token first (4 merged, then 6). Either way 6 enters the draft
+    # after 4, so the output order is the same.
     corpus = NgramCorpus(max_trie_depth=4, draft_token_num=8, min_bfs_breadth=1, max_bfs_breadth=8, match_type=match_type)
     corpus.index_prompt("a", [1, 2, 3, 4, 5])  # all windows (update would index only the last 4 positions)
     corpus.index_prompt("b", [8, 2, 3, 6])
     tree = corpus.batch_get(["q"], [[1, 2]])
-    tokens, parents = rows(tree)[0]
-    if match_type == "BFS":
-        assert tokens == [2, 3, 4, 6, 5, 0, 0, 0]
-        assert parents == [-1, 0, 1, 1, 2, 0, 0, 0]
-    else:
-        # PROB: anchor [1,2] -> 3 -> 4 (shares 1), then anchor [2]: 3 (merged), then [2,3]'s children
-        # 4 and 6 tie at 1/2 -> 4 (merged), 6, then 5 under 4.
-        assert tokens == [2, 3, 4, 6, 5, 0, 0, 0]
-        assert parents == [-1, 0, 1, 1, 2, 0, 0, 0]
+    assert rows(tree)[0] == ([2, 3, 4, 6, 5, 0, 0, 0], [-1, 0, 1, 1, 2, 0, 0, 0])
     assert_tree_contract(tree, [[1, 2]], corpus)
 
 
@@ -379,3 +368,128 @@ def test_counts_equal_naive_window_counts(chunks: list[list[int]], depth: int) -
     assert corpus.num_nodes == len(naive)
     for ngram, occurrences in naive.items():
         assert corpus.ngram_count(ngram) == occurrences
+
+
+# ------------------------------------------------------------------ independent reference drafter
+
+
+class NaiveModel:
+    """The corpus semantics spelled out with plain n-gram dicts (no capacity limit)."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self.count: Counter[tuple[int, ...]] = Counter()
+        self.touched: dict[tuple[int, ...], int] = {}  # n-gram -> position stamp of its last insert
+        self.stamp = 0
+
+    def index(self, history: Sequence[int], start: int) -> None:
+        """Insert the windows ending at history[start:]."""
+        for end in range(start, len(history)):
+            self.stamp += 1
+            for begin in range(max(0, end - self.depth + 1), end + 1):
+                ngram = tuple(history[begin : end + 1])
+                self.count[ngram] += 1
+                self.touched[ngram] = self.stamp
+
+    def children(self, ngram: tuple[int, ...]) -> list[int]:
+        return [g[-1] for g in self.count if len(g) == len(ngram) + 1 and g[:-1] == ngram]
+
+
+def naive_draft(model: NaiveModel, context: Sequence[int], d: int, min_b: int, max_b: int, mode: str) -> list[tuple[int, int]]:
+    """(token, parent) per node in output order: a literal FIFO-queue BFS or a probability heap."""
+    depth = model.depth
+    anchors = [
+        (tuple(context[len(context) - n :]), n)
+        for n in range(min(len(context), depth), 0, -1)
+        if model.children(tuple(context[len(context) - n :]))
+    ]
+    nodes = [(int(context[-1]), -1)]
+    edge: dict[tuple[int, int], int] = {}
+
+    def child_slot(parent: int, token: int) -> int | None:
+        if (parent, token) in edge:
+            return edge[(parent, token)]
+        if len(nodes) >= d:
+            return None
+        edge[(parent, token)] = len(nodes)
+        nodes.append((token, parent))
+        return len(nodes) - 1
+
+    if mode == "BFS":
+        max_depth = max(1, depth - 1)
+        scale = Fraction(max_b - min_b, max_depth)
+        for anchor, n in anchors:
+            queue = deque([(0, (max_depth - n) * scale + min_b, anchor)])
+            while queue and len(nodes) < d:
+                parent, breadth, ngram = queue.popleft()
+                recent = sorted(model.children(ngram), key=lambda t: -model.touched[ngram + (t,)])
+                for token in recent[: max(1, int(breadth))]:
+                    slot = child_slot(parent, token)
+                    if slot is None:
+                        break
+                    queue.append((slot, breadth - scale, ngram + (token,)))
+    else:
+        heap: list[tuple[float, int, int, tuple[int, ...]]] = []
+        pushes = 0
+
+        def push_children(parent: int, ngram: tuple[int, ...], prob: float) -> None:
+            nonlocal pushes
+            top = sorted(model.children(ngram), key=lambda t: (-model.count[ngram + (t,)], t))[:max_b]
+            total = sum(model.count[ngram + (t,)] for t in top)
+            for t in top:
+                pushes += 1
+                share = model.count[ngram + (t,)] / total  # parent_prob * (count / sum), in that float order
+                heapq.heappush(heap, (-(prob * share), pushes, parent, ngram + (t,)))
+
+        for anchor, _ in anchors:
+            if len(nodes) >= d:
+                break
+            push_children(0, anchor, 1.0)
+            while heap and len(nodes) < d:
+                neg_prob, _, parent, ngram = heapq.heappop(heap)
+                slot = child_slot(parent, ngram[-1])
+                if slot is not None:
+                    push_children(slot, ngram, -neg_prob)
+
+    kids: dict[int, list[int]] = {i: [] for i in range(len(nodes))}
+    for i, (_, parent) in enumerate(nodes[1:], start=1):
+        kids[parent].append(i)
+    order = [0]
+    for node in order:
+        order += kids[node]
+    index = {node: i for i, node in enumerate(order)}
+    out = [(nodes[node][0], index[nodes[node][1]] if node else -1) for node in order]
+    return out + [(0, 0)] * (d - len(out))
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    chunks=st.lists(st.tuples(st.integers(0, 2), st.lists(st.integers(1, 4), min_size=1, max_size=6)), min_size=3, max_size=20),
+    match_type=st.sampled_from(["BFS", "PROB"]),
+    depth=st.integers(2, 6),
+    d=st.integers(1, 12),
+    breadths=st.tuples(st.integers(1, 4), st.integers(0, 5)),
+)
+def test_drafts_equal_a_naive_reference(
+    chunks: list[tuple[int, list[int]]], match_type: str, depth: int, d: int, breadths: tuple[int, int]
+) -> None:
+    min_b, max_b = breadths[0], breadths[0] + breadths[1]
+    corpus = NgramCorpus(
+        max_trie_depth=depth, draft_token_num=d, min_bfs_breadth=min_b, max_bfs_breadth=max_b, match_type=match_type
+    )
+    model = NaiveModel(depth)
+    histories: dict[int, list[int]] = {}
+    for req, chunk in chunks:
+        history = histories.setdefault(req, [])
+        start = len(history)
+        history += chunk
+        if start == 0:
+            corpus.index_prompt(req, history)
+        else:
+            corpus.update(req, history)
+        model.index(history, start)
+        reqs = sorted(histories)
+        tree = corpus.batch_get(reqs, [histories[r] for r in reqs])
+        for (tokens, parents), r in zip(rows(tree), reqs):
+            expected = naive_draft(model, histories[r], d, min_b, max_b, match_type)
+            assert list(zip(tokens, parents)) == expected

@@ -159,3 +159,13 @@ def test_reconstruct_matches_cpu_without_syncing_on_cuda() -> None:
         torch.cuda.set_sync_debug_mode("default")
     for got, want in zip(result, expected):
         assert got.device.type == "cuda" and torch.equal(got.cpu(), want)
+
+
+def test_host_and_device_agree_on_arbitrary_masks() -> None:
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        bs, d = int(rng.integers(1, 5)), int(rng.integers(1, 12))
+        mask = rng.random((bs, d, d)) < 0.4  # not a tree: links follow the same definitions anyway
+        host = derive_tree_links(mask, bs, d)
+        _, _, *device = reconstruct_indices_from_tree_mask(torch.from_numpy(mask), torch.zeros(bs), bs, d)
+        assert torch.equal(host[0], device[0]) and torch.equal(host[1], device[1])

@@ -214,7 +214,7 @@ def test_noncontiguous_q_from_fused_projection():
 
 def test_launch_config_is_host_only_and_splits_small_batches():
     decode = choose_launch_config(1, 4, 128, 1, 8, kv_len_bound=8192, num_sms=132)
-    assert decode.num_q_blocks == 1 and decode.num_splits == 32
+    assert decode.num_q_blocks == 1 and decode.num_splits == 64
     big_batch = choose_launch_config(1, 4, 128, 64, 8, kv_len_bound=8192, num_sms=132)
     assert big_batch.num_splits == 1
     tree = choose_launch_config(32, 3, 64, 2, 3, kv_len_bound=100, num_sms=132)

@@ -188,6 +188,7 @@ class LLMEngine:
         return bool(self.requests)
 
     # ------------------------------------------------------------------ step
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one scheduled forward; returns outputs of requests that progressed or finished."""
         start = time.perf_counter()

@@ -446,30 +446,64 @@ class NgramCorpus:
         self, anchors: list[tuple[int, int]], tokens: list[int], children: list[dict[int, int]], d: int
     ) -> None:
         """BFS from each anchor, level by level (the order of a FIFO queue): each node of a level takes
-        its first ``take`` children, most recent first (see _bfs_schedule)."""
+        its first ``take`` children, most recent first (see _bfs_schedule).
+
+        Fast path, same result: while a level is one trie node with one child (long matches are
+        chains) the walk needs no queue; the general BFS resumes at the first branching node.
+        """
         trie_children = self._trie.children
         for anchor, depth in anchors:
-            level = [(0, anchor)]  # (draft node, trie node)
-            for take in self._bfs_takes[depth]:
-                if not level or len(tokens) >= d:
-                    break
-                below: list[tuple[int, int]] = []
-                for parent, node in level:
-                    drafted = children[parent]
-                    recent = trie_children[node].items()
-                    for token, child in reversed(recent) if len(recent) <= take else islice(reversed(recent), take):
-                        slot = drafted.get(token)
-                        if slot is None:
-                            if len(tokens) >= d:
-                                return
-                            slot = _add_draft_node(tokens, children, parent, token)
-                        below.append((slot, child))
-                level = below
+            if len(tokens) >= d:
+                return
+            takes = self._bfs_takes[depth]
+            levels = len(takes)
+            parent, node, level = 0, anchor, 0
+            successors = trie_children[node]
+            while len(successors) == 1 and level < levels:
+                ((token, child),) = successors.items()
+                slot = children[parent].get(token)
+                if slot is None:
+                    if len(tokens) >= d:
+                        return
+                    slot = _add_draft_node(tokens, children, parent, token)
+                parent, node, level = slot, child, level + 1
+                successors = trie_children[node]
+            if successors and level < levels:
+                if not self._expand_levels([(parent, node)], takes[level:], tokens, children, d):
+                    return
+
+    def _expand_levels(
+        self, level: list[tuple[int, int]], takes: list[int], tokens: list[int], children: list[dict[int, int]], d: int
+    ) -> bool:
+        """General BFS over (draft node, trie node) levels; False once the draft is full."""
+        trie_children = self._trie.children
+        for take in takes:
+            below: list[tuple[int, int]] = []
+            for parent, node in level:
+                drafted = children[parent]
+                recent = trie_children[node].items()
+                for token, child in reversed(recent) if len(recent) <= take else islice(reversed(recent), take):
+                    slot = drafted.get(token)
+                    if slot is None:
+                        if len(tokens) >= d:
+                            return False
+                        slot = _add_draft_node(tokens, children, parent, token)
+                    below.append((slot, child))
+            if not below:
+                break
+            level = below
+        return True
 
     def _grow_by_frequency(
         self, anchors: list[tuple[int, int]], tokens: list[int], children: list[dict[int, int]], d: int
     ) -> None:
-        """Best-first over continuation probability; the heap is shared across anchors."""
+        """Best-first over continuation probability; the heap is shared across anchors.
+
+        Fast path, same result: when the heap is empty and the node just drafted has a single
+        child, that child (share 1.0, so the same probability) would be pushed and popped at once,
+        so it is taken directly. Push order only breaks ties among entries present together, which
+        skipping a push into an empty heap cannot reorder.
+        """
         trie = self._trie
         k = self.max_bfs_breadth
         heap: list[tuple[float, int, int, int, int]] = []  # (-probability, push order, draft parent, node, token)
@@ -482,12 +516,17 @@ class NgramCorpus:
                 heapq.heappush(heap, (-share, pushes, 0, child, token))
             while heap:
                 neg_prob, _, parent, node, token = heapq.heappop(heap)
-                slot = children[parent].get(token)
-                if slot is None:
-                    if len(tokens) >= d:
-                        return
-                    slot = _add_draft_node(tokens, children, parent, token)
-                for child, child_token, share in trie.top_children(node, k):
+                while True:
+                    slot = children[parent].get(token)
+                    if slot is None:
+                        if len(tokens) >= d:
+                            return
+                        slot = _add_draft_node(tokens, children, parent, token)
+                    top = trie.top_children(node, k)
+                    if heap or len(top) != 1:
+                        break
+                    parent, (node, token, _) = slot, top[0]
+                for child, child_token, share in top:
                     pushes += 1
                     heapq.heappush(heap, (neg_prob * share, pushes, slot, child, child_token))
 

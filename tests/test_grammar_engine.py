@@ -1,0 +1,167 @@
+"""Grammar-constrained generation in the engine, plain and under NGRAM speculation."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from ngrammar import LLM, SamplingParams
+
+REGEXES = [
+    (r"^user@example\.com$", "What is the example user's email address?"),
+    (r"^(Hello|Hi|Hey)$", "Greet me with one word."),
+    (r"^\d{3}$", "Give me a three digit number."),
+    (r"^\(\d{3}\) \d{3}-\d{4}$", "Give me a US phone number."),
+    (r"^2024-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])$", "Give me a date in 2024."),
+    (r"^#[0-9A-F]{6}$", "Give me a hex colour code."),
+    (r'^\{"name": "[A-Za-z]+", "age": \d{1,3}, "city": "[A-Za-z ]+"\}$', "Describe a person as JSON."),
+    (r"^\[(INFO|WARN|ERROR)\] \d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2} - [A-Za-z ]{1,40}$", "Write one log line."),
+]
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "pattern": r"^[\w]+$"}, "population": {"type": "integer"}},
+    "required": ["name", "population"],
+    "additionalProperties": False,
+}
+CITY_PROMPT = [{"role": "user", "content": "Paris is the capital of France; 2161000 people live there. "
+                                            "Give the city's name and population as JSON."}]
+
+
+def _chat(prompt: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": prompt}]
+
+
+@pytest.fixture(params=["plain", "spec"])
+def engine_llm(request, llm: LLM, spec_llm: LLM) -> LLM:  # type: ignore[no-untyped-def]
+    return llm if request.param == "plain" else spec_llm
+
+
+def test_regex_outputs_match(engine_llm: LLM) -> None:
+    convs = [_chat(q) for _, q in REGEXES]
+    greedy = engine_llm.chat(convs, [SamplingParams(max_tokens=64, temperature=0, regex=r) for r, _ in REGEXES])
+    sampled = engine_llm.chat(convs, [SamplingParams(max_tokens=64, temperature=0.5, n=3, seed=3, regex=r)
+                                      for r, _ in REGEXES])
+    for (pattern, _), g, s in zip(REGEXES, greedy, sampled):
+        for c in g.outputs + s.outputs:
+            assert c.text.strip() and re.match(pattern, c.text.strip()), (pattern, c.text)
+            assert c.finish_reason == "stop"
+
+
+def test_json_schema_outputs_validate(engine_llm: LLM) -> None:
+    greedy = engine_llm.chat(CITY_PROMPT, SamplingParams(max_tokens=64, temperature=0, json_schema=CITY_SCHEMA))[0]
+    sampled = engine_llm.chat(CITY_PROMPT, SamplingParams(max_tokens=64, temperature=0.5, n=3, seed=1,
+                                                          json_schema=json.dumps(CITY_SCHEMA)))[0]
+    for c in greedy.outputs + sampled.outputs:
+        obj = json.loads(c.text)
+        jsonschema.validate(obj, CITY_SCHEMA)
+        assert isinstance(obj["name"], str) and isinstance(obj["population"], int)
+
+
+GRAMMARS = [
+    dict(json_schema=CITY_SCHEMA),
+    dict(json_object=True),
+    dict(regex=REGEXES[6][0]),
+    dict(regex=REGEXES[7][0]),
+    dict(regex=r"(apples|bananas|cherries)(, (apples|bananas|cherries)){2,5}"),
+    dict(ebnf='root ::= "The answer is " [0-9]+ "."'),
+    dict(json_schema={"type": "array", "items": {"type": "string"}, "minItems": 2, "maxItems": 4}),
+]
+GRAMMAR_PROMPTS = [
+    CITY_PROMPT,
+    _chat("Describe the fruit list apples, bananas, cherries as a JSON object with a key 'fruits'."),
+    _chat("Describe Alice, 34, from Paris as JSON with name, age and city."),
+    _chat("Write one log line saying the server started."),
+    _chat("Repeat: apples, bananas, cherries, apples, bananas"),
+    _chat("What is 6 times 7?"),
+    _chat("List the fruits apples, bananas, cherries as a JSON array."),
+]
+
+
+def test_greedy_grammar_output_identical_with_and_without_speculation(llm: LLM, spec_llm: LLM) -> None:
+    params = [SamplingParams(max_tokens=48, temperature=0, **g) for g in GRAMMARS]  # type: ignore[arg-type]
+    plain = llm.chat(GRAMMAR_PROMPTS, params)
+    spec = spec_llm.chat(GRAMMAR_PROMPTS, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert all(o.finish_reason in ("stop", "length") for o in plain)
+    assert spec_llm.engine.stats.verify_steps > 0
+
+
+def test_forty_mixed_requests(spec_llm: LLM) -> None:
+    convs, params = [], []
+    for i in range(40):
+        if i % 2:
+            convs.append(CITY_PROMPT)
+            params.append(SamplingParams(max_tokens=48, temperature=0 if i % 4 == 1 else 0.7, seed=i,
+                                         json_schema=CITY_SCHEMA))
+        else:
+            convs.append(_chat(f"Say something about the number {i}."))
+            params.append(SamplingParams(max_tokens=12, temperature=0.7, seed=i))
+    outs = spec_llm.chat(convs, params)
+    for i, o in enumerate(outs):
+        assert o.finished and o.outputs[0].error is None
+        if i % 2:
+            jsonschema.validate(json.loads(o.text), CITY_SCHEMA)
+    alloc = spec_llm.engine.blocks.allocator
+    alloc.check_integrity()
+    assert alloc.num_free == alloc.num_pages
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(json_schema="INVALID"), "invalid JSON schema"),
+        (dict(json_schema={"type": "nonsense"}), "invalid JSON schema"),
+        (dict(regex="(abc"), "invalid regex"),
+        (dict(ebnf="root ::= ("), "invalid EBNF"),
+    ],
+)
+def test_bad_grammar_fails_that_request(spec_llm: LLM, kwargs: dict, message: str) -> None:  # type: ignore[type-arg]
+    from ngrammar.grammar import GrammarError
+
+    with pytest.raises(GrammarError, match=message):
+        spec_llm.generate("Hello", SamplingParams(max_tokens=4, **kwargs))
+    ok = spec_llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0))[0]
+    assert ok.finished and len(ok.token_ids) >= 1
+
+
+def test_two_grammars_at_once_is_refused() -> None:
+    from ngrammar import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="only one of"):
+        SamplingParams(regex="a+", json_schema=CITY_SCHEMA)
+
+
+def test_no_device_read_before_the_verify_launch(spec_llm: LLM) -> None:
+    """The spec+grammar step launches the verify forward before any device->host read."""
+    eng = spec_llm.engine
+    events: list[str] = []
+    eng.runner.on_forward = lambda: events.append("forward")
+    eng.runner.on_to_host = lambda: events.append("to_host")
+    try:
+        spec_llm.chat(CITY_PROMPT, SamplingParams(max_tokens=24, temperature=0, json_schema=CITY_SCHEMA))
+        verify_steps = _split_steps(events)
+        assert verify_steps and all(step == ["forward", "to_host"] for step in verify_steps)
+        events.clear()
+        assert eng.spec is not None
+        eng.spec.readback_links = True  # the benchmark switch: the old readback path must show up
+        spec_llm.chat(CITY_PROMPT, SamplingParams(max_tokens=8, temperature=0, json_schema=CITY_SCHEMA))
+        assert ["to_host", "forward", "to_host"] in _split_steps(events)
+    finally:
+        eng.runner.on_forward = None
+        eng.runner.on_to_host = None
+        if eng.spec is not None:
+            eng.spec.readback_links = False
+
+
+def _split_steps(events: list[str]) -> list[list[str]]:
+    """Group events into steps: every step ends with its one result read (the last to_host)."""
+    steps, current = [], []
+    for e in events:
+        current.append(e)
+        if e == "to_host" and current.count("forward") == 1:
+            steps.append(current)
+            current = []
+    return steps
