@@ -1,8 +1,9 @@
 """Host-side cost of n-gram drafting per decode step: corpus update, batch_get, derive_tree_links.
 
 Simulates ``num_requests`` concurrent requests over a repetitive synthetic text (sentences drawn
-from a small pool, as in templated or code-like output): each gets a prompt of ``prompt_len``
-tokens, then every step appends 1-4 tokens of its own stream. Per step it times the corpus update
+from a small pool, as in templated or code-like output, optionally mixed with fresh random
+sentences): each gets a prompt of ``prompt_len`` tokens, then every step appends 1-4 tokens of its
+own stream. Per step it times the corpus update
 of all requests, one batch_get for the batch, and derive_tree_links on the drafted mask. It also
 reports how many draft tokens greedy verification would accept against the true continuation, as
 a sanity check that the drafts are useful.
@@ -19,7 +20,7 @@ import time
 import numpy as np
 
 from ngrammar.spec.corpus import NgramCorpus
-from ngrammar.spec.tree import DraftTree, derive_tree_links
+from ngrammar.spec.tree import derive_tree_links
 
 
 def synthetic_stream(
@@ -42,17 +43,15 @@ def sentence_pool(rng: np.random.Generator, num_sentences: int, vocab_size: int)
     return [rng.integers(1, vocab_size, size=int(rng.integers(5, 21))).tolist() for _ in range(num_sentences)]
 
 
-def accepted_length(tree: DraftTree, row: int, future: list[int]) -> int:
-    """Drafts greedy verification would accept when the target emits ``future`` (bonus excluded)."""
-    d = tree.draft_token_num
-    tokens = tree.tokens_2d()[row]
-    parents = tree.parents()[row]
+def accepted_length(tokens: np.ndarray, parents: np.ndarray, future: list[int]) -> int:
+    """Drafts greedy verification would accept from one tree (tokens, parents: [D]) when the target
+    emits ``future`` (bonus token excluded)."""
     node, accepted = 0, 0
     for token in future:
-        children = [c for c in range(1, d) if parents[c] == node and tokens[c] == token]
-        if not children:
+        matches = [c for c in range(1, len(tokens)) if parents[c] == node and tokens[c] == token]
+        if not matches:
             break
-        node, accepted = children[0], accepted + 1
+        node, accepted = matches[0], accepted + 1
     return accepted
 
 
@@ -109,8 +108,9 @@ def run_drafting_benchmark(
         derive_tree_links(tree.flat_mask(), tree.bs, draft_token_num)
         links_us.append((clock() - start) * 1e6)
 
+        tokens, parents = tree.tokens_2d(), tree.parents()
         for r in req_ids:
-            accepted.append(accepted_length(tree, r, streams[r][lengths[r] : lengths[r] + draft_token_num]))
+            accepted.append(accepted_length(tokens[r], parents[r], streams[r][lengths[r] : lengths[r] + draft_token_num]))
             lengths[r] += int(rng.integers(1, 5))
         histories = [streams[r][: lengths[r]] for r in req_ids]
         start = clock()

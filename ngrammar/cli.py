@@ -113,14 +113,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             from ngrammar.server.app import serve
 
             return serve(args)
-        from benchmarks.cli import run_benchmark
-
-        return run_benchmark(args)
+        return _bench(args)
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # the CLI's contract: one clear line, exit code 2, no traceback
         print(f"ngrammar: error: {e}", file=sys.stderr)
         return 2
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """Benchmarks live in the repository's ``benchmarks/`` folder, beside the package."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "benchmarks" / "cli.py").exists():
+        raise RuntimeError("ngrammar bench needs a source checkout (the benchmarks/ folder)")
+    sys.path.insert(0, str(root))
+    from benchmarks.cli import run_benchmark
+
+    return run_benchmark(args)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -51,6 +51,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     seed: int = 0  # seeds requests that bring none
     grammar_cache_size: int = 256
+    cuda_graph: bool = True  # replay captured graphs for uniform decode / verify steps (CUDA only)
+    cuda_graph_max_bs: int = 64  # largest batch-size bucket captured; bigger batches run eagerly
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -63,3 +65,5 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be auto, sdpa or triton, got {self.attention_backend!r}")
         if not 0 < self.gpu_memory_utilization < 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1)")
+        if self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be positive, got {self.cuda_graph_max_bs}")

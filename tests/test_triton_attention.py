@@ -24,8 +24,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("needs CUDA, or NGRAMMAR_TRITON_INTERPRET=1 for the CPU interpreter", allow_module_level=True)
 
-from ngrammar.kernels.triton_attention import TritonAttentionBackend, choose_launch_config  # noqa: E402
-from ngrammar.runner.attention import AttentionMetadata, TorchSDPABackend  # noqa: E402
+from ngrammar.kernels.triton_attention import TritonAttentionBackend, choose_launch_config
+from ngrammar.runner.attention import AttentionMetadata, TorchSDPABackend
 
 pytestmark = pytest.mark.gpu
 

@@ -24,6 +24,7 @@ from ngrammar.model.loader import resolve_checkpoint
 from ngrammar.model.tokenizer import Message, Tokenizer
 from ngrammar.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from ngrammar.runner.attention import AttentionBackend, TorchSDPABackend
+from ngrammar.runner.cuda_graph import CUDAGraphRunner, graph_capturable
 from ngrammar.runner.model_runner import ModelRunner, StepInput, kv_bytes_per_token, resolve_device, resolve_dtype
 from ngrammar.runner.sampler import SamplingTensors, sample
 from ngrammar.sampling_params import InvalidRequestError, SamplingParams
@@ -53,6 +54,10 @@ class EngineStats:
     decode_tokens: int = 0
     verify_steps: int = 0  # sequence-steps verified with a draft tree
     verify_emitted: int = 0  # tokens those verify steps emitted, bonus included
+    spec_steps: int = 0  # batched verify steps
+    draft_seconds: float = 0.0  # host drafting (corpus match + tree build)
+    grammar_seconds: float = 0.0  # host grammar masks (links + DFS), overlapped with the forward
+    verify_seconds: float = 0.0  # whole verify steps
     forward_seconds: float = 0.0
     step_seconds: float = 0.0
     last_step_seconds: float = 0.0
@@ -74,7 +79,9 @@ class LLMEngine:
         self.tokenizer = Tokenizer(checkpoint.tokenizer_dir, checkpoint.config.eos_token_ids)
         self.max_model_len = min(config.max_model_len or checkpoint.config.max_position, checkpoint.config.max_position)
         num_pages = self._num_pages()
-        self.runner = ModelRunner(checkpoint, self.device, self.dtype, num_pages, config.page_size, self._backend())
+        # The pool gets one page past the allocator's range (page ``num_pages``): no sequence ever
+        # owns it, so CUDA-graph padding rows write their K/V there.
+        self.runner = ModelRunner(checkpoint, self.device, self.dtype, num_pages + 1, config.page_size, self._backend())
         self.blocks = BlockManager(PageAllocator(num_pages, config.page_size))
         self.scheduler = Scheduler(self.blocks, config.max_running_requests, config.max_prefill_tokens)
         self.requests: dict[str, Request] = {}
@@ -87,6 +94,8 @@ class LLMEngine:
             from ngrammar.spec.worker import NgramSpecWorker
 
             self.spec = NgramSpecWorker(config.speculative, self)
+        if config.cuda_graph and self.device.type == "cuda" and graph_capturable(self.runner.backend):
+            self.enable_cuda_graphs(capture=True)
 
     # ----------------------------------------------------------------- set-up
     def _backend(self) -> AttentionBackend:
@@ -98,6 +107,29 @@ class LLMEngine:
 
             return TritonAttentionBackend()
         return TorchSDPABackend()
+
+    def enable_cuda_graphs(self, capture: bool = True) -> None:
+        """Serve uniform decode / verify steps from static buffers, replaying captured CUDA graphs.
+
+        capture=False runs the same static-buffer and padding path eagerly (how it is tested on CPU).
+        Widths are every D the draft policy may pick; all graphs are captured here, up front, so no
+        capture lands inside a timed step.
+        """
+        widths = [1]
+        if self.spec is not None:
+            policy = self.spec.policy
+            widths = policy.widths if policy.adaptive else [1, policy.max_width]
+        graphs = CUDAGraphRunner(
+            self.runner,
+            widths,
+            max_batch_size=min(self.config.cuda_graph_max_bs, self.config.max_running_requests),
+            kv_len_bound=self.max_model_len + max(widths),
+            dummy_page=self.blocks.allocator.num_pages,
+            capture=capture,
+        )
+        if capture:
+            graphs.capture_all()
+        self.runner.graphs = graphs
 
     def _num_pages(self) -> int:
         c = self.config
@@ -279,10 +311,12 @@ class LLMEngine:
             return
         from ngrammar.grammar import allocate_bitmask, apply_bitmask
 
+        t = time.perf_counter()
         bitmask = allocate_bitmask(len(seqs), self.model_config.vocab_size, pin_memory=self.device.type == "cuda")
         for i, seq in enumerate(seqs):
             if seq.grammar is not None:
                 seq.grammar.fill_bitmask(bitmask, i)
+        self.stats.grammar_seconds += time.perf_counter() - t
         apply_bitmask(logits, bitmask.to(self.device, non_blocking=True))
 
     # -------------------------------------------------------------- logprobs

@@ -390,6 +390,9 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
+_Launch = tuple[LaunchConfig, torch.Tensor | None, torch.Tensor | None]
+
+
 @dataclass(frozen=True)
 class TritonAttentionPlan:
     """What every layer of one step shares. Holds only views of the metadata plus host ints, so a
@@ -404,9 +407,11 @@ class TritonAttentionPlan:
     num_sms: int
     # Per (Hq, Hkv, d): the launch config and the split scratch buffers, filled by the first layer
     # and reused by the rest (layers run in order on one stream, so sharing scratch is safe).
-    _cache: dict = field(default_factory=dict, compare=False, repr=False)
+    _cache: dict[tuple[int, int, int], _Launch] = field(default_factory=dict, compare=False, repr=False)
 
-    def launch(self, num_q_heads: int, num_kv_heads: int, head_dim: int, device: torch.device):
+    def launch(self, num_q_heads: int, num_kv_heads: int, head_dim: int, device: torch.device) -> _Launch:
+        """(config, part_o [S, T, Hq, d] fp32, part_lse [S, T, Hq] fp32); the buffers are None when
+        S = 1."""
         key = (num_q_heads, num_kv_heads, head_dim)
         hit = self._cache.get(key)
         if hit is None:

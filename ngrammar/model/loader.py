@@ -129,7 +129,8 @@ def _convert_gguf(path: Path, folder: Path) -> None:
     save_file(tensors, str(tmp))
     tmp.replace(folder / "model.safetensors")
     (folder / "config.json").write_text(json.dumps(hf_config, indent=1))
-    _save_gguf_tokenizer(path, folder)
+    if not (folder / "tokenizer.json").exists():  # may be pre-seeded (e.g. carried to a GPU box)
+        _save_gguf_tokenizer(path, folder)
     (folder / "complete").write_text(str(path))
 
 

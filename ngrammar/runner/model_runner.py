@@ -8,7 +8,7 @@ logits on the device. All device->host reads of a step go through ``to_host`` (o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import torch
@@ -17,6 +17,9 @@ from ngrammar.model.config import ModelConfig
 from ngrammar.model.llama import LlamaForCausalLM
 from ngrammar.model.loader import Checkpoint, iter_weights
 from ngrammar.runner.attention import AttentionBackend, AttentionMetadata, TorchSDPABackend
+
+if TYPE_CHECKING:
+    from ngrammar.runner.cuda_graph import CUDAGraphRunner
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,7 @@ class ModelRunner:
         )
         self.on_forward: Callable[[], None] | None = None  # test hook: called when a forward is launched
         self.on_to_host: Callable[[], None] | None = None  # test hook: called on every device->host read
+        self.graphs: CUDAGraphRunner | None = None  # set by the engine: serves uniform decode/verify steps
 
     @property
     def vocab_size(self) -> int:
@@ -127,7 +131,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, step: StepInput) -> torch.Tensor:
-        """Launch the forward of ``step``; returns logits [len(logits_rows), V] float32 (device)."""
+        """Launch the forward of ``step``; returns logits [len(logits_rows), V] float32 (device).
+
+        Uniform steps go through the graph runner when one is set (its logits are a view that the
+        next step overwrites); everything else runs eagerly.
+        """
+        if self.graphs is not None and self.graphs.accepts(step):
+            if self.on_forward is not None:
+                self.on_forward()
+            return self.graphs.forward(step)
         meta = self.metadata(step)
         ids = self._tensor([t for toks in step.tokens for t in toks])
         pos = self._tensor([p for ps in step.positions for p in ps])

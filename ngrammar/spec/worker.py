@@ -12,7 +12,9 @@ One verify step for B sequences with D nodes each:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import contextlib
+import time
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 import torch
@@ -44,6 +46,7 @@ class NgramSpecWorker:
         )
         self.policy = AdaptiveDraftPolicy(config.num_draft_tokens, config.adaptive)
         self.readback_links = False  # benchmark switch: the old path that reads links back first
+        self.sync_debug = False  # GPU check: drafting -> verify launch runs under sync debug "error"
         self._last_accept = 1.0
 
     # ------------------------------------------------------- corpus upkeep
@@ -67,18 +70,37 @@ class NgramSpecWorker:
     # --------------------------------------------------------------- step
     def run_verify(self, seqs: list[Sequence], width: int) -> None:
         eng, runner = self.engine, self.engine.runner
-        tree = self.corpus.batch_get([s.seq_id for s in seqs], [s.token_ids for s in seqs], width)
-        step = self._step_input(seqs, tree)
-        if self.readback_links:
-            self._read_links_back(tree)
-        logits = eng._timed_forward(step)  # [B*D, V]; launched before any host-side tree work
+        t0 = time.perf_counter()
+        with self._no_sync_region():
+            tree = self.corpus.batch_get([s.seq_id for s in seqs], [s.token_ids for s in seqs], width)
+            eng.stats.draft_seconds += time.perf_counter() - t0
+            step = self._step_input(seqs, tree)
+            if self.readback_links:
+                self._read_links_back(tree)
+            logits = eng._timed_forward(step)  # [B*D, V]; launched before any host-side tree work
         meta_mask = torch.as_tensor(tree.mask).to(eng.device, non_blocking=True)
         candidates = torch.as_tensor(tree.tokens.reshape(len(seqs), width)).to(eng.device, non_blocking=True)
+        t1 = time.perf_counter()
         self._apply_grammar(seqs, tree, logits)
+        eng.stats.grammar_seconds += time.perf_counter() - t1
         result = self._accept(seqs, candidates, meta_mask, logits, width)
         lp = eng.logprob_tensors(seqs, logits, result.accept_index, result.accept_tokens)
         host = runner.to_host(result.accept_tokens, result.accept_len, result.accept_nodes, *lp)
         self._commit(seqs, width, host)
+        eng.stats.spec_steps += 1
+        eng.stats.verify_seconds += time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def _no_sync_region(self) -> Iterator[None]:
+        """With ``sync_debug`` on CUDA, any device->host sync from drafting to the launch raises."""
+        armed = self.sync_debug and self.engine.device.type == "cuda" and not self.readback_links
+        if armed:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            if armed:
+                torch.cuda.set_sync_debug_mode("default")
 
     def _step_input(self, seqs: list[Sequence], tree: DraftTree) -> StepInput:
         d = tree.draft_token_num

@@ -1,0 +1,1 @@
+"""Benchmarks, run through ``ngrammar bench``; results go to BENCHMARKS.md."""

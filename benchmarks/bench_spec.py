@@ -1,0 +1,78 @@
+"""NGRAM speculation vs plain decoding per prompt category and batch size (same run, same prompts)."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from benchmarks.common import forget_outputs, WorkItem, chat, load_workload, print_table, timed
+from ngrammar import LLM, SamplingParams
+
+
+@dataclass
+class RunFigures:
+    tok_s: float
+    accept_len: float
+    verify_ms: float
+    draft_us: float
+
+
+def measure(llm: LLM, prompts: list[Any], max_tokens: int) -> RunFigures:
+    forget_outputs(llm)
+    eng = llm.engine
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    s0 = (eng.stats.spec_steps, eng.stats.verify_seconds, eng.stats.draft_seconds)
+    seconds, outs = timed(lambda: llm.chat(prompts, params, use_tqdm=False))
+    decode_seconds = seconds - max(o.metrics["ttft_s"] for o in outs)
+    tokens = sum(len(o.token_ids) - 1 for o in outs)
+    steps = eng.stats.spec_steps - s0[0]
+    accept = [o.metrics["spec_accept_length"] for o in outs if "spec_accept_length" in o.metrics]
+    return RunFigures(
+        tok_s=tokens / decode_seconds,
+        accept_len=statistics.mean(accept) if accept else 1.0,
+        verify_ms=1e3 * (eng.stats.verify_seconds - s0[1]) / steps if steps else 0.0,
+        draft_us=1e6 * (eng.stats.draft_seconds - s0[2]) / steps if steps else 0.0,
+    )
+
+
+def groups(work: list[WorkItem], batch_size: int) -> dict[str, list[list[Any]]]:
+    """Batches per category: at batch 1 each prompt alone; larger batches cycle the category."""
+    cats: dict[str, list[WorkItem]] = {}
+    for w in work:
+        cats.setdefault(w.category if w.kind == "grounded" else "open-ended", []).append(w)
+    out: dict[str, list[list[Any]]] = {}
+    for name, items in cats.items():
+        if batch_size == 1:
+            out[name] = [[chat(w.prompt)] for w in items[:2]]
+        else:
+            out[name] = [[chat(items[i % len(items)].prompt) for i in range(batch_size)]]
+    return out
+
+
+def run_spec_benchmark(plain: LLM, spec: LLM, batch_sizes: Sequence[int] = (1, 8, 32),
+                       max_tokens: int = 64) -> dict[str, Any]:
+    work = load_workload()
+    warm = [chat(work[0].prompt)]
+    measure(plain, warm, 8)
+    measure(spec, warm, 8)
+    results: dict[str, Any] = {}
+    rows = []
+    for bs in batch_sizes:
+        for cat, batches in groups(work, bs).items():
+            if bs > 8 and cat != "open-ended" and cat != "summarization":
+                continue  # large batches: one grounded and one open-ended mix keep the run short
+            p = [measure(plain, b, max_tokens) for b in batches]
+            s = [measure(spec, b, max_tokens) for b in batches]
+            p_rate = statistics.median(r.tok_s for r in p)
+            s_rate = statistics.median(r.tok_s for r in s)
+            fig = {"plain_tok_s": p_rate, "spec_tok_s": s_rate, "ratio": s_rate / p_rate,
+                   "accept_len": statistics.mean(r.accept_len for r in s),
+                   "verify_ms": statistics.mean(r.verify_ms for r in s),
+                   "draft_us": statistics.mean(r.draft_us for r in s)}
+            results[f"b{bs}/{cat}"] = fig
+            rows.append([bs, cat, p_rate, s_rate, fig["ratio"], fig["accept_len"], fig["verify_ms"], fig["draft_us"]])
+    print_table("NGRAM speculation vs plain (greedy)",
+                ["batch", "category", "plain tok/s", "spec tok/s", "ratio", "accept len", "verify ms/step",
+                 "draft us/step"], rows)
+    return results

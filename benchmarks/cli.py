@@ -1,0 +1,56 @@
+"""``ngrammar bench [engine|spec|grammar|serve]``: build the engines once and run a suite."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from typing import Any
+
+from benchmarks.common import machine
+
+
+def _llm(args: argparse.Namespace, speculative: bool) -> Any:
+    from ngrammar.cli import engine_kwargs
+    from ngrammar.llm import LLM
+
+    kw = engine_kwargs(args)
+    kw["speculative"] = "ngram" if speculative else None
+    if not speculative:
+        kw = {k: v for k, v in kw.items() if not k.startswith(("ngram_", "num_draft", "spec_"))}
+    elif "num_draft_tokens" not in kw:
+        kw["num_draft_tokens"] = 8
+    return LLM(**kw)
+
+
+def _sizes(args: argparse.Namespace, default: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(int(x) for x in args.batch_sizes.split(",")) if args.batch_sizes else default
+
+
+def run_benchmark(args: argparse.Namespace) -> int:
+    suite = "grammar" if args.grammar else args.suite
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    if suite == "engine":
+        from benchmarks.bench_engine import run_engine_benchmark
+
+        result = run_engine_benchmark(_llm(args, False), args.max_tokens or 64, not args.no_transformers)
+    elif suite == "spec":
+        from benchmarks.bench_spec import run_spec_benchmark
+
+        result = run_spec_benchmark(_llm(args, False), _llm(args, True), _sizes(args, (1, 8, 32)),
+                                    args.max_tokens or 64)
+    elif suite == "grammar":
+        from benchmarks.bench_grammar import run_grammar_benchmark
+
+        plain, spec = _llm(args, False), _llm(args, True)
+        result = {f"b{b}": run_grammar_benchmark(plain, spec, b, args.max_tokens or 96, args.repeats or 2)
+                  for b in _sizes(args, (1,))}
+    else:
+        from benchmarks.bench_serve import run_serve_benchmark
+
+        result = run_serve_benchmark()
+    record = {"suite": suite, "date": started, "machine": machine(), "result": result}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1, default=str)
+    return 0

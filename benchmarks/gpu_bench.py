@@ -1,0 +1,297 @@
+"""The H200 benchmark: one run, a table printed last, a JSON log under --out.
+
+Part 1, SmolLM2-135M (the embedded GGUF, bf16): ngrammar plain, NGRAM, NGRAM + JSON grammar, NGRAM +
+grammar with the readback switch, transformers ``generate`` plain and with prompt lookup, on
+grounded and open-ended prompts at several batch sizes; the spec+grammar step runs with
+``torch.cuda.set_sync_debug_mode("error")`` armed from drafting to the verify launch.
+Part 2, a random-weight Llama-3-8B-shaped model: plain decode and tree-verify step times (CUDA
+graphs) against the bandwidth floor measured in the same run.
+
+    python -m benchmarks.gpu_bench --model /tmp/ngm/model.gguf --out $OUT/gpu_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import fields
+from typing import Any, Callable
+
+import torch
+
+from benchmarks.bench_grammar import RECORD_SCHEMA, extraction_prompts
+from benchmarks.common import forget_outputs, chat, load_workload, machine, print_table
+from ngrammar import LLM, SamplingParams
+from ngrammar.config import EngineConfig
+from ngrammar.model.config import ModelConfig
+from ngrammar.runner.attention import AttentionMetadata
+
+
+# ---------------------------------------------------------------- part 1: SmolLM2
+def _categories() -> dict[str, list[Any]]:
+    work = load_workload()
+    cats: dict[str, list[Any]] = {"code_edit": [], "extraction": [], "summarization": [], "open": []}
+    for w in work:
+        key = w.category if w.kind == "grounded" else "open"
+        if key in cats:
+            cats[key].append(chat(w.prompt))
+    return cats
+
+
+def _run(llm: LLM, prompts: list[Any], params: SamplingParams) -> tuple[float, list[Any]]:
+    forget_outputs(llm)
+    t = time.perf_counter()
+    outs = llm.chat(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t
+    decode = seconds - max(o.metrics["ttft_s"] for o in outs)
+    return sum(len(o.token_ids) - 1 for o in outs) / decode, outs
+
+
+def _accept(outs: list[Any]) -> float:
+    vals = [o.metrics["spec_accept_length"] for o in outs if "spec_accept_length" in o.metrics]
+    return statistics.mean(vals) if vals else 1.0
+
+
+def _engine_kwargs(model: str | None, graphs: bool) -> dict[str, Any]:
+    kw: dict[str, Any] = {"model": model, "device": "cuda" if torch.cuda.is_available() else "cpu",
+                          "kv_cache_tokens": 262144 if torch.cuda.is_available() else 16384}
+    if "cuda_graph" in {f.name for f in fields(EngineConfig)}:
+        kw["cuda_graph"] = graphs
+    return kw
+
+
+def bench_small_model(model: str | None, batch_sizes: list[int], max_tokens: int, repeats: int) -> dict[str, Any]:
+    res: dict[str, Any] = {}
+    plain = LLM(**_engine_kwargs(model, True))
+    spec = LLM(**_engine_kwargs(model, True), speculative="ngram", num_draft_tokens=16)
+    assert spec.engine.spec is not None
+    cats = _categories()
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    _run(plain, cats["open"][:2], greedy)
+    _run(spec, cats["open"][:2], greedy)
+    for bs in batch_sizes:
+        for cat, prompts in cats.items():
+            batch = [prompts[i % len(prompts)] for i in range(bs)]
+            p = [_run(plain, batch, greedy) for _ in range(repeats)]
+            s = [_run(spec, batch, greedy) for _ in range(repeats)]
+            same = [a.token_ids == b.token_ids for a, b in zip(p[-1][1], s[-1][1])]
+            res[f"b{bs}/{cat}"] = {
+                "plain_tok_s": statistics.median(r[0] for r in p),
+                "ngram_tok_s": statistics.median(r[0] for r in s),
+                "accept_len": _accept(s[-1][1]),
+                "ngram_identical_to_plain": sum(same) / len(same),
+            }
+        res[f"b{bs}/json"] = _grammar_variants(plain, spec, bs, max_tokens, repeats)
+    return res
+
+
+def _grammar_variants(plain: LLM, spec: LLM, bs: int, max_tokens: int, repeats: int) -> dict[str, Any]:
+    assert spec.engine.spec is not None
+    prompts = extraction_prompts(bs)
+    base = SamplingParams(max_tokens=max_tokens, temperature=0)
+    gram = SamplingParams(max_tokens=max_tokens, temperature=0, json_schema=RECORD_SCHEMA)
+    out: dict[str, Any] = {}
+    worker = spec.engine.spec
+    worker.sync_debug = True  # raises if anything syncs between drafting and the verify launch
+    try:
+        _run(spec, prompts, gram)
+        out["sync_debug_region_clean"] = True
+        for label, llm, params, readback in [("plain+grammar", plain, gram, False), ("ngram", spec, base, False),
+                                             ("ngram+grammar", spec, gram, False),
+                                             ("ngram+grammar readback", spec, gram, True)]:
+            worker.readback_links = readback
+            runs = [_run(llm, prompts, params) for _ in range(repeats)]
+            out[label] = {"tok_s": statistics.median(r[0] for r in runs), "accept_len": _accept(runs[-1][1])}
+    finally:
+        worker.sync_debug = False
+        worker.readback_links = False
+    return out
+
+
+def bench_transformers(llm_model: str | None, max_tokens: int) -> dict[str, Any]:
+    """transformers generate at batch 1 (plain and prompt lookup) on the first prompt per category."""
+    from transformers import LlamaForCausalLM
+
+    plain = LLM(**_engine_kwargs(llm_model, True))
+    folder = plain.engine.runner  # the converted cache folder holds HF config + safetensors
+    from ngrammar.model.loader import resolve_checkpoint
+
+    ckpt = resolve_checkpoint(llm_model)
+    device = plain.engine.device
+    hf = LlamaForCausalLM.from_pretrained(str(ckpt.tokenizer_dir), torch_dtype=plain.engine.dtype).to(device).eval()
+    del folder
+    res: dict[str, Any] = {}
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    for cat, prompts in _categories().items():
+        ids = torch.tensor([plain.tokenizer.apply_chat_template(prompts[0])], device=device)
+        ours = plain.chat(prompts[0], greedy, use_tqdm=False)[0].token_ids
+        row: dict[str, Any] = {}
+        for label, extra in [("hf_plain", {}), ("hf_prompt_lookup10", {"prompt_lookup_num_tokens": 10})]:
+            def gen(n: int) -> Any:
+                with torch.no_grad():
+                    return hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                       attention_mask=torch.ones_like(ids), **extra)
+            gen(4)
+            t = time.perf_counter()
+            out = gen(max_tokens)
+            total = time.perf_counter() - t
+            t = time.perf_counter()
+            gen(1)
+            first = time.perf_counter() - t
+            row[label] = (max_tokens - 1) / max(total - first, 1e-9)
+            row[f"{label}_identical_to_ngrammar"] = out[0, ids.shape[1]:].tolist() == ours
+        res[cat] = row
+    return res
+
+
+# ---------------------------------------------------------------- part 2: 8B shape
+LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                        num_kv_heads=8, head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5, max_position=8192,
+                        tie_word_embeddings=False)
+
+
+def copy_bandwidth(nbytes: int = 4 << 30) -> float:
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    return 2 * nbytes / _cuda_time(lambda: dst.copy_(src), 10)  # read + write bytes per second
+
+
+def _cuda_time(fn: Callable[[], Any], n: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(n):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def random_model(config: ModelConfig) -> Any:
+    from ngrammar.kernels.triton_attention import TritonAttentionBackend
+    from ngrammar.model.llama import LlamaForCausalLM
+
+    backend = TritonAttentionBackend()
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, backend)
+    model = model.to_empty(device="cuda").to(torch.bfloat16)
+    model.rotary.__init__(config)
+    model.rotary.to("cuda")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if "norm" in name else p.normal_(0, 0.02)
+    return model.eval(), backend
+
+
+def step_time(model: Any, backend: Any, config: ModelConfig, bs: int, q: int, ctx: int = 1024) -> float:
+    ps = 16
+    pages_per = -(-(ctx + q) // ps)
+    kv = torch.zeros((config.num_layers, 2, bs * pages_per + 1, ps, config.num_kv_heads, config.head_dim),
+                     dtype=torch.bfloat16, device="cuda")
+    table = torch.arange(bs * pages_per, device="cuda").view(bs, pages_per)
+    kv_idx = torch.arange(ctx, ctx + q, device="cuda")
+    slots = (table[:, kv_idx // ps] * ps + kv_idx % ps).reshape(-1)
+    meta = AttentionMetadata(
+        slot_mapping=slots, page_table=table, kv_lens=torch.full((bs,), ctx + q, device="cuda"),
+        q_lens=torch.full((bs,), q, device="cuda"), q_start=torch.arange(bs + 1, device="cuda") * q,
+        max_q_len=q, max_kv_len=ctx + q, page_size=ps,
+        tree_mask=None if q == 1 else torch.tril(torch.ones(q, q, dtype=torch.bool, device="cuda")).expand(bs, q, q),
+    )
+    plan = backend.plan(meta, kv_len_bound=ctx + q)
+    ids = torch.randint(0, config.vocab_size, (bs * q,), device="cuda")
+    pos = (ctx + torch.arange(q, device="cuda")).repeat(bs)
+    with torch.inference_mode():
+        for _ in range(2):
+            model.compute_logits(model(ids, pos, kv, plan))
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            model.compute_logits(model(ids, pos, kv, plan))
+        for _ in range(3):
+            graph.replay()
+        return _cuda_time(graph.replay, 20)
+
+
+def bench_8b() -> dict[str, Any]:
+    model, backend = random_model(LLAMA3_8B)
+    wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bw = copy_bandwidth()
+    floor = wbytes / (bw / 2)  # reading the weights once at the measured read rate (copy = read + write)
+    res: dict[str, Any] = {"weight_gb": wbytes / 1e9, "copy_bw_tb_s": bw / 1e12, "floor_ms": floor * 1e3}
+    for bs in (1, 8):
+        for q in (1, 4, 8, 16, 32):
+            res[f"b{bs}/q{q}_ms"] = step_time(model, backend, LLAMA3_8B, bs, q) * 1e3
+    del model
+    torch.cuda.empty_cache()
+    return res
+
+
+# ---------------------------------------------------------------- main
+def _safe(name: str, fn: Callable[[], Any], log: dict[str, Any]) -> None:
+    t = time.perf_counter()
+    try:
+        log[name] = fn()
+    except Exception as e:  # a broken part must not hide the other parts' figures
+        log[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        print(traceback.format_exc(), file=sys.stderr)
+    print(f"[{name}] {time.perf_counter() - t:.1f}s", flush=True)
+
+
+def summarize(log: dict[str, Any]) -> None:
+    small = log.get("smollm2", {})
+    rows = []
+    for key, v in small.items():
+        if key.endswith("/json") and "error" not in v:
+            for label, fig in v.items():
+                if isinstance(fig, dict):
+                    rows.append([key, label, fig["tok_s"], fig["accept_len"]])
+        elif isinstance(v, dict) and "plain_tok_s" in v:
+            rows.append([key, "plain", v["plain_tok_s"], 1.0])
+            rows.append([key, f"ngram (x{v['ngram_tok_s'] / v['plain_tok_s']:.2f}, same {v['ngram_identical_to_plain']:.0%})",
+                         v["ngram_tok_s"], v["accept_len"]])
+    for cat, v in log.get("transformers", {}).items():
+        if isinstance(v, dict):
+            for label in ("hf_plain", "hf_prompt_lookup10"):
+                if label in v:
+                    rows.append([f"b1/{cat}", f"{label} (same {v[label + '_identical_to_ngrammar']})", v[label], ""])
+    print_table("SmolLM2-135M bf16", ["batch/workload", "variant", "tok/s", "accept len"], rows)
+    big = log.get("llama3_8b_shape", {})
+    if "floor_ms" in big:
+        rows = [[k, v, v / big["floor_ms"]] for k, v in big.items() if k.endswith("_ms") and k != "floor_ms"]
+        print_table(f"8B-shaped random model (floor {big['floor_ms']:.2f} ms, copy {big['copy_bw_tb_s']:.2f} TB/s)",
+                    ["step", "ms", "x floor"], rows)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default=None)
+    p.add_argument("--out", default="gpu_bench.json")
+    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--parts", default="smollm2,transformers,8b")
+    args = p.parse_args()
+    log: dict[str, Any] = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    parts = args.parts.split(",")
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    if "smollm2" in parts:
+        _safe("smollm2", lambda: bench_small_model(args.model, sizes, args.max_tokens, args.repeats), log)
+    if "transformers" in parts:
+        _safe("transformers", lambda: bench_transformers(args.model, args.max_tokens), log)
+    if "8b" in parts and torch.cuda.is_available():
+        _safe("llama3_8b_shape", bench_8b, log)
+    with open(args.out, "w") as f:
+        json.dump(log, f, indent=1, default=str)
+    summarize(log)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

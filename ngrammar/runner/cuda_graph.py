@@ -1,0 +1,367 @@
+"""CUDA graphs for uniform decode and tree-verify steps.
+
+A step is *uniform* when every one of its B sequences brings the same number W of new tokens and
+logits are wanted for all B * W rows, in order: plain decode (W = 1, causal) and NGRAM tree verify
+(W = D, with a [B, D, D] tree mask). Such a step is padded up to a batch-size bucket and runs
+``model.forward + compute_logits`` as one captured graph per (bucket, W). Every other step (prefill,
+mixed widths, batches beyond the largest bucket) stays eager in ``ModelRunner``.
+
+Static inputs
+-------------
+All per-step inputs live in one byte buffer on the device, mirrored by one (pinned) host buffer, so a
+step costs one host->device copy and never a device->host read. Regions, sized for the largest
+bucket and width: ids, positions, slot_mapping ([max_tokens] int64), kv_lens, q_lens ([max_bs]),
+q_start ([max_bs + 1]), the flat tree mask (max_bs * W_max^2 bools, viewed as [bucket, W, W]) and
+last the page table ([max_bs, max_pages] int64), so a bucket's copy stops after its own rows.
+Logits land in a shared [max_tokens, V] float32 buffer; a step returns a view of its first B * W
+rows, valid until the next step.
+
+Padding rows
+------------
+Rows B..bucket-1 are dummy sequences of W tokens that only touch the *dummy page*: a page of the KV
+pool that the allocator never hands out. Their q_len = kv_len = W, every page-table entry is the dummy
+page, their slots are dummy-page offsets, and their tree mask is lower-triangular, so every query
+sees at least itself (no all-masked softmax row). Real sequences never read the dummy page, so what
+padding rows write there is harmless. Invariant: every page-table entry of the static buffers always
+names a page of the pool (stale entries past a row's length are never read unmasked).
+
+Host maxima and the attention plan
+----------------------------------
+A captured graph bakes in the launch shapes, so its metadata has max_q_len = W and max_kv_len =
+kv_len_bound, and its plan comes from ``backend.plan(meta, kv_len_bound=...)``; real lengths are read
+from the tensors inside the kernels. The plan (and the split scratch it allocates during the eager
+warm-up) stays alive as long as its graph.
+
+No-capture mode (``capture=False``) runs exactly the same static buffers and padding eagerly, planning
+each step afresh: this is how the path is tested on the CPU with ``TorchSDPABackend``. There the host
+max_kv_len is the step's own maximum, because SDPA's cost grows with it and no graph needs it fixed.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable
+
+import numpy as np
+import torch
+
+from ngrammar.runner.attention import AttentionBackend, AttentionMetadata
+
+if TYPE_CHECKING:
+    from ngrammar.runner.model_runner import ModelRunner, StepInput
+
+STANDARD_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64)
+_LARGE_BUCKET_STEP = 32  # beyond 64 sequences, buckets every 32
+
+
+def batch_buckets(max_batch_size: int) -> list[int]:
+    """Ascending bucket sizes; ``max_batch_size`` is always the last (exact) bucket."""
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be positive, got {max_batch_size}")
+    sizes = [b for b in STANDARD_BUCKETS if b < max_batch_size]
+    size = STANDARD_BUCKETS[-1] + _LARGE_BUCKET_STEP
+    while size < max_batch_size:
+        sizes.append(size)
+        size += _LARGE_BUCKET_STEP
+    return sizes + [max_batch_size]
+
+
+def graph_capturable(backend: AttentionBackend) -> bool:
+    """Whether the backend's plan can be made launch-stable (it takes a ``kv_len_bound``).
+
+    TorchSDPABackend cannot be captured: its plan sizes tensors from device values.
+    """
+    return "kv_len_bound" in inspect.signature(backend.plan).parameters
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Byte offsets of the static regions; int64 regions stay 8-byte aligned."""
+
+    max_tokens: int
+    max_bs: int
+    max_width: int
+    max_pages: int
+
+    @property
+    def mask_offset(self) -> int:
+        return 8 * (3 * self.max_tokens + 3 * self.max_bs + 1)
+
+    @property
+    def page_table_offset(self) -> int:
+        mask_bytes = self.max_bs * self.max_width * self.max_width
+        return self.mask_offset + -(-mask_bytes // 8) * 8
+
+    @property
+    def nbytes(self) -> int:
+        return self.bytes_for(self.max_bs)
+
+    def bytes_for(self, bucket: int) -> int:
+        """Prefix of the buffer that a step of this bucket reads."""
+        return self.page_table_offset + 8 * bucket * self.max_pages
+
+
+@dataclass(frozen=True)
+class _Regions:
+    """Typed views of one raw buffer (torch on the device, numpy on the host)."""
+
+    ids: Any  # [max_tokens] int64
+    positions: Any  # [max_tokens] int64
+    slots: Any  # [max_tokens] int64
+    kv_lens: Any  # [max_bs] int64
+    q_lens: Any  # [max_bs] int64
+    q_start: Any  # [max_bs + 1] int64
+    tree_mask: Any  # [max_bs * max_width^2] bool, viewed per step as [bucket, W, W]
+    page_table: Any  # [max_bs, max_pages] int64
+
+
+def _carve(raw: Any, layout: _Layout, i64: Any, b8: Any) -> _Regions:
+    """Slice ``raw`` (uint8, torch or numpy; ``i64``/``b8`` are that library's dtypes) into regions."""
+
+    def ints(offset: int, count: int) -> Any:
+        return raw[offset : offset + 8 * count].view(i64)
+
+    t, bs = layout.max_tokens, layout.max_bs
+    small = [8 * t, 8 * t, 8 * t, 8 * bs, 8 * bs, 8 * (bs + 1)]
+    starts = np.cumsum([0] + small).tolist()
+    mask_bytes = bs * layout.max_width * layout.max_width
+    mo, po = layout.mask_offset, layout.page_table_offset
+    return _Regions(
+        ids=ints(starts[0], t),
+        positions=ints(starts[1], t),
+        slots=ints(starts[2], t),
+        kv_lens=ints(starts[3], bs),
+        q_lens=ints(starts[4], bs),
+        q_start=ints(starts[5], bs + 1),
+        tree_mask=raw[mo : mo + mask_bytes].view(b8),
+        page_table=ints(po, bs * layout.max_pages).reshape(bs, layout.max_pages),
+    )
+
+
+@dataclass
+class _Entry:
+    """One (bucket, width): its graph and what the graph references (kept alive together)."""
+
+    bucket: int
+    width: int
+    meta: AttentionMetadata | None = None  # the captured metadata (capture mode only)
+    plan: Any = None
+    graph: Any = None  # torch.cuda.CUDAGraph, or None in no-capture mode
+
+    @property
+    def tokens(self) -> int:
+        return self.bucket * self.width
+
+
+class CUDAGraphRunner:
+    """Runs uniform steps of ``runner`` through static buffers, replaying one graph per (bucket, W).
+
+    widths: the q widths to serve ({1} is always added).
+    max_batch_size: the largest bucket; bigger batches stay eager.
+    kv_len_bound: the longest kv length a step may have; sizes the page table and steers the Triton
+        split count of captured plans.
+    dummy_page: a pool page that no sequence ever owns; padding rows write and read only there.
+    capture: True: capture CUDA graphs (CUDA device and a capturable backend). False: run the same
+        static path eagerly.
+    """
+
+    def __init__(
+        self,
+        runner: "ModelRunner",
+        widths: Iterable[int],
+        max_batch_size: int,
+        kv_len_bound: int,
+        dummy_page: int,
+        capture: bool = True,
+    ) -> None:
+        self.runner = runner
+        self.widths = sorted(set(widths) | {1})
+        if self.widths[0] < 1 or kv_len_bound < 1:
+            raise ValueError(f"widths and kv_len_bound must be positive, got {self.widths}, {kv_len_bound}")
+        num_pages = int(runner.kv_cache.shape[2])
+        if not 0 <= dummy_page < num_pages:
+            raise ValueError(f"dummy_page {dummy_page} is outside the KV pool of {num_pages} pages")
+        if capture and (runner.device.type != "cuda" or not graph_capturable(runner.backend)):
+            raise ValueError("CUDA graph capture needs a CUDA device and a capturable attention backend")
+        self.capture = capture
+        self.buckets = batch_buckets(max_batch_size)
+        self.max_batch_size = self.buckets[-1]
+        self.kv_len_bound = kv_len_bound
+        self.dummy_page = dummy_page
+        self.page_size = runner.page_size
+        self.layout = _Layout(
+            max_tokens=self.max_batch_size * self.widths[-1],
+            max_bs=self.max_batch_size,
+            max_width=self.widths[-1],
+            max_pages=-(-kv_len_bound // self.page_size),
+        )
+        self._bucket_of = self._bucket_table()
+        self._init_buffers()
+        self._entries: dict[tuple[int, int], _Entry] = {}
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self.replays: Counter[tuple[int, int]] = Counter()  # steps served per (bucket, width)
+
+    # ------------------------------------------------------------- set-up
+    def _bucket_table(self) -> list[int]:
+        """bucket_of[b] for b in 0..max_batch_size (index 0 unused)."""
+        table, i = [0], 0
+        for b in range(1, self.max_batch_size + 1):
+            while self.buckets[i] < b:
+                i += 1
+            table.append(self.buckets[i])
+        return table
+
+    def _init_buffers(self) -> None:
+        device = self.runner.device
+        pinned = device.type == "cuda"
+        self._host_raw = torch.zeros(self.layout.nbytes, dtype=torch.uint8, pin_memory=pinned)
+        self._dev_raw = torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=device)
+        self._host = _carve(self._host_raw.numpy(), self.layout, np.int64, np.bool_)
+        self._dev = _carve(self._dev_raw, self.layout, torch.int64, torch.bool)
+        self._host.page_table[:] = self.dummy_page  # the invariant: every entry names a pool page
+        self._dev_raw.copy_(self._host_raw)
+        self._logits = torch.empty(
+            (self.layout.max_tokens, self.runner.vocab_size), dtype=torch.float32, device=device
+        )
+        # Recorded after each upload: the host buffer is refilled only once the last copy has read it.
+        self._uploaded = torch.cuda.Event() if pinned else None
+        ps, w = self.page_size, np.arange(self.widths[-1], dtype=np.int64)
+        self._arange = w
+        self._pad_slots = self.dummy_page * ps + w % ps  # padding token i -> dummy-page offset i % ps
+
+    # ----------------------------------------------------------- dispatch
+    def accepts(self, step: "StepInput") -> bool:
+        """Whether ``step`` is uniform and fits a bucket (host-only checks)."""
+        b = step.batch_size
+        if not 0 < b <= self.max_batch_size:
+            return False
+        w = len(step.tokens[0])
+        if w not in self.widths or any(len(t) != w for t in step.tokens):
+            return False
+        if w == 1:
+            if step.tree_mask is not None:
+                return False
+        elif step.tree_mask is None or tuple(step.tree_mask.shape) != (b, w, w):
+            return False
+        if max(len(p) for p in step.page_tables) > self.layout.max_pages:
+            return False
+        n = b * w
+        return len(step.logits_rows) == n and step.logits_rows == list(range(n))
+
+    @torch.inference_mode()
+    def forward(self, step: "StepInput") -> torch.Tensor:
+        """Logits [B * W, V] float32 of an accepted step: a view valid until the next step."""
+        b, w = step.batch_size, len(step.tokens[0])
+        entry = self._entry(self._bucket_of[b], w)
+        max_kv_len = self._stage(step, entry.bucket, w)
+        if entry.graph is not None:
+            entry.graph.replay()
+        else:
+            meta = self._metadata(entry.bucket, w, max_kv_len)
+            self._compute(entry.tokens, meta, self.runner.backend.plan(meta))
+        self.replays[(entry.bucket, w)] += 1
+        return self._logits[: b * w]
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Prepare every (bucket, width) now, widest and largest first so later captures reuse the
+        shared pool's memory."""
+        for w in reversed(self.widths):
+            for bucket in reversed(self.buckets):
+                self._entry(bucket, w)
+
+    def _entry(self, bucket: int, width: int) -> _Entry:
+        entry = self._entries.get((bucket, width))
+        if entry is None:
+            entry = _Entry(bucket, width)
+            if self.capture:
+                self._capture(entry)
+            self._entries[(bucket, width)] = entry
+        return entry
+
+    # ------------------------------------------------------------ capture
+    def _capture(self, entry: _Entry) -> None:
+        """Warm up eagerly on all-padding inputs (compiles kernels, sizes the plan's scratch), then
+        capture the same computation into the shared pool."""
+        self._stage_padding(0, entry.bucket, entry.width)
+        self._upload(entry.bucket)
+        meta = self._metadata(entry.bucket, entry.width, self.kv_len_bound)
+        plan = self.runner.backend.plan(meta, kv_len_bound=self.kv_len_bound)  # type: ignore[call-arg]
+        self._compute(entry.tokens, meta, plan)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._compute(entry.tokens, meta, plan)
+        entry.meta, entry.plan, entry.graph = meta, plan, graph
+
+    def _compute(self, tokens: int, meta: AttentionMetadata, plan: Any) -> None:
+        """The captured region: model forward over the static ids/positions, logits into the shared
+        buffer (the copy_ casts like compute_logits' .float(), so results equal the eager path's)."""
+        model, d = self.runner.model, self._dev
+        hidden = model(d.ids[:tokens], d.positions[:tokens], self.runner.kv_cache, plan)
+        self._logits[:tokens].copy_(model.compute_logits(hidden))
+
+    def _metadata(self, bucket: int, width: int, max_kv_len: int) -> AttentionMetadata:
+        d, tokens = self._dev, bucket * width
+        tree = None if width == 1 else d.tree_mask[: tokens * width].view(bucket, width, width)
+        return AttentionMetadata(
+            slot_mapping=d.slots[:tokens],
+            page_table=d.page_table[:bucket],
+            kv_lens=d.kv_lens[:bucket],
+            q_lens=d.q_lens[:bucket],
+            q_start=d.q_start[: bucket + 1],
+            max_q_len=width,
+            max_kv_len=max_kv_len,
+            page_size=self.page_size,
+            tree_mask=tree,
+        )
+
+    # ------------------------------------------------------------ staging
+    def _stage(self, step: "StepInput", bucket: int, width: int) -> int:
+        """Fill the host buffer with ``step`` plus padding and upload it; returns the step's largest
+        kv length (host value, known without any device read)."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # normally long done: each engine step ends with a sync
+        b, h = step.batch_size, self._host
+        n = b * width
+        starts = np.asarray(step.starts, dtype=np.int64)
+        h.ids[:n] = np.asarray(step.tokens, dtype=np.int64).reshape(-1)
+        h.positions[:n] = np.asarray(step.positions, dtype=np.int64).reshape(-1)
+        h.kv_lens[:b] = starts + width
+        table = h.page_table
+        for i, pages in enumerate(step.page_tables):
+            table[i, : len(pages)] = pages
+        kv_idx = starts[:, None] + self._arange[:width]  # [B, W] kv index of each new token
+        pages = np.take_along_axis(table[:b], kv_idx // self.page_size, axis=1)
+        h.slots[:n] = (pages * self.page_size + kv_idx % self.page_size).reshape(-1)
+        if width > 1:
+            h.tree_mask[: n * width] = np.asarray(step.tree_mask, dtype=np.bool_).reshape(-1)
+        self._stage_padding(b, bucket, width)
+        self._upload(bucket)
+        return int(starts.max()) + width
+
+    def _stage_padding(self, first: int, bucket: int, width: int) -> None:
+        """Rows first..bucket-1 become dummy sequences on the dummy page; q_lens/q_start of the bucket."""
+        h, pad = self._host, bucket - first
+        lo, hi = first * width, bucket * width
+        h.ids[lo:hi] = 0
+        h.positions[lo:hi] = np.tile(self._arange[:width], pad)
+        h.slots[lo:hi] = np.tile(self._pad_slots[:width], pad)
+        h.kv_lens[first:bucket] = width
+        h.q_lens[:bucket] = width
+        h.q_start[: bucket + 1] = np.arange(0, (bucket + 1) * width, width, dtype=np.int64)
+        h.page_table[first:bucket, : -(-width // self.page_size)] = self.dummy_page
+        if width > 1:
+            mask = h.tree_mask[: hi * width].reshape(bucket, width, width)
+            mask[first:] = np.tri(width, dtype=np.bool_)
+
+    def _upload(self, bucket: int) -> None:
+        """One host->device copy of the bucket's prefix of the buffer (non-blocking from pinned)."""
+        nbytes = self.layout.bytes_for(bucket)
+        self._dev_raw[:nbytes].copy_(self._host_raw[:nbytes], non_blocking=True)
+        if self._uploaded is not None:
+            self._uploaded.record()
+
+
+__all__ = ["CUDAGraphRunner", "STANDARD_BUCKETS", "batch_buckets", "graph_capturable"]

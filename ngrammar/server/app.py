@@ -1,0 +1,683 @@
+"""The HTTP server: OpenAI-compatible and native endpoints over one background engine loop.
+
+Request path: parse (pydantic) -> check the model name -> tokenize, validate and compile the
+grammar in a worker thread (so bad input is a 400 before the engine sees it, and compilation
+never blocks the event loop) -> ``AsyncEngine.submit`` -> wait for, or stream, the outputs.
+Whatever way a handler ends (done, error, client gone, cancelled), it aborts its unfinished
+engine requests, so their KV pages return to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import math
+import secrets
+import time
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Mapping, Sequence
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ngrammar.engine.engine import LLMEngine
+from ngrammar.grammar import GrammarError, grammar_spec_from_request
+from ngrammar.llm import build_engine_config
+from ngrammar.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from ngrammar.sampling_params import InvalidRequestError, SamplingParams
+from ngrammar.server.engine_loop import (
+    AsyncEngine,
+    EngineFailure,
+    EngineUnavailable,
+    QueueFull,
+    RequestGroup,
+)
+from ngrammar.server.metrics import CONTENT_TYPE, ServerMetrics
+from ngrammar.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorInfo,
+    ErrorResponse,
+    GenerateMetaInfo,
+    GenerateRequest,
+    GenerateResponse,
+    ModelCard,
+    ModelList,
+    TopLogprob,
+    Usage,
+)
+
+if TYPE_CHECKING:
+    import argparse
+
+    from ngrammar.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_ALIAS = "default"
+_DISCONNECT_CHECK_S = 0.1  # how often a waiting handler asks whether its client is still there
+_POLL_S = 0.5  # longest wait for engine progress before re-checking the client
+_ENDPOINTS = frozenset({
+    "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/generate", "/server_info", "/metrics",
+})
+
+
+# ------------------------------------------------------------------ errors
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's error shape with the given HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.info = ErrorInfo(message=message, type=type_, param=param, code=code)
+        self.headers = dict(headers or {})
+
+    def response(self) -> JSONResponse:
+        body = ErrorResponse(error=self.info).model_dump()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away while its request was running."""
+
+
+def _as_api_error(exc: BaseException) -> APIError:
+    """Classify any exception a handler can meet; unknown ones are server errors (500)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, (InvalidRequestError, GrammarError)):
+        return APIError(400, str(exc))
+    if isinstance(exc, QueueFull):
+        return APIError(503, str(exc), "server_overloaded", code="queue_full",
+                        headers={"Retry-After": str(exc.retry_after_s)})
+    if isinstance(exc, EngineUnavailable):
+        return APIError(503, str(exc), "service_unavailable", headers={"Retry-After": "5"})
+    if isinstance(exc, EngineFailure):
+        return APIError(500, str(exc), "server_error")
+    return APIError(500, f"internal error: {type(exc).__name__}", "server_error")
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    if not errors:
+        return APIError(400, "invalid request")
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    message = str(first.get("msg", "invalid value"))
+    return APIError(400, f"{param}: {message}" if param else message, param=param)
+
+
+def _http_error(exc: StarletteHTTPException) -> APIError:
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return APIError(exc.status_code, str(exc.detail), kind, headers=exc.headers)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def on_validation(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        return _validation_error(exc).response()
+
+    async def on_http(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        return _http_error(exc).response()
+
+    async def on_known(_: Request, exc: Exception) -> Response:
+        return _as_api_error(exc).response()
+
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
+        return _as_api_error(exc).response()
+
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    for kind in (APIError, InvalidRequestError, GrammarError, QueueFull, EngineUnavailable, EngineFailure):
+        app.add_exception_handler(kind, on_known)
+    app.add_exception_handler(Exception, on_unexpected)
+
+
+# -------------------------------------------------------------- middleware
+
+
+class _CountRequests:
+    """Counts answered requests by endpoint and status (pure ASGI, so streaming is untouched)."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500  # what the client sees if the app raises before starting a response
+
+        async def send_and_note(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            path = scope.get("path", "")
+            self.metrics.observe_http(path if path in _ENDPOINTS else "other", status)
+
+
+def _auth_dependency(api_key: str | None) -> Callable[[Request], Any]:
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+
+    return check
+
+
+# --------------------------------------------------------------- rendering
+
+
+def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    return str(tokenizer.hf.decode([token_id], skip_special_tokens=False))
+
+
+def _finite_top(top: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
+    """Alternatives a grammar masked out have logprob -inf; they are not alternatives at all."""
+    return [(t, lp) for t, lp in top if math.isfinite(lp)]
+
+
+def _chat_logprobs(tokenizer: Tokenizer, lps: Sequence[TokenLogprob]) -> ChatLogprobs:
+    content = []
+    for lp in lps:
+        text = _token_text(tokenizer, lp.token_id)
+        top = [
+            TopLogprob(token=(t := _token_text(tokenizer, tid)), logprob=v, bytes=list(t.encode()))
+            for tid, v in _finite_top(lp.top)
+        ]
+        content.append(ChatTokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+def _completion_logprobs(tokenizer: Tokenizer, lps: Sequence[TokenLogprob], offset: int) -> CompletionLogprobs:
+    """OpenAI's legacy shape; ``offset`` is the text offset of the first token given."""
+    out = CompletionLogprobs()
+    for lp in lps:
+        text = _token_text(tokenizer, lp.token_id)
+        out.tokens.append(text)
+        out.token_logprobs.append(lp.logprob)
+        out.top_logprobs.append({_token_text(tokenizer, tid): v for tid, v in _finite_top(lp.top)})
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+def _choices(group: RequestGroup, n: int) -> Iterator[tuple[int, CompletionOutput]]:
+    """(OpenAI choice index, completion) over the group's latest outputs: prompt-major, then n."""
+    for p, request_id in enumerate(group.request_ids):
+        out = group.latest.get(request_id)
+        if out is not None:
+            for c in out.outputs:
+                yield p * n + c.index, c
+
+
+def _usage(outputs: Sequence[RequestOutput]) -> Usage:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _group_usage(group: RequestGroup) -> Usage:
+    return _usage([group.latest[r] for r in group.request_ids if r in group.latest])
+
+
+def _raise_completion_error(c: CompletionOutput) -> None:
+    if c.error is not None:
+        raise EngineFailure(c.error)
+
+
+def _json(model: BaseModel) -> str:
+    return model.model_dump_json(exclude_none=True)
+
+
+def _sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+_SSE_DONE = "data: [DONE]\n\n"
+
+
+@dataclasses.dataclass
+class _Cursor:
+    """What one streamed choice has sent so far."""
+
+    text: int = 0
+    logprobs: int = 0
+    text_offset: int = 0
+    finished: bool = False
+
+    def take(self, c: CompletionOutput) -> tuple[str, list[TokenLogprob], str | None] | None:
+        """The unsent part of ``c`` (text delta, new logprobs, finish reason), or None if nothing."""
+        if self.finished:
+            return None
+        delta = c.text[self.text:] if len(c.text) > self.text else ""
+        lps = list((c.logprobs or [])[self.logprobs:])
+        finish = c.finish_reason
+        if not delta and not lps and finish is None:
+            return None
+        self.text += len(delta)
+        self.logprobs += len(lps)
+        self.finished = finish is not None
+        return delta, lps, finish
+
+
+class _ChatStream:
+    def __init__(self, server: _Server, rid: str, body: ChatCompletionRequest) -> None:
+        self.server = server
+        self.rid = rid
+        self.n = body.n
+        self.want_logprobs = body.logprobs
+        self.include_usage = body.include_usage
+        self.created = int(time.time())
+        self.cursors: dict[int, _Cursor] = {}
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+        chunk = ChatCompletionChunk(id=self.rid, created=self.created, model=self.server.model_name,
+                                    choices=choices, usage=usage)
+        return _json(chunk)
+
+    def start(self, num_prompts: int) -> list[str]:
+        opening = [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
+                   for i in range(num_prompts * self.n)]
+        return [self._chunk(opening)]
+
+    def update(self, group: RequestGroup) -> list[str]:
+        choices = []
+        for index, c in _choices(group, self.n):
+            part = self.cursors.setdefault(index, _Cursor()).take(c)
+            if part is None:
+                continue
+            _raise_completion_error(c)
+            delta, lps, finish = part
+            logprobs = _chat_logprobs(self.server.tokenizer, lps) if self.want_logprobs and lps else None
+            choices.append(ChatChunkChoice(index=index, delta=ChatDelta(content=delta or None),
+                                           logprobs=logprobs, finish_reason=finish))
+        return [self._chunk(choices)] if choices else []
+
+    def finish(self, group: RequestGroup) -> list[str]:
+        return [self._chunk([], _group_usage(group))] if self.include_usage else []
+
+
+class _CompletionStream:
+    def __init__(self, server: _Server, rid: str, body: CompletionRequest) -> None:
+        self.server = server
+        self.rid = rid
+        self.n = body.n
+        self.want_logprobs = body.logprobs is not None
+        self.include_usage = body.include_usage
+        self.created = int(time.time())
+        self.cursors: dict[int, _Cursor] = {}
+
+    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> str:
+        chunk = CompletionResponse(id=self.rid, created=self.created, model=self.server.model_name,
+                                   choices=choices, usage=usage)
+        return _json(chunk)
+
+    def start(self, num_prompts: int) -> list[str]:
+        return []
+
+    def update(self, group: RequestGroup) -> list[str]:
+        choices = []
+        for index, c in _choices(group, self.n):
+            cursor = self.cursors.setdefault(index, _Cursor())
+            part = cursor.take(c)
+            if part is None:
+                continue
+            _raise_completion_error(c)
+            delta, lps, finish = part
+            logprobs = None
+            if self.want_logprobs and lps:
+                logprobs = _completion_logprobs(self.server.tokenizer, lps, cursor.text_offset)
+                cursor.text_offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+            choices.append(CompletionChoice(index=index, text=delta, logprobs=logprobs, finish_reason=finish))
+        return [self._chunk(choices)] if choices else []
+
+    def finish(self, group: RequestGroup) -> list[str]:
+        return [self._chunk([], _group_usage(group))] if self.include_usage else []
+
+
+class _GenerateStream:
+    """SGLang's streaming shape: every event carries the cumulative text and ids so far."""
+
+    def __init__(self, server: _Server, started: float) -> None:
+        self.server = server
+        self.started = started
+        self.sent_tokens = -1
+
+    def start(self, num_prompts: int) -> list[str]:
+        return []
+
+    def update(self, group: RequestGroup) -> list[str]:
+        out = group.latest.get(group.request_ids[0])
+        if out is None or (len(out.token_ids) == self.sent_tokens and not out.finished):
+            return []
+        _raise_completion_error(out.outputs[0])
+        self.sent_tokens = len(out.token_ids)
+        return [_json(_generate_response(out, self.started))]
+
+    def finish(self, group: RequestGroup) -> list[str]:
+        return []
+
+
+def _generate_response(out: RequestOutput, started: float) -> GenerateResponse:
+    c = out.outputs[0]
+    m = out.metrics
+    finish: dict[str, Any] | None = None
+    if c.finish_reason is not None:
+        finish = {"type": c.finish_reason, **({"message": c.error} if c.error else {})}
+    meta = GenerateMetaInfo(
+        id=out.request_id,
+        prompt_tokens=len(out.prompt_token_ids),
+        completion_tokens=len(c.token_ids),
+        finish_reason=finish,
+        e2e_latency=time.perf_counter() - started,
+        ttft=m.get("ttft_s"),
+        spec_verify_steps=int(m.get("spec_verify_steps", 0)),
+        spec_accept_length=m.get("spec_accept_length"),
+        spec_accept_rate=m.get("spec_accept_rate"),
+    )
+    return GenerateResponse(text=c.text, output_ids=list(c.token_ids), meta_info=meta)
+
+
+# ------------------------------------------------------------------ server
+
+
+def _tokenize(engine: LLMEngine, prompt: Any) -> list[int]:
+    """Tokens of one prompt; template and tokenizer failures are the request's fault (400)."""
+    from jinja2 import TemplateError
+
+    try:
+        return engine.tokenize(prompt)
+    except InvalidRequestError:
+        raise
+    except (ValueError, TemplateError) as e:
+        raise InvalidRequestError(f"cannot tokenize the prompt: {e}") from None
+
+
+def _prepare(
+    engine: LLMEngine, prompts: Sequence[Any], kwargs: dict[str, Any], max_tokens: int | None
+) -> tuple[list[list[int]], SamplingParams]:
+    """Tokenize, build and validate the params, and compile the grammar (cached for the engine).
+
+    Runs on a worker thread: tokenizer encode, ``validate`` and grammar compilation are safe
+    there (pure functions of the tokenizer and config; the grammar backend is thread-safe).
+    """
+    ids = [_tokenize(engine, p) for p in prompts]
+    longest = max((len(i) for i in ids), default=0)
+    budget = max_tokens if max_tokens is not None else max(engine.max_model_len - longest, 1)
+    params = SamplingParams(max_tokens=budget, **kwargs)
+    for prompt_ids in ids:
+        engine.validate(prompt_ids, params)
+    spec = grammar_spec_from_request(params.json_schema, params.regex, params.ebnf, params.json_object)
+    if spec is not None:
+        engine.grammar_backend.compile(spec)
+    return ids, params
+
+
+class _Server:
+    """Handler logic shared by the routes; one per app."""
+
+    def __init__(self, engine: LLMEngine, loop: AsyncEngine, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.loop = loop
+        self.metrics = metrics
+        self.model_name = engine.model_name
+        self.tokenizer = engine.tokenizer
+        self.started = time.time()
+
+    def check_model(self, name: str | None) -> None:
+        if name in (None, "", self.model_name, DEFAULT_MODEL_ALIAS):
+            return
+        raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                       "invalid_request_error", param="model", code="model_not_found")
+
+    async def submit(
+        self, prompts: Sequence[Any], kwargs: dict[str, Any], max_tokens: int | None, prefix: str
+    ) -> RequestGroup:
+        ids, params = await asyncio.to_thread(_prepare, self.engine, prompts, kwargs, max_tokens)
+        return self.loop.submit(ids, params, prefix)
+
+    async def _progress(self, request: Request, group: RequestGroup) -> AsyncIterator[None]:
+        """Yields after each batch of engine progress; raises ClientDisconnected if the client left."""
+        last_check = 0.0
+        while not group.done:
+            now = time.monotonic()
+            if now - last_check >= _DISCONNECT_CHECK_S:
+                last_check = now
+                if await request.is_disconnected():
+                    raise ClientDisconnected()
+            if await group.wait_update(_POLL_S):
+                yield
+
+    async def collect(self, request: Request, group: RequestGroup) -> None:
+        """Wait until every request of the group finished (aborting them if we stop early)."""
+        try:
+            async for _ in self._progress(request, group):
+                pass
+        finally:
+            group.abort()
+        for _, c in _choices(group, 1):
+            _raise_completion_error(c)
+
+    def stream(self, request: Request, group: RequestGroup, renderer: Any) -> StreamingResponse:
+        return StreamingResponse(self._events(request, group, renderer), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _events(self, request: Request, group: RequestGroup, renderer: Any) -> AsyncIterator[str]:
+        # Cancellation (the client went away) lands in ``finally`` too, which aborts the requests.
+        try:
+            for payload in renderer.start(len(group.request_ids)):
+                yield _sse(payload)
+            async for _ in self._progress(request, group):
+                for payload in renderer.update(group):
+                    yield _sse(payload)
+            for payload in renderer.finish(group):
+                yield _sse(payload)
+            yield _SSE_DONE
+        except ClientDisconnected:
+            return
+        except Exception as e:  # headers are sent: report the error in-band, OpenAI style
+            error = _as_api_error(e)
+            if error.status >= 500:
+                log.error("stream failed", exc_info=e)
+            yield _sse(ErrorResponse(error=error.info).model_dump_json())
+            yield _SSE_DONE
+        finally:
+            group.abort()
+
+    def server_info(self) -> dict[str, Any]:
+        snap = self.loop.snapshot
+        stats = dataclasses.asdict(snap.stats)
+        stats["avg_spec_accept_length"] = snap.stats.avg_spec_accept_length
+        stats["avg_step_seconds"] = snap.stats.step_seconds / snap.stats.steps if snap.stats.steps else 0.0
+        return {
+            "model": self.model_name,
+            "served_model_names": [self.model_name, DEFAULT_MODEL_ALIAS],
+            "max_model_len": self.engine.max_model_len,
+            "max_queue": self.loop.max_queue,
+            "engine_alive": self.loop.alive,
+            "uptime_s": time.time() - self.started,
+            "num_running": snap.num_running,
+            "num_waiting": snap.num_waiting,
+            "num_inflight": snap.num_inflight,
+            "kv_pages_free": snap.kv_pages_free,
+            "kv_pages_total": snap.kv_pages_total,
+            "kv_page_size": self.engine.blocks.page_size,
+            "kv_usage": snap.kv_usage,
+            "avg_spec_accept_length": snap.stats.avg_spec_accept_length,
+            "stats": stats,
+            "config": _jsonable(dataclasses.asdict(self.engine.config)),
+        }
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
+
+
+# ------------------------------------------------------------------ routes
+
+
+def _install_routes(app: FastAPI, s: _Server, api_key: str | None) -> None:
+    guarded = [Depends(_auth_dependency(api_key))]
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not s.loop.alive:
+            raise APIError(503, "the engine loop is not running", "service_unavailable")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models", dependencies=guarded)
+    async def models() -> Response:
+        card = ModelCard(id=s.model_name, created=int(s.started), max_model_len=s.engine.max_model_len)
+        return Response(_json(ModelList(data=[card])), media_type="application/json")
+
+    @app.post("/v1/chat/completions", dependencies=guarded)
+    async def chat(request: Request, body: ChatCompletionRequest) -> Response:
+        s.check_model(body.model)
+        messages = body.template_messages()
+        group = await s.submit([messages], body.sampling_kwargs(), body.requested_max_tokens, "chatcmpl")
+        rid = group.request_ids[0]
+        if body.stream:
+            return s.stream(request, group, _ChatStream(s, rid, body))
+        try:
+            await s.collect(request, group)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        return Response(_json(_chat_response(s, rid, body, group)), media_type="application/json")
+
+    @app.post("/v1/completions", dependencies=guarded)
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        s.check_model(body.model)
+        group = await s.submit(body.prompts(), body.sampling_kwargs(), body.max_tokens, "cmpl")
+        rid = group.request_ids[0]
+        if body.stream:
+            return s.stream(request, group, _CompletionStream(s, rid, body))
+        try:
+            await s.collect(request, group)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        return Response(_json(_completion_response(s, rid, body, group)), media_type="application/json")
+
+    @app.post("/generate", dependencies=guarded)
+    async def generate(request: Request, body: GenerateRequest) -> Response:
+        started = time.perf_counter()
+        sp = body.sampling_params.sampling_kwargs()
+        max_tokens = sp.pop("max_tokens")
+        group = await s.submit(body.prompts(), sp, max_tokens, "gen")
+        if body.stream:
+            return s.stream(request, group, _GenerateStream(s, started))
+        try:
+            await s.collect(request, group)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        results = [_generate_response(group.latest[r], started).model_dump() for r in group.request_ids]
+        return JSONResponse(results if body.is_batch else results[0])
+
+    @app.get("/server_info", dependencies=guarded)
+    async def server_info() -> Response:
+        return JSONResponse(s.server_info())
+
+    @app.get("/metrics", dependencies=guarded)
+    async def metrics() -> Response:
+        return Response(s.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _chat_response(s: _Server, rid: str, body: ChatCompletionRequest, group: RequestGroup) -> ChatCompletionResponse:
+    choices = []
+    for index, c in _choices(group, body.n):
+        logprobs = _chat_logprobs(s.tokenizer, c.logprobs) if body.logprobs and c.logprobs is not None else None
+        choices.append(ChatChoice(index=index, message=AssistantMessage(content=c.text), logprobs=logprobs,
+                                  finish_reason=c.finish_reason))
+    return ChatCompletionResponse(id=rid, model=s.model_name, choices=choices, usage=_group_usage(group))
+
+
+def _completion_response(s: _Server, rid: str, body: CompletionRequest, group: RequestGroup) -> CompletionResponse:
+    choices = []
+    for index, c in _choices(group, body.n):
+        logprobs = None
+        if body.logprobs is not None and c.logprobs is not None:
+            logprobs = _completion_logprobs(s.tokenizer, c.logprobs, 0)
+        choices.append(CompletionChoice(index=index, text=c.text, logprobs=logprobs, finish_reason=c.finish_reason))
+    return CompletionResponse(id=rid, created=int(time.time()), model=s.model_name, choices=choices,
+                              usage=_group_usage(group))
+
+
+# ------------------------------------------------------------------ public
+
+
+def create_app(
+    engine: LLMEngine | Mapping[str, Any] | None = None, api_key: str | None = None, max_queue: int = 256
+) -> FastAPI:
+    """An app serving ``engine`` (or a new engine built from keyword arguments, as ``LLM`` takes).
+
+    The engine loop thread starts with the app's lifespan and stops with it. ``app.state.server``
+    exposes the engine, the loop (``.loop``, whose ``max_queue`` may be changed live) and metrics.
+    """
+    llm_engine = engine if isinstance(engine, LLMEngine) else LLMEngine(build_engine_config(**dict(engine or {})))
+    llm_engine.grammar_backend  # build it now: handler threads must share one, not race to create it
+    metrics = ServerMetrics()
+    server = _Server(llm_engine, AsyncEngine(llm_engine, max_queue, metrics), metrics)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        server.loop.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(server.loop.stop)
+
+    app = FastAPI(title="ngrammar", lifespan=lifespan)
+    app.state.server = server
+    app.add_middleware(_CountRequests, metrics=metrics)
+    _install_error_handlers(app)
+    _install_routes(app, server, api_key)
+    return app
+
+
+def serve(args: argparse.Namespace) -> int:
+    """``ngrammar serve``: build the engine from the CLI flags and run uvicorn until interrupted."""
+    import uvicorn
+
+    from ngrammar.cli import engine_kwargs
+
+    app = create_app(engine_kwargs(args), api_key=args.api_key, max_queue=args.max_queue)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,305 @@
+"""AsyncEngine: the (thread-unsafe) LLMEngine driven by one background thread, fed from asyncio.
+
+Threading contract:
+- Every call into the engine's mutable state (add_request, abort, step) happens on the loop
+  thread. Handlers only enqueue commands on a thread-safe queue, which the loop drains between
+  steps, so requests from all connections join the same continuous batch.
+- Outputs travel back through ``loop.call_soon_threadsafe`` into the ``asyncio.Queue`` of the
+  handler's ``RequestGroup``; only the event loop touches that queue.
+- Readers on other threads see engine state only through ``snapshot``, an immutable value the loop
+  thread replaces after every iteration.
+
+Admission is bounded: ``max_queue`` caps accepted-but-unfinished engine requests; ``submit``
+raises ``QueueFull`` beyond it, so overload turns into fast 503s rather than unbounded memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Union
+
+from ngrammar.engine.engine import EngineStats, LLMEngine
+from ngrammar.outputs import RequestOutput
+from ngrammar.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ngrammar.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.05  # how long an idle loop blocks on the command queue before refreshing its snapshot
+_FAILURE_BACKOFF_S = 0.05  # pause after a failed step, so a persistently broken engine cannot spin
+
+
+class QueueFull(Exception):
+    """More requests are in flight than the server admits; the client should retry later."""
+
+    def __init__(self, limit: int, retry_after_s: int = 1) -> None:
+        super().__init__(f"the server is at capacity ({limit} requests in flight); retry later")
+        self.retry_after_s = retry_after_s
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine loop is not running (not started yet, stopped, or failed)."""
+
+
+class EngineFailure(RuntimeError):
+    """The engine raised while running this request; the request was aborted."""
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    num_running: int  # sequences in the running batch
+    num_waiting: int  # sequences queued in the scheduler plus submissions not yet picked up
+    num_inflight: int  # engine requests admitted by ``submit`` and not finished
+    kv_pages_free: int
+    kv_pages_total: int
+    kv_usage: float
+    stats: EngineStats
+    taken_at: float
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    group: RequestGroup
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Wake:
+    """Sent by ``stop`` so a blocked loop notices the stop flag at once."""
+
+
+_Command = Union[_Add, _Abort, _Wake]
+_Item = Union[RequestOutput, BaseException]
+
+
+class RequestGroup:
+    """The engine requests of one HTTP request (one per prompt) and their latest outputs.
+
+    Lives on the event loop. Engine outputs are cumulative (full text so far), so updates that
+    queue up while a client is slow can be folded into the newest one without losing anything.
+    """
+
+    def __init__(self, owner: AsyncEngine, request_ids: list[str]) -> None:
+        self.request_ids = request_ids
+        self.latest: dict[str, RequestOutput] = {}
+        self._owner = owner
+        self._queue: asyncio.Queue[tuple[str, _Item]] = asyncio.Queue()
+        self._open = set(request_ids)
+
+    @property
+    def done(self) -> bool:
+        return not self._open
+
+    def push(self, request_id: str, item: _Item) -> None:
+        """Called on the event loop (via call_soon_threadsafe) by the engine thread."""
+        self._queue.put_nowait((request_id, item))
+
+    async def wait_update(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for progress and fold in every queued update.
+
+        Returns whether anything arrived; re-raises an error the engine reported for a request.
+        """
+        try:
+            first = await asyncio.wait_for(self._queue.get(), timeout_s)
+        except TimeoutError:
+            return False
+        self._apply(first)
+        while not self._queue.empty():
+            self._apply(self._queue.get_nowait())
+        return True
+
+    def _apply(self, entry: tuple[str, _Item]) -> None:
+        request_id, item = entry
+        if isinstance(item, BaseException):
+            self._open.discard(request_id)
+            raise item
+        self.latest[request_id] = item
+        if item.finished:
+            self._open.discard(request_id)
+
+    def abort(self) -> None:
+        """Abort what has not finished (idempotent; the engine frees their KV pages)."""
+        for request_id in self._open:
+            self._owner.abort(request_id)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_queue: int = 256, metrics: ServerMetrics | None = None) -> None:
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be positive, got {max_queue}")
+        self.engine = engine
+        self.max_queue = max_queue  # read at each submit, so it may be changed while running
+        self.metrics = metrics
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards _inflight, shared by handlers and the loop thread
+        self._inflight = 0
+        self._groups: dict[str, RequestGroup] = {}  # loop thread only
+        self._emitted: dict[str, int] = {}  # tokens counted into metrics so far; loop thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self.snapshot = self._take_snapshot()
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start the loop thread; call from the event loop that will consume the outputs."""
+        if self.alive:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._run, name="ngrammar-engine-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._stopping.set()
+        self._commands.put(_Wake())
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ------------------------------------------------------ handler-side API
+    def submit(self, prompts: list[list[int]], params: SamplingParams, prefix: str = "req") -> RequestGroup:
+        """Queue one engine request per (already validated) prompt; raises QueueFull or EngineUnavailable."""
+        if not self.alive:
+            raise EngineUnavailable("the engine loop is not running")
+        with self._lock:
+            if self._inflight + len(prompts) > self.max_queue:
+                raise QueueFull(self.max_queue)
+            self._inflight += len(prompts)
+        ids = [f"{prefix}-{uuid.uuid4().hex}" for _ in prompts]
+        group = RequestGroup(self, ids)
+        for request_id, prompt_ids in zip(ids, prompts):
+            self._commands.put(_Add(request_id, prompt_ids, params, group))
+        return group
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    # ----------------------------------------------------------- loop thread
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._drain_commands(block=not self.engine.has_unfinished())
+            if self.engine.has_unfinished():
+                self._step()
+            self._publish()
+        self._fail_all(EngineUnavailable("the server is shutting down"))
+        self._publish()
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, command: _Command) -> None:
+        if isinstance(command, _Add):
+            self._admit(command)
+        elif isinstance(command, _Abort):
+            self.engine.abort(command.request_id)
+
+    def _admit(self, add: _Add) -> None:
+        try:
+            self.engine.add_request(add.prompt_ids, add.params, add.request_id)
+        except Exception as e:  # bad input the handler's checks missed: fail this request only
+            self._release(add.request_id)
+            self._deliver(add.group, add.request_id, e)
+            return
+        self._groups[add.request_id] = add.group
+        if self.metrics is not None:
+            self.metrics.observe_admitted(len(add.prompt_ids))
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # an engine bug must not take the server down: fail what was running
+            log.exception("engine step failed; aborting %d requests", len(self._groups))
+            self._fail_all(EngineFailure(f"the engine failed: {type(e).__name__}: {e}"))
+            time.sleep(_FAILURE_BACKOFF_S)
+            return
+        new_tokens = sum(self._count_new_tokens(out) for out in outputs)
+        if self.metrics is not None:
+            self.metrics.observe_step(self.engine.stats.last_step_seconds, new_tokens)
+        for out in outputs:
+            self._dispatch(out)
+
+    def _count_new_tokens(self, out: RequestOutput) -> int:
+        total = sum(len(c.token_ids) for c in out.outputs)
+        before = self._emitted.get(out.request_id, 0)
+        self._emitted[out.request_id] = total
+        return max(total - before, 0)
+
+    def _dispatch(self, out: RequestOutput) -> None:
+        group = self._groups.get(out.request_id)
+        if group is None:  # already failed and released; the engine is reporting the abort
+            return
+        if out.finished:
+            self._release(out.request_id)
+            if self.metrics is not None:
+                self.metrics.observe_finished(out)
+        self._deliver(group, out.request_id, out)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id, group in list(self._groups.items()):
+            try:
+                self.engine.abort(request_id)
+            except Exception:
+                log.exception("abort of %s failed", request_id)
+            self._release(request_id)
+            self._deliver(group, request_id, error)
+
+    def _release(self, request_id: str) -> None:
+        self._groups.pop(request_id, None)
+        self._emitted.pop(request_id, None)
+        with self._lock:
+            self._inflight -= 1
+
+    def _deliver(self, group: RequestGroup, request_id: str, item: _Item) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(group.push, request_id, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def _publish(self) -> None:
+        self.snapshot = self._take_snapshot()
+        if self.metrics is not None:
+            self.metrics.set_gauges(self.snapshot)
+
+    def _take_snapshot(self) -> EngineSnapshot:
+        e = self.engine
+        pool = e.blocks.allocator
+        return EngineSnapshot(
+            num_running=len(e.scheduler.running),
+            num_waiting=len(e.scheduler.waiting) + self._commands.qsize(),
+            num_inflight=self._inflight,
+            kv_pages_free=pool.num_free,
+            kv_pages_total=pool.num_pages,
+            kv_usage=e.kv_usage(),
+            stats=dataclasses.replace(e.stats),
+            taken_at=time.time(),
+        )

@@ -1,0 +1,88 @@
+"""Prometheus metrics for one server: a private registry, so several apps in a process stay apart.
+
+Counters and histograms are fed as events happen (HTTP middleware, the engine loop thread);
+gauges are set from the engine snapshot the loop publishes after every step. prometheus-client
+objects are thread-safe, so both threads may update them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from ngrammar.outputs import RequestOutput
+    from ngrammar.server.engine_loop import EngineSnapshot
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_ACCEPT_BUCKETS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0)
+
+
+class ServerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.http_requests = Counter(
+            "ngrammar_http_requests", "HTTP requests answered, by endpoint and status", ["endpoint", "status"],
+            registry=r,
+        )
+        self.requests_finished = Counter(
+            "ngrammar_requests_finished", "Engine requests finished, by finish reason", ["finish_reason"], registry=r
+        )
+        self.prompt_tokens = Counter("ngrammar_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("ngrammar_generation_tokens", "Tokens generated", registry=r)
+        self.queue_depth = Gauge(
+            "ngrammar_queue_depth", "Requests waiting for admission to the running batch", registry=r
+        )
+        self.running = Gauge("ngrammar_num_running", "Sequences in the running batch", registry=r)
+        self.inflight = Gauge(
+            "ngrammar_num_inflight", "Requests accepted and not finished (bounded by max_queue)", registry=r
+        )
+        self.kv_usage = Gauge("ngrammar_kv_cache_usage", "Fraction of KV cache pages in use", registry=r)
+        self.accept_length = Histogram(
+            "ngrammar_spec_accept_length", "Mean tokens per verify step, per finished request",
+            buckets=_ACCEPT_BUCKETS, registry=r,
+        )
+        self.step_time = Histogram("ngrammar_step_seconds", "Engine step time", buckets=_STEP_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "ngrammar_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.e2e_latency = Histogram(
+            "ngrammar_e2e_request_latency_seconds", "Request latency in the engine", buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+
+    def observe_http(self, endpoint: str, status: int) -> None:
+        self.http_requests.labels(endpoint, str(status)).inc()
+
+    def observe_admitted(self, prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def observe_step(self, seconds: float, new_tokens: int) -> None:
+        self.step_time.observe(seconds)
+        if new_tokens:
+            self.generation_tokens.inc(new_tokens)
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        for completion in out.outputs:
+            self.requests_finished.labels(completion.finish_reason or "unknown").inc()
+        m = out.metrics
+        if "ttft_s" in m:
+            self.ttft.observe(m["ttft_s"])
+        if "e2e_latency_s" in m:
+            self.e2e_latency.observe(m["e2e_latency_s"])
+        if "spec_accept_length" in m:
+            self.accept_length.observe(m["spec_accept_length"])
+
+    def set_gauges(self, snap: EngineSnapshot) -> None:
+        self.queue_depth.set(snap.num_waiting)
+        self.running.set(snap.num_running)
+        self.inflight.set(snap.num_inflight)
+        self.kv_usage.set(snap.kv_usage)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,399 @@
+"""Wire formats: OpenAI-compatible and native request/response bodies as pydantic models.
+
+Request models validate shapes and simple ranges (FastAPI turns failures into 400s); the engine's
+``SamplingParams`` re-validates everything, so these bounds are a first line, not the only one.
+Each request model knows how to express itself as ``SamplingParams`` keyword arguments.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ngrammar.sampling_params import MAX_LOGPROBS, InvalidRequestError
+
+# ------------------------------------------------------------------ errors
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# ----------------------------------------------------------- shared pieces
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str = "schema"
+    description: str | None = None
+    # "schema" would shadow a BaseModel attribute, hence the alias.
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(populate_by_name=True)
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return self
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class _OpenAIRequest(BaseModel):
+    """Fields shared by chat and text completions; unknown fields are ignored, as OpenAI clients
+    send many optional ones. Fields whose semantics we do not implement fail loudly instead."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=-1)
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = Field(default=1, ge=1, le=64)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    # SGLang-style structured-output extensions, given directly in the body.
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: dict[str, Any] | bool | str | None = None
+    # Accepted only at their no-op values.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    tools: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _reject_unsupported(self) -> _OpenAIRequest:
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty and frequency_penalty are not supported")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if self.tools:
+            raise ValueError("tools are not supported")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """SamplingParams arguments except max_tokens (whose default depends on the prompt)."""
+        kw: dict[str, Any] = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "seed": self.seed,
+            "n": self.n,
+            "stop": _stop_tuple(self.stop),
+            "stop_token_ids": tuple(self.stop_token_ids or ()),
+            "ignore_eos": self.ignore_eos,
+            "regex": self.regex,
+            "ebnf": self.ebnf,
+        }
+        kw.update(self._grammar_kwargs())
+        return kw
+
+    def _grammar_kwargs(self) -> dict[str, Any]:
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return {"json_schema": self.json_schema}
+        if self.json_schema is not None:
+            raise InvalidRequestError("give either response_format or json_schema, not both")
+        if fmt.type == "json_object":
+            return {"json_object": True}
+        assert fmt.json_schema is not None  # checked by ResponseFormat
+        return {"json_schema": fmt.json_schema.schema_}
+
+
+def _stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+# ------------------------------------------------------------------- chat
+
+
+class ContentPart(BaseModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def as_template_dict(self) -> dict[str, str]:
+        """The {"role", "content"} dict chat templates expect; only text parts are understood."""
+        if self.content is None or isinstance(self.content, str):
+            return {"role": self.role, "content": self.content or ""}
+        if any(p.type != "text" or p.text is None for p in self.content):
+            raise InvalidRequestError("only text content parts are supported")
+        return {"role": self.role, "content": "".join(p.text or "" for p in self.content)}
+
+
+class ChatCompletionRequest(_OpenAIRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [m.as_template_dict() for m in self.messages]
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        kw = super().sampling_kwargs()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs=true")
+        kw["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
+        return kw
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+# ------------------------------------------------------ text completions
+
+
+class CompletionRequest(_OpenAIRequest):
+    # One prompt (text or token ids) or a batch of them.
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for this endpoint
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _reject_unsupported_completion_fields(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts; a flat list of ints is one tokenized prompt."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [p]  # type: ignore[list-item]
+        return list(p) if p else [[]]  # type: ignore[arg-type]
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        kw = super().sampling_kwargs()
+        kw["logprobs"] = self.logprobs
+        return kw
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+# ------------------------------------------------------------------ models
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "ngrammar"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ------------------------------------------------------- native /generate
+
+
+class NativeSamplingParams(BaseModel):
+    """SGLang-style ``sampling_params``; unknown keys are errors so typos do not pass silently."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int = Field(default=128, ge=1)
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=-1, ge=-1)
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: dict[str, Any] | bool | str | None = None
+    json_object: bool = False
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        return {
+            "max_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "seed": self.seed,
+            "stop": _stop_tuple(self.stop),
+            "stop_token_ids": tuple(self.stop_token_ids or ()),
+            "ignore_eos": self.ignore_eos,
+            "regex": self.regex,
+            "ebnf": self.ebnf,
+            "json_schema": self.json_schema,
+            "json_object": self.json_object,
+        }
+
+
+class GenerateRequest(BaseModel):
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
+    stream: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> GenerateRequest:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of text or input_ids")
+        if self.stream and self.is_batch:
+            raise ValueError("streaming supports a single prompt")
+        return self
+
+    @property
+    def is_batch(self) -> bool:
+        if isinstance(self.text, list):
+            return True
+        return bool(self.input_ids) and isinstance(self.input_ids[0], list)  # type: ignore[index]
+
+    def prompts(self) -> list[str | list[int]]:
+        if self.text is not None:
+            return list(self.text) if isinstance(self.text, list) else [self.text]
+        ids = self.input_ids or []
+        return list(ids) if self.is_batch else [ids]  # type: ignore[list-item]
+
+
+class GenerateMetaInfo(BaseModel):
+    id: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: dict[str, Any] | None
+    e2e_latency: float
+    ttft: float | None = None
+    spec_verify_steps: int = 0
+    spec_accept_length: float | None = None
+    spec_accept_rate: float | None = None
+
+
+class GenerateResponse(BaseModel):
+    text: str
+    output_ids: list[int]
+    meta_info: GenerateMetaInfo

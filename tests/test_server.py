@@ -1,0 +1,425 @@
+"""The HTTP server end to end: a real uvicorn server on 127.0.0.1 with the embedded model.
+
+One server (NGRAM speculation on, so structured requests exercise the tree-verify paths) is
+started per module in a daemon thread; tests talk to it with the official ``openai`` client and
+plain ``httpx``. Outputs stay short (<= 32 tokens): CPU decoding costs tens of ms per token.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterator
+
+import httpx
+import jsonschema
+import openai
+import pytest
+import uvicorn
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from ngrammar import LLM, SamplingParams
+from ngrammar.server import create_app
+
+ENGINE_KWARGS: dict[str, Any] = dict(device="cpu", dtype="float32", kv_cache_tokens=16384, speculative="ngram")
+
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+PHONE_REGEX = r"[0-9]{3}-[0-9]{4}"
+
+
+class LiveServer:
+    def __init__(self) -> None:
+        self.app = create_app(ENGINE_KWARGS)
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            assert self.thread.is_alive(), "the server thread died"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+    @property
+    def state(self) -> Any:
+        return self.app.state.server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def live() -> Iterator[LiveServer]:
+    server = LiveServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def http(live: LiveServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=live.url, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def oai(live: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    """A second, offline copy of the same engine configuration, to compare greedy outputs with."""
+    return LLM(**ENGINE_KWARGS)
+
+
+def wait_idle(http: httpx.Client, timeout_s: float = 20.0) -> dict[str, Any]:
+    """Poll /server_info until nothing runs and every KV page is free; returns the last info."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = http.get("/server_info").json()
+        idle = info["num_inflight"] == 0 and info["num_running"] == 0 and info["num_waiting"] == 0
+        if idle and info["kv_pages_free"] == info["kv_pages_total"]:
+            return info
+        assert time.monotonic() < deadline, f"the server did not go idle: {info}"
+        time.sleep(0.05)
+
+
+def assert_error(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    return error
+
+
+def chat_messages(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+# ----------------------------------------------------------- openai client
+
+
+def test_chat_completion_with_openai_client(oai: openai.OpenAI) -> None:
+    resp = oai.chat.completions.create(
+        model="default", messages=chat_messages("Say hello."), max_tokens=12, temperature=0  # type: ignore[arg-type]
+    )
+    choice = resp.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert resp.usage is not None and resp.usage.completion_tokens <= 12
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+
+def test_text_completion_with_openai_client(oai: openai.OpenAI, live: LiveServer) -> None:
+    model = live.state.model_name
+    resp = oai.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert resp.model == model
+    assert resp.choices[0].text
+    assert resp.usage is not None and resp.usage.completion_tokens == 8  # no EOS that early: length
+
+
+def test_streaming_joins_to_the_non_streaming_text(oai: openai.OpenAI) -> None:
+    args: dict[str, Any] = dict(model="default", messages=chat_messages("Name three colors."), max_tokens=24,
+                                temperature=0)
+    full = oai.chat.completions.create(**args)
+    chunks = list(oai.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens  # type: ignore[union-attr]
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens  # type: ignore[union-attr]
+
+
+def test_completion_stream_usage(oai: openai.OpenAI) -> None:
+    chunks = list(oai.completions.create(model="default", prompt="One, two, three,", max_tokens=10, temperature=0,
+                                         stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices)
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 10
+
+
+def test_response_format_json_schema(oai: openai.OpenAI) -> None:
+    resp = oai.chat.completions.create(
+        model="default",
+        messages=chat_messages("Give me a JSON object for Alice, 30 years old."),  # type: ignore[arg-type]
+        max_tokens=32,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON_SCHEMA}},
+    )
+    assert resp.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(resp.choices[0].message.content or ""), PERSON_SCHEMA)
+
+
+def test_regex_via_extra_body(oai: openai.OpenAI) -> None:
+    resp = oai.completions.create(model="default", prompt="My phone number is", max_tokens=16, temperature=0,
+                                  extra_body={"regex": PHONE_REGEX})
+    assert re.fullmatch(PHONE_REGEX, resp.choices[0].text)
+
+
+def test_json_object_response_format(oai: openai.OpenAI) -> None:
+    resp = oai.chat.completions.create(
+        model="default", messages=chat_messages("Reply with a JSON object holding a key 'ok'."),  # type: ignore[arg-type]
+        max_tokens=32, temperature=0, response_format={"type": "json_object"},
+    )
+    text = resp.choices[0].message.content or ""
+    if resp.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    else:  # cut at max_tokens: still a prefix of a JSON object
+        assert text.lstrip().startswith("{")
+
+
+def test_chat_logprobs_and_n(oai: openai.OpenAI) -> None:
+    resp = oai.chat.completions.create(
+        model="default", messages=chat_messages("Pick a number."), max_tokens=6,  # type: ignore[arg-type]
+        temperature=0.8, seed=7, n=2, logprobs=True, top_logprobs=2,
+    )
+    assert sorted(c.index for c in resp.choices) == [0, 1]
+    for choice in resp.choices:
+        assert choice.logprobs is not None and choice.logprobs.content
+        assert all(len(t.top_logprobs) <= 2 and t.logprob <= 0 for t in choice.logprobs.content)
+    assert resp.usage is not None
+    assert resp.usage.completion_tokens == sum(len(c.logprobs.content) for c in resp.choices)  # type: ignore[union-attr]
+
+
+# ----------------------------------------------------------------- native
+
+
+def test_generate_native(http: httpx.Client) -> None:
+    body = {"text": "My phone number is", "sampling_params": {"max_new_tokens": 16, "temperature": 0,
+                                                               "regex": PHONE_REGEX}}
+    out = http.post("/generate", json=body).json()
+    assert re.fullmatch(PHONE_REGEX, out["text"])
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "stop"}
+    assert meta["completion_tokens"] == len(out["output_ids"]) and meta["prompt_tokens"] > 0
+    assert meta["e2e_latency"] > 0 and "spec_accept_length" in meta and "spec_verify_steps" in meta
+
+
+def test_generate_native_stream_and_input_ids(http: httpx.Client, live: LiveServer) -> None:
+    ids = live.state.tokenizer.encode("Once upon a time")
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0}, "stream": True}
+    events = []
+    with http.stream("POST", "/generate", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: "):])
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["meta_info"]["completion_tokens"] == 8 and len(last["output_ids"]) == 8
+    plain = http.post("/generate", json={**body, "stream": False}).json()
+    assert plain["text"] == last["text"]
+
+
+def test_models_health_and_server_info(http: httpx.Client, live: LiveServer) -> None:
+    assert http.get("/health").json() == {"status": "ok"}
+    models = http.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [live.state.model_name]
+    info = wait_idle(http)
+    assert info["stats"]["steps"] > 0
+    assert info["avg_spec_accept_length"] >= 0
+    assert info["config"]["speculative"]["num_draft_tokens"] >= 1
+
+
+# -------------------------------------------------------------- concurrency
+
+
+def mixed_workload() -> list[tuple[str, dict[str, Any], Any, SamplingParams]]:
+    """32 greedy requests (endpoint, body, offline prompt, offline params), half structured."""
+    topics = ["the sea", "a robot", "winter", "coffee", "a city", "music", "a cat", "the moon"]
+    work = []
+    for i, topic in enumerate(topics):
+        params = SamplingParams(max_tokens=20, temperature=0)
+        msgs = chat_messages(f"Write one sentence about {topic}.")
+        work.append(("/v1/chat/completions", {"messages": msgs, "max_tokens": 20, "temperature": 0}, msgs, params))
+        prompt = f"Here is a short story about {topic}:"
+        work.append(("/v1/completions", {"prompt": prompt, "max_tokens": 20, "temperature": 0}, prompt, params))
+        schema_params = SamplingParams(max_tokens=32, temperature=0, json_schema=PERSON_SCHEMA)
+        msgs = chat_messages(f"Describe a person who loves {topic} as JSON with name and age.")
+        body = {"messages": msgs, "max_tokens": 32, "temperature": 0,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON_SCHEMA}}}
+        work.append(("/v1/chat/completions", body, msgs, schema_params))
+        regex_params = SamplingParams(max_tokens=16, temperature=0, regex=PHONE_REGEX)
+        prompt = f"Call the {topic} hotline at"
+        body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "regex": PHONE_REGEX}
+        work.append(("/v1/completions", body, prompt, regex_params))
+    return work
+
+
+def response_text(endpoint: str, body: dict[str, Any]) -> str:
+    choice = body["choices"][0]
+    return str(choice["message"]["content"] if endpoint == "/v1/chat/completions" else choice["text"])
+
+
+def test_concurrent_mixed_requests_match_offline(http: httpx.Client, offline: LLM) -> None:
+    work = mixed_workload()
+    with ThreadPoolExecutor(len(work)) as pool:
+        responses = list(pool.map(lambda w: http.post(w[0], json=w[1]), work))
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
+    served = [response_text(w[0], r.json()) for w, r in zip(work, responses)]
+    expected = [
+        (offline.chat(prompt, params) if isinstance(prompt, list) else offline.generate(prompt, params))[0].text
+        for _, _, prompt, params in work
+    ]
+    assert served == expected
+    for (_, _, _, params), text in zip(work, served):
+        if params.json_schema is not None:
+            jsonschema.validate(json.loads(text), PERSON_SCHEMA)
+        if params.regex is not None:
+            assert re.fullmatch(PHONE_REGEX, text)
+    wait_idle(http)
+
+
+# ------------------------------------------------------------ cancellation
+
+
+def test_cancelled_stream_frees_kv_pages(http: httpx.Client, live: LiveServer) -> None:
+    wait_idle(http)
+    body = {"messages": chat_messages("Tell me a very long story."), "max_tokens": 2000, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=live.url, timeout=60) as own:
+        with own.stream("POST", "/v1/chat/completions", json=body) as r:
+            received = 0
+            for line in r.iter_lines():
+                received += line.startswith("data: ")
+                if received >= 4:  # the role chunk and three content chunks: generation is under way
+                    break
+            busy = http.get("/server_info").json()
+            assert busy["num_inflight"] == 1 and busy["kv_pages_free"] < busy["kv_pages_total"]
+    info = wait_idle(http, timeout_s=10)  # 2000 tokens would take minutes: only an abort is this fast
+    assert info["kv_pages_free"] == info["kv_pages_total"]
+
+
+def test_disconnected_non_streaming_request_is_aborted(http: httpx.Client, live: LiveServer) -> None:
+    wait_idle(http)
+    body = {"prompt": "Count to a thousand:", "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(base_url=live.url, timeout=1.5) as impatient:
+        with pytest.raises(httpx.ReadTimeout):
+            impatient.post("/v1/completions", json=body)
+    wait_idle(http, timeout_s=10)
+
+
+# ----------------------------------------------------------------- errors
+
+
+def test_invalid_inputs_get_openai_errors(http: httpx.Client) -> None:
+    msgs = chat_messages("hi")
+    bad_schema = {"type": "object", "properties": {"a": {"type": "strin"}}}
+    cases: list[tuple[str, dict[str, Any], int, str | None]] = [
+        ("/v1/chat/completions", {"messages": msgs, "json_schema": bad_schema}, 400, None),
+        ("/v1/chat/completions", {"messages": msgs, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": bad_schema}}}, 400, None),
+        ("/v1/completions", {"prompt": "x", "regex": "(unclosed"}, 400, None),
+        ("/generate", {"text": "x", "sampling_params": {"ebnf": "root ::= oops("}}, 400, None),
+        ("/v1/completions", {"prompt": "hello " * 9000, "max_tokens": 4}, 400, None),
+        ("/v1/chat/completions", {"messages": msgs, "temperature": -1}, 400, "temperature"),
+        ("/v1/chat/completions", {"messages": msgs, "top_p": 0}, 400, "top_p"),
+        ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+        ("/v1/completions", {"prompt": [10**9], "max_tokens": 4}, 400, None),
+        ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 4, "typo": 1}}, 400, None),
+        ("/v1/chat/completions", {"model": "gpt-4o", "messages": msgs}, 404, "model"),
+    ]
+    for path, body, status, param in cases:
+        error = assert_error(http.post(path, json=body), status)
+        if param is not None:
+            assert error["param"] == param, (path, body, error)
+    assert "prompt is" in assert_error(http.post("/v1/completions", json=cases[4][1]), 400)["message"]
+    malformed = http.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert_error(malformed, 400)
+    assert_error(http.get("/no/such/route"), 404)
+    ok = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4, "temperature": 0})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"]
+    wait_idle(http)
+
+
+def test_openai_client_raises_typed_errors(oai: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model="nope", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        oai.completions.create(model="default", prompt="x", max_tokens=2, extra_body={"regex": "[a-"})
+
+
+def test_queue_bound_answers_503_with_retry_after(http: httpx.Client, live: LiveServer) -> None:
+    wait_idle(http)
+    loop = live.state.loop
+    saved, loop.max_queue = loop.max_queue, 2
+    body = {"prompt": "Tell me about the weather", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            responses = list(pool.map(lambda _: http.post("/v1/completions", json=body), range(8)))
+    finally:
+        loop.max_queue = saved
+    statuses = sorted(r.status_code for r in responses)
+    assert set(statuses) == {200, 503} and statuses.count(200) >= 2, statuses
+    for r in responses:
+        if r.status_code == 503:
+            assert int(r.headers["retry-after"]) >= 1
+            assert assert_error(r, 503)["code"] == "queue_full"
+    wait_idle(http)
+    assert http.post("/v1/completions", json={**body, "max_tokens": 2}).status_code == 200
+
+
+def test_api_key_is_checked(live: LiveServer) -> None:
+    # A second app on the same engine; its loop never starts, which the auth check precedes.
+    app = create_app(live.state.engine, api_key="sekrit")
+    client = TestClient(app)
+    assert_error(client.get("/v1/models"), 401)
+    assert_error(client.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+    assert client.get("/v1/models", headers={"Authorization": "Bearer sekrit"}).status_code == 200
+    assert client.get("/health").status_code != 401
+
+
+# ----------------------------------------------------------------- metrics
+
+
+def test_metrics_parse_and_count(http: httpx.Client) -> None:
+    before = scrape(http)
+    for _ in range(2):
+        r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 5, "temperature": 0,
+                                               "ignore_eos": True})
+        assert r.status_code == 200
+    wait_idle(http)
+    after = scrape(http)
+    key = ("ngrammar_http_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))
+    assert after[key] - before.get(key, 0) == 2
+    assert after[("ngrammar_generation_tokens_total", ())] - before[("ngrammar_generation_tokens_total", ())] == 10
+    assert after[("ngrammar_prompt_tokens_total", ())] > before[("ngrammar_prompt_tokens_total", ())]
+    assert after[("ngrammar_step_seconds_count", ())] > before[("ngrammar_step_seconds_count", ())]
+    assert after[("ngrammar_requests_finished_total", (("finish_reason", "length"),))] >= 2
+    assert after[("ngrammar_kv_cache_usage", ())] == 0.0
+    assert after[("ngrammar_num_inflight", ())] == 0.0
+    assert ("ngrammar_spec_accept_length_count", ()) in after
+    assert ("ngrammar_queue_depth", ()) in after
+
+
+def scrape(http: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    r = http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
