@@ -264,6 +264,11 @@ class CUDAGraphRunner:
         self.replays[(entry.bucket, w)] += 1
         return self._logits[: b * w]
 
+    @property
+    def prepared(self) -> list[tuple[int, int]]:
+        """(bucket, width) pairs set up so far (captured, in capture mode)."""
+        return sorted(self._entries)
+
     @torch.inference_mode()
     def capture_all(self) -> None:
         """Prepare every (bucket, width) now, widest and largest first so later captures reuse the

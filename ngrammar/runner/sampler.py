@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 
+from ngrammar.runner.transfer import to_device
 from ngrammar.sampling_params import SamplingParams
 
 _M1 = 0x7FEB352D  # multipliers below 2**31 keep every product of 32-bit values inside int64
@@ -58,7 +59,7 @@ class SamplingTensors:
         cls, params: Sequence[SamplingParams], seeds: Sequence[int], offsets: Sequence[int], device: torch.device
     ) -> "SamplingTensors":
         def t(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+            return to_device(values, dtype, device)
 
         return cls(
             temperature=t([p.temperature for p in params], torch.float32),

@@ -22,6 +22,7 @@ import torch
 from ngrammar.config import SpeculativeConfig
 from ngrammar.engine.sequence import Sequence
 from ngrammar.runner.model_runner import StepInput
+from ngrammar.runner.transfer import to_device
 from ngrammar.runner.sampler import STREAM_FINAL_COIN, STREAM_TREE_COIN, SamplingTensors, hash_uniform, target_probs
 from ngrammar.spec.corpus import NgramCorpus
 from ngrammar.spec.policy import AdaptiveDraftPolicy
@@ -75,11 +76,11 @@ class NgramSpecWorker:
             tree = self.corpus.batch_get([s.seq_id for s in seqs], [s.token_ids for s in seqs], width)
             eng.stats.draft_seconds += time.perf_counter() - t0
             step = self._step_input(seqs, tree)
+            meta_mask = to_device(tree.mask, torch.bool, eng.device)
+            candidates = to_device(tree.tokens.reshape(len(seqs), width), torch.int64, eng.device)
             if self.readback_links:
                 self._read_links_back(tree)
             logits = eng._timed_forward(step)  # [B*D, V]; launched before any host-side tree work
-        meta_mask = torch.as_tensor(tree.mask).to(eng.device, non_blocking=True)
-        candidates = torch.as_tensor(tree.tokens.reshape(len(seqs), width)).to(eng.device, non_blocking=True)
         t1 = time.perf_counter()
         self._apply_grammar(seqs, tree, logits)
         eng.stats.grammar_seconds += time.perf_counter() - t1
@@ -118,10 +119,10 @@ class NgramSpecWorker:
         from ngrammar.spec.tree import reconstruct_indices_from_tree_mask
 
         eng = self.engine
-        mask = torch.as_tensor(tree.mask).to(eng.device)
+        mask = to_device(tree.mask, torch.bool, eng.device)
         seq_lens = torch.zeros(tree.bs, dtype=torch.int64, device=eng.device)
         _, _, nt, ns = reconstruct_indices_from_tree_mask(mask, seq_lens, tree.bs, tree.draft_token_num)
-        eng.runner.to_host(nt, ns, torch.as_tensor(tree.tokens).to(eng.device))
+        eng.runner.to_host(nt, ns, to_device(tree.tokens, torch.int64, eng.device))
 
     def _apply_grammar(self, seqs: list[Sequence], tree: DraftTree, logits: torch.Tensor) -> None:
         if not any(s.grammar is not None for s in seqs):

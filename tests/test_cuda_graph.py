@@ -1,0 +1,272 @@
+"""CUDA-graph runner: the static-buffer + padding path must change no token.
+
+On the CPU the runner runs in no-capture mode (``enable_cuda_graphs(capture=False)``): the same static
+buffers, bucket padding and dummy page as the captured path, executed eagerly with TorchSDPABackend.
+The GPU test at the end captures and replays for real.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from ngrammar import LLM, SamplingParams
+from ngrammar.config import EngineConfig
+from ngrammar.runner.cuda_graph import CUDAGraphRunner, batch_buckets, graph_capturable
+from ngrammar.runner.model_runner import StepInput
+
+PROMPTS = [
+    "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the river bank.\n",
+    "The capital of France is",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    "Copy the list: apples, bananas, cherries, dates, elderberries, figs, grapes.\nList: apples,",
+    "Once upon a time, in a small village by the sea, there lived",
+]
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+SMALL_POOL = 2048  # tokens: keeps the extra engines' KV pools small
+
+
+def _static(llm: LLM) -> LLM:
+    llm.engine.enable_cuda_graphs(capture=False)
+    return llm
+
+
+def _graphs(llm: LLM) -> CUDAGraphRunner:
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None
+    return graphs
+
+
+@pytest.fixture(scope="module")
+def static_llm() -> Iterator[LLM]:
+    llm = _static(LLM(device="cpu", dtype="float32", kv_cache_tokens=SMALL_POOL))
+    yield llm
+    del llm
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def static_spec_llm() -> Iterator[LLM]:
+    llm = _static(LLM(device="cpu", dtype="float32", kv_cache_tokens=SMALL_POOL, speculative="ngram",
+                      num_draft_tokens=8, spec_adaptive=False))
+    yield llm
+    del llm
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def eager_outputs(llm: LLM) -> dict[int, list[list[int]]]:
+    return {bs: [o.token_ids for o in llm.generate(PROMPTS[:bs], GREEDY)] for bs in (1, 3, 5)}
+
+
+def _record_allocations(llm: LLM) -> list[int]:
+    """Every page the allocator hands out from now on (the wrapper stays for the engine's life)."""
+    alloc = llm.engine.blocks.allocator
+    handed: list[int] = []
+    allocate = alloc.allocate
+
+    def recording(count: int) -> list[int]:
+        pages = allocate(count)
+        handed.extend(pages)
+        return pages
+
+    alloc.allocate = recording  # type: ignore[method-assign]
+    return handed
+
+
+def _assert_pool_clean(llm: LLM, handed: list[int]) -> None:
+    alloc = llm.engine.blocks.allocator
+    alloc.check_integrity()
+    assert alloc.num_free == alloc.num_pages
+    dummy = _graphs(llm).dummy_page
+    assert dummy == alloc.num_pages < llm.engine.runner.kv_cache.shape[2]
+    assert handed and dummy not in handed
+
+
+def test_batch_buckets() -> None:
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert batch_buckets(5) == [1, 2, 4, 5]
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(130) == [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 130]
+    with pytest.raises(ValueError):
+        batch_buckets(0)
+
+
+def test_config_validation() -> None:
+    assert EngineConfig().cuda_graph and EngineConfig().cuda_graph_max_bs == 64
+    with pytest.raises(ValueError, match="cuda_graph_max_bs"):
+        EngineConfig(cuda_graph_max_bs=0)
+
+
+def test_cpu_engines_stay_eager(llm: LLM) -> None:
+    assert llm.engine.runner.graphs is None  # no CUDA: nothing is captured unless forced
+    assert not graph_capturable(llm.engine.runner.backend)
+    with pytest.raises(ValueError, match="capture"):
+        CUDAGraphRunner(llm.engine.runner, [1], 4, 64, llm.engine.blocks.allocator.num_pages, capture=True)
+
+
+@pytest.mark.parametrize("bs,bucket", [(1, 1), (3, 4), (5, 8)])
+def test_static_decode_matches_eager(
+    static_llm: LLM, eager_outputs: dict[int, list[list[int]]], bs: int, bucket: int
+) -> None:
+    graphs = _graphs(static_llm)
+    handed = _record_allocations(static_llm)
+    before = graphs.replays[(bucket, 1)]
+    outs = static_llm.generate(PROMPTS[:bs], GREEDY)
+    assert [o.token_ids for o in outs] == eager_outputs[bs]
+    assert graphs.replays[(bucket, 1)] - before >= GREEDY.max_tokens - 1  # every decode step went static
+    _assert_pool_clean(static_llm, handed)
+
+
+@pytest.mark.parametrize("bs,bucket", [(1, 1), (5, 8)])
+def test_static_tree_verify_matches_eager(
+    static_spec_llm: LLM, eager_outputs: dict[int, list[list[int]]], bs: int, bucket: int
+) -> None:
+    graphs = _graphs(static_spec_llm)
+    assert graphs.widths == [1, 8]
+    handed = _record_allocations(static_spec_llm)
+    before = graphs.replays[(bucket, 8)]
+    outs = static_spec_llm.generate(PROMPTS[:bs], GREEDY)
+    assert [o.token_ids for o in outs] == eager_outputs[bs]
+    assert graphs.replays[(bucket, 8)] > before
+    _assert_pool_clean(static_spec_llm, handed)
+
+
+def test_static_path_under_preemption() -> None:
+    kw = dict(device="cpu", dtype="float32", kv_cache_tokens=256, page_size=16, max_prefill_tokens=64)
+    prompts = [f"Story number {i}: once upon a time" for i in range(6)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    eager = [o.token_ids for o in LLM(**kw).generate(prompts, params)]  # type: ignore[arg-type]
+    static = _static(LLM(**kw))  # type: ignore[arg-type]
+    handed = _record_allocations(static)
+    assert [o.token_ids for o in static.generate(prompts, params)] == eager
+    assert sum(_graphs(static).replays.values()) > 0
+    _assert_pool_clean(static, handed)
+
+
+# --------------------------------------------------------------- runner level
+def _prefill(llm: LLM, prompts: list[str]) -> tuple[list[list[int]], list[list[int]]]:
+    """Eagerly cache each prompt in fresh pages (room for 8 more tokens); returns (ids, pages)."""
+    eng, runner = llm.engine, llm.engine.runner
+    ids = [eng.tokenizer.encode(p) for p in prompts]
+    pages = [eng.blocks.allocator.allocate(-(-(len(t) + 8) // eng.blocks.page_size)) for t in ids]
+    for toks, pg in zip(ids, pages):
+        runner.forward(StepInput([toks], [list(range(len(toks)))], [0], [pg], [len(toks) - 1]))
+    return ids, pages
+
+
+def _tree_masks(bs: int, width: int, seed: int) -> np.ndarray:
+    """Random ancestor-style masks: lower-triangular with a full diagonal and the root column set."""
+    rng = np.random.default_rng(seed)
+    mask = np.tril(rng.random((bs, width, width)) < 0.5)
+    idx = np.arange(width)
+    mask[:, idx, idx] = True
+    mask[:, :, 0] = True
+    return mask
+
+
+def _step(ids: list[list[int]], pages: list[list[int]], width: int, mask: np.ndarray | None) -> StepInput:
+    """A uniform step of ``width`` new tokens per sequence (a tree verify when ``mask`` is given)."""
+    starts = [len(t) for t in ids]
+    depths = np.zeros((len(ids), width), dtype=np.int64) if mask is None else mask.sum(-1) - 1
+    tokens = [[(t[-1] + 7 * j) % 1000 for j in range(width)] for t in ids]
+    positions = (np.asarray(starts)[:, None] + depths).tolist()
+    return StepInput(tokens, positions, starts, pages, list(range(len(ids) * width)), mask)
+
+
+@pytest.mark.parametrize("width", [1, 8])
+def test_static_logits_and_kv_writes_match_eager(static_spec_llm: LLM, width: int) -> None:
+    runner = static_spec_llm.engine.runner
+    graphs = _graphs(static_spec_llm)
+    alloc = static_spec_llm.engine.blocks.allocator
+    ids, pages = _prefill(static_spec_llm, PROMPTS[:3])
+    try:
+        step = _step(ids, pages, width, None if width == 1 else _tree_masks(3, width, seed=width))
+        assert graphs.accepts(step)
+        before = runner.kv_cache.clone()
+        before_replays = graphs.replays[(4, width)]
+        static = runner.forward(step).clone()
+        assert graphs.replays[(4, width)] == before_replays + 1  # B = 3 padded to bucket 4
+        touched = runner.kv_cache.ne(before).flatten(3).any(-1).any(1).any(0)  # [pages, page_size]
+        real = {p for pg in pages for p in pg}
+        for page in touched.any(-1).nonzero().flatten().tolist():
+            assert page in real or page == graphs.dummy_page  # padding rows touch only the dummy page
+        graphs_saved, runner.graphs = runner.graphs, None
+        try:
+            eager = runner.forward(step)
+        finally:
+            runner.graphs = graphs_saved
+    finally:
+        for pg in pages:
+            alloc.free(pg)
+    assert static.shape == eager.shape == (3 * width, runner.vocab_size)
+    torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)
+
+
+def test_non_uniform_steps_run_eagerly(static_spec_llm: LLM) -> None:
+    graphs = _graphs(static_spec_llm)
+    mask = _tree_masks(2, 8, seed=1)
+    pages = [[0], [1]]
+    uniform = StepInput([[1] * 8, [2] * 8], [list(range(8))] * 2, [0, 0], pages, list(range(16)), mask)
+    assert graphs.accepts(uniform)
+    cases = [
+        StepInput([[1], [2, 3]], [[0], [0, 1]], [0, 0], pages, [0, 1, 2]),  # mixed widths
+        StepInput([[1] * 4] * 2, [list(range(4))] * 2, [0, 0], pages, list(range(8)), _tree_masks(2, 4, 0)),
+        StepInput([[1] * 8, [2] * 8], [list(range(8))] * 2, [0, 0], pages, [7, 15], mask),  # some rows
+        StepInput([[1] * 8, [2] * 8], [list(range(8))] * 2, [0, 0], pages, list(range(16))),  # no tree
+        StepInput([[1], [2]], [[0], [0]], [0, 0], pages, [0, 1], mask),  # decode with a mask
+        StepInput([[1]] * 65, [[0]] * 65, [0] * 65, [[0]] * 65, list(range(65))),  # beyond the largest bucket
+        StepInput([[1]], [[0]], [0], [[0] * (graphs.layout.max_pages + 1)], [0]),  # beyond the kv bound
+    ]
+    assert not any(graphs.accepts(s) for s in cases)
+
+
+# ------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_capture_replay_matches_eager() -> None:
+    kw = dict(device="cuda", dtype="float32", kv_cache_tokens=16384, cuda_graph_max_bs=8)
+    eager = LLM(**kw, cuda_graph=False)  # type: ignore[arg-type]
+    graphed = LLM(**kw)  # type: ignore[arg-type]
+    spec = LLM(**kw, speculative="ngram", num_draft_tokens=8, spec_adaptive=False)  # type: ignore[arg-type]
+    assert eager.engine.runner.graphs is None
+    graphs = _graphs(graphed)
+    assert graphs.capture and graphs.prepared == [(b, 1) for b in graphs.buckets]  # captured at start-up
+    for bs, bucket in [(1, 1), (3, 4), (5, 8)]:
+        want = [o.token_ids for o in eager.generate(PROMPTS[:bs], GREEDY)]
+        before = graphs.replays[(bucket, 1)]
+        assert [o.token_ids for o in graphed.generate(PROMPTS[:bs], GREEDY)] == want
+        assert graphs.replays[(bucket, 1)] > before
+        assert [o.token_ids for o in spec.generate(PROMPTS[:bs], GREEDY)] == want
+    assert sum(n for (_, w), n in _graphs(spec).replays.items() if w == 8) > 0
+    for llm in (graphed, spec):
+        alloc = llm.engine.blocks.allocator
+        alloc.check_integrity()
+        assert alloc.num_free == alloc.num_pages
+
+    runner = spec.engine.runner
+    for width in (1, 8):
+        ids, pages = _prefill(spec, PROMPTS[:3])
+        try:
+            step = _step(ids, pages, width, None if width == 1 else _tree_masks(3, width, seed=width))
+            runner.forward(step)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                static = runner.forward(step)  # replay: H2D copies only, no device->host sync
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            static = static.clone()
+            saved, runner.graphs = runner.graphs, None
+            try:
+                ref = runner.forward(step)
+            finally:
+                runner.graphs = saved
+        finally:
+            for pg in pages:
+                spec.engine.blocks.allocator.free(pg)
+        torch.testing.assert_close(static, ref, rtol=1e-4, atol=1e-4)
