@@ -27,6 +27,16 @@ def _sizes(args: argparse.Namespace, default: tuple[int, ...]) -> tuple[int, ...
     return tuple(int(x) for x in args.batch_sizes.split(",")) if args.batch_sizes else default
 
 
+def _serve_args(args: argparse.Namespace) -> list[str]:
+    """Engine flags given to ``ngrammar bench serve`` pass through to the servers it starts."""
+    out = []
+    for flag in ("model", "device", "dtype", "kv_cache_tokens", "max_running_requests"):
+        value = getattr(args, flag)
+        if value is not None:
+            out += [f"--{flag.replace('_', '-')}", str(value)]
+    return out
+
+
 def run_benchmark(args: argparse.Namespace) -> int:
     suite = "grammar" if args.grammar else args.suite
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -48,7 +58,8 @@ def run_benchmark(args: argparse.Namespace) -> int:
     else:
         from benchmarks.bench_serve import run_serve_benchmark
 
-        result = run_serve_benchmark()
+        result = run_serve_benchmark(concurrency=_sizes(args, (1, 4, 16)), max_tokens=args.max_tokens or 64,
+                                     server_args=_serve_args(args))
     record = {"suite": suite, "date": started, "machine": machine(), "result": result}
     if args.out:
         with open(args.out, "w") as f:

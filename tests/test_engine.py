@@ -173,3 +173,14 @@ def test_preemption_under_a_tiny_pool() -> None:
 
 def _fields(p: SamplingParams) -> dict:  # type: ignore[type-arg]
     return {k: getattr(p, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "ignore_eos")}
+
+
+def test_abort_before_prefill_is_not_revived(llm: LLM) -> None:
+    eng = llm.engine
+    rid = eng.add_request("Tell me a long story.", SamplingParams(max_tokens=8, temperature=0))
+    eng.abort(rid)
+    outs = eng.step()
+    assert [o.request_id for o in outs] == [rid]
+    assert outs[0].finished and outs[0].finish_reason == "abort" and outs[0].token_ids == []
+    assert not eng.has_unfinished()
+    assert eng.blocks.allocator.num_free == eng.blocks.allocator.num_pages

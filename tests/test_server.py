@@ -114,7 +114,8 @@ def assert_error(response: httpx.Response, status: int) -> dict[str, Any]:
     return error
 
 
-def chat_messages(text: str) -> list[dict[str, str]]:
+def chat_messages(text: str) -> list[Any]:
+    # list[Any]: the openai client wants its TypedDicts, the offline API plain dicts.
     return [{"role": "user", "content": text}]
 
 
@@ -123,7 +124,7 @@ def chat_messages(text: str) -> list[dict[str, str]]:
 
 def test_chat_completion_with_openai_client(oai: openai.OpenAI) -> None:
     resp = oai.chat.completions.create(
-        model="default", messages=chat_messages("Say hello."), max_tokens=12, temperature=0  # type: ignore[arg-type]
+        model="default", messages=chat_messages("Say hello."), max_tokens=12, temperature=0
     )
     choice = resp.choices[0]
     assert choice.message.role == "assistant" and choice.message.content
@@ -165,7 +166,7 @@ def test_completion_stream_usage(oai: openai.OpenAI) -> None:
 def test_response_format_json_schema(oai: openai.OpenAI) -> None:
     resp = oai.chat.completions.create(
         model="default",
-        messages=chat_messages("Give me a JSON object for Alice, 30 years old."),  # type: ignore[arg-type]
+        messages=chat_messages("Give me a JSON object for Alice, 30 years old."),
         max_tokens=32,
         temperature=0,
         response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON_SCHEMA}},
@@ -182,7 +183,7 @@ def test_regex_via_extra_body(oai: openai.OpenAI) -> None:
 
 def test_json_object_response_format(oai: openai.OpenAI) -> None:
     resp = oai.chat.completions.create(
-        model="default", messages=chat_messages("Reply with a JSON object holding a key 'ok'."),  # type: ignore[arg-type]
+        model="default", messages=chat_messages("Reply with a JSON object holding a key 'ok'."),
         max_tokens=32, temperature=0, response_format={"type": "json_object"},
     )
     text = resp.choices[0].message.content or ""
@@ -194,7 +195,7 @@ def test_json_object_response_format(oai: openai.OpenAI) -> None:
 
 def test_chat_logprobs_and_n(oai: openai.OpenAI) -> None:
     resp = oai.chat.completions.create(
-        model="default", messages=chat_messages("Pick a number."), max_tokens=6,  # type: ignore[arg-type]
+        model="default", messages=chat_messages("Pick a number."), max_tokens=6,
         temperature=0.8, seed=7, n=2, logprobs=True, top_logprobs=2,
     )
     assert sorted(c.index for c in resp.choices) == [0, 1]
@@ -202,7 +203,19 @@ def test_chat_logprobs_and_n(oai: openai.OpenAI) -> None:
         assert choice.logprobs is not None and choice.logprobs.content
         assert all(len(t.top_logprobs) <= 2 and t.logprob <= 0 for t in choice.logprobs.content)
     assert resp.usage is not None
-    assert resp.usage.completion_tokens == sum(len(c.logprobs.content) for c in resp.choices)  # type: ignore[union-attr]
+    assert resp.usage.completion_tokens == sum(len(c.logprobs.content or []) for c in resp.choices if c.logprobs)
+
+
+def test_batched_prompts_and_n_map_to_choice_indices(http: httpx.Client) -> None:
+    body = {"prompt": ["Red, green,", "One, two,"], "max_tokens": 3, "temperature": 0.7, "seed": 1, "n": 2}
+    out = http.post("/v1/completions", json=body).json()
+    assert sorted(c["index"] for c in out["choices"]) == [0, 1, 2, 3]
+    assert out["usage"]["completion_tokens"] == 12
+    events = []
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    finished = [c["index"] for e in events for c in e["choices"] if c.get("finish_reason")]
+    assert sorted(finished) == [0, 1, 2, 3]
 
 
 # ----------------------------------------------------------------- native
@@ -368,6 +381,25 @@ def test_openai_client_raises_typed_errors(oai: openai.OpenAI) -> None:
         oai.completions.create(model="nope", prompt="x", max_tokens=2)
     with pytest.raises(openai.BadRequestError):
         oai.completions.create(model="default", prompt="x", max_tokens=2, extra_body={"regex": "[a-"})
+
+
+def test_engine_failure_is_a_500_and_the_server_survives(http: httpx.Client, live: LiveServer) -> None:
+    wait_idle(http)
+    engine = live.state.engine
+
+    def failing_step() -> Any:
+        vars(engine).pop("step", None)  # fail once; then the class's step is found again
+        raise RuntimeError("injected failure")
+
+    engine.step = failing_step
+    try:
+        error = assert_error(http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4}), 500)
+        assert error["type"] == "server_error" and "injected failure" in error["message"]
+    finally:
+        vars(engine).pop("step", None)
+    ok = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "temperature": 0})
+    assert ok.status_code == 200
+    wait_idle(http)
 
 
 def test_queue_bound_answers_503_with_retry_after(http: httpx.Client, live: LiveServer) -> None:

@@ -225,6 +225,7 @@ class LLMEngine:
         """Run one scheduled forward; returns outputs of requests that progressed or finished."""
         start = time.perf_counter()
         self._finish_overlong()
+        self._retire()  # aborted or overlong sequences must not be scheduled again
         batch = self.scheduler.schedule(self._decode_width)
         for seq in batch.failed:
             seq.finish("error", "the KV cache is too small for this request")
@@ -350,10 +351,14 @@ class LLMEngine:
         return out
 
     # --------------------------------------------------------------- outputs
-    def _collect_outputs(self) -> list[RequestOutput]:
+    def _retire(self) -> None:
+        """Release the KV pages and corpus match state of finished sequences."""
         done = self.scheduler.remove_finished()
         if self.spec is not None and done:
             self.spec.on_finish(done)
+
+    def _collect_outputs(self) -> list[RequestOutput]:
+        self._retire()
         outputs = []
         for rid in list(self.requests):
             req = self.requests[rid]

@@ -227,9 +227,9 @@ class CUDAGraphRunner:
         )
         # Recorded after each upload: the host buffer is refilled only once the last copy has read it.
         self._uploaded = torch.cuda.Event() if pinned else None
-        ps, w = self.page_size, np.arange(self.widths[-1], dtype=np.int64)
-        self._arange = w
-        self._pad_slots = self.dummy_page * ps + w % ps  # padding token i -> dummy-page offset i % ps
+        self._arange = np.arange(self.widths[-1], dtype=np.int64)  # [W_max] token index inside a row
+        # Padding token i writes dummy-page offset i % page_size.
+        self._pad_slots = self.dummy_page * self.page_size + self._arange % self.page_size
 
     # ----------------------------------------------------------- dispatch
     def accepts(self, step: "StepInput") -> bool:
@@ -290,6 +290,7 @@ class CUDAGraphRunner:
     def _capture(self, entry: _Entry) -> None:
         """Warm up eagerly on all-padding inputs (compiles kernels, sizes the plan's scratch), then
         capture the same computation into the shared pool."""
+        self._claim_host()
         self._stage_padding(0, entry.bucket, entry.width)
         self._upload(entry.bucket)
         meta = self._metadata(entry.bucket, entry.width, self.kv_len_bound)
@@ -301,8 +302,9 @@ class CUDAGraphRunner:
         entry.meta, entry.plan, entry.graph = meta, plan, graph
 
     def _compute(self, tokens: int, meta: AttentionMetadata, plan: Any) -> None:
-        """The captured region: model forward over the static ids/positions, logits into the shared
-        buffer (the copy_ casts like compute_logits' .float(), so results equal the eager path's)."""
+        """The captured region: model forward over the static ids/positions, then the logits copied
+        into the shared buffer, so one [max_tokens, V] buffer serves every graph rather than each
+        graph keeping its own output alive in the pool (costs one extra pass over the logits)."""
         model, d = self.runner.model, self._dev
         hidden = model(d.ids[:tokens], d.positions[:tokens], self.runner.kv_cache, plan)
         self._logits[:tokens].copy_(model.compute_logits(hidden))
@@ -326,8 +328,7 @@ class CUDAGraphRunner:
     def _stage(self, step: "StepInput", bucket: int, width: int) -> int:
         """Fill the host buffer with ``step`` plus padding and upload it; returns the step's largest
         kv length (host value, known without any device read)."""
-        if self._uploaded is not None:
-            self._uploaded.synchronize()  # normally long done: each engine step ends with a sync
+        self._claim_host()
         b, h = step.batch_size, self._host
         n = b * width
         starts = np.asarray(step.starts, dtype=np.int64)
@@ -360,6 +361,12 @@ class CUDAGraphRunner:
         if width > 1:
             mask = h.tree_mask[: hi * width].reshape(bucket, width, width)
             mask[first:] = np.tri(width, dtype=np.bool_)
+
+    def _claim_host(self) -> None:
+        """Wait until the last upload has read the host buffer (normally long done: every engine step
+        ends with a device->host read). A host-side event wait, not a stream or device sync."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
 
     def _upload(self, bucket: int) -> None:
         """One host->device copy of the bucket's prefix of the buffer (non-blocking from pinned)."""

@@ -17,7 +17,7 @@ import math
 import secrets
 import time
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Mapping, Protocol, Sequence
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -131,7 +131,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     first = errors[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
-    message = str(first.get("msg", "invalid value"))
+    # pydantic prefixes messages raised by our own validators; the client needs only the reason.
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     return APIError(400, f"{param}: {message}" if param else message, param=param)
 
 
@@ -273,6 +274,16 @@ def _sse(payload: str) -> str:
 
 
 _SSE_DONE = "data: [DONE]\n\n"
+
+
+class _Renderer(Protocol):
+    """Turns a group's progress into SSE payloads (JSON text) for one endpoint's stream format."""
+
+    def start(self, num_prompts: int) -> list[str]: ...
+
+    def update(self, group: RequestGroup) -> list[str]: ...
+
+    def finish(self, group: RequestGroup) -> list[str]: ...
 
 
 @dataclasses.dataclass
@@ -497,11 +508,11 @@ class _Server:
         for _, c in _choices(group, 1):
             _raise_completion_error(c)
 
-    def stream(self, request: Request, group: RequestGroup, renderer: Any) -> StreamingResponse:
+    def stream(self, request: Request, group: RequestGroup, renderer: _Renderer) -> StreamingResponse:
         return StreamingResponse(self._events(request, group, renderer), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def _events(self, request: Request, group: RequestGroup, renderer: Any) -> AsyncIterator[str]:
+    async def _events(self, request: Request, group: RequestGroup, renderer: _Renderer) -> AsyncIterator[str]:
         # Cancellation (the client went away) lands in ``finally`` too, which aborts the requests.
         try:
             for payload in renderer.start(len(group.request_ids)):
