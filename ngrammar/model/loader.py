@@ -55,6 +55,10 @@ def cache_root() -> Path:
 
 
 def resolve_checkpoint(model: str | os.PathLike[str] | None) -> Checkpoint:
+    """``model=None`` means ``$NGRAMMAR_DEFAULT_MODEL`` if set, else the embedded GGUF."""
+    default = os.environ.get("NGRAMMAR_DEFAULT_MODEL")
+    if model is None and default:
+        model = default
     path = embedded_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {path}")
