@@ -224,7 +224,7 @@ def bench_8b() -> dict[str, Any]:
     model, backend = random_model(LLAMA3_8B)
     wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bw = copy_bandwidth()
-    floor = wbytes / (bw / 2)  # reading the weights once at the measured read rate (copy = read + write)
+    floor = wbytes / bw  # weight bytes / measured copy bandwidth (read + write bytes per second)
     res: dict[str, Any] = {"weight_gb": wbytes / 1e9, "copy_bw_tb_s": bw / 1e12, "floor_ms": floor * 1e3}
     for bs in (1, 8):
         for q in (1, 4, 8, 16, 32):

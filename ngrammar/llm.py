@@ -91,7 +91,7 @@ class LLM:
             prepared.append((ids, p))
         for _, p in prepared:
             eng._compile_grammar(p)  # compile (cached) up front: a bad grammar fails before any work
-        return [eng.add_request(ids, p) for ids, p in prepared]
+        return [eng.add_request(ids, p, stream=False) for ids, p in prepared]
 
     def _drain(self, pending: set[str]) -> Iterator[RequestOutput]:
         while pending:

@@ -40,7 +40,8 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence]
-    reported: list[int] = field(default_factory=list)  # text length already streamed, per seq
+    reported: list[int] = field(default_factory=list)  # token counts already reported, per seq
+    stream: bool = True  # report every step's progress, not only the final output
 
     @property
     def finished(self) -> bool:
@@ -173,7 +174,11 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt is {len(prompt_ids)} tokens; the KV cache holds {capacity} tokens")
 
     def add_request(
-        self, prompt: str | list[int] | Seq[Message], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | list[int] | Seq[Message],
+        params: SamplingParams,
+        request_id: str | None = None,
+        stream: bool = True,
     ) -> str:
         """Queue a request; raises InvalidRequestError / GrammarError for bad input (nothing queued)."""
         prompt_ids = self.tokenize(prompt)
@@ -195,7 +200,7 @@ class LLMEngine:
             )
             for i in range(params.n)
         ]
-        self.requests[request_id] = Request(request_id, prompt_ids, params, seqs, [0] * params.n)
+        self.requests[request_id] = Request(request_id, prompt_ids, params, seqs, [0] * params.n, stream)
         for seq in seqs:
             self.scheduler.add(seq)
             if self.spec is not None:
@@ -303,8 +308,6 @@ class LLMEngine:
         logprobs = self.unpack_logprobs(seqs, host[1:], [1] * len(seqs))
         for i, seq in enumerate(seqs):
             seq.append_tokens([token_list[i]], None if logprobs is None else logprobs[i])
-            if self.spec is not None:
-                self.spec.on_tokens(seq)
 
     def apply_grammar_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Mask row i of ``logits`` with sequence i's grammar (plain decoding: one row each)."""
@@ -362,6 +365,8 @@ class LLMEngine:
         outputs = []
         for rid in list(self.requests):
             req = self.requests[rid]
+            if not req.stream and not req.finished:
+                continue
             lens = [len(s.token_ids) for s in req.seqs]
             if lens == req.reported and not req.finished:
                 continue

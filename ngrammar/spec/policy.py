@@ -29,9 +29,10 @@ class _Ema:
 class AdaptiveDraftPolicy:
     max_width: int
     adaptive: bool = True
-    explore_every: int = 24  # steps between re-measurements of a non-chosen width
+    explore_every: int = 48  # steps between re-measurements of a non-chosen width
+    margin: float = 1.05  # speculate only when it is expected to be this much faster than plain
     step_time: dict[tuple[int, int], _Ema] = field(default_factory=dict)
-    accept_len: dict[int, _Ema] = field(default_factory=dict)
+    accept_len: dict[tuple[int, int], _Ema] = field(default_factory=dict)  # per (bucket, width)
     _since_tried: dict[tuple[int, int], int] = field(default_factory=dict)
 
     @property
@@ -53,11 +54,12 @@ class AdaptiveDraftPolicy:
         stale = [w for w in self.widths if self._since_tried.get((b, w), 0) >= self.explore_every]
         if stale:
             return max(stale, key=lambda w: self._since_tried[(b, w)])
-        return max(self.widths, key=lambda w: self._expected_rate(b, w))
+        best = max(self.widths, key=lambda w: self._expected_rate(b, w))
+        return best if self._expected_rate(b, best) > self.margin * self._expected_rate(b, 1) else 1
 
     def _expected_rate(self, bucket: int, width: int) -> float:
         t = self.step_time[(bucket, width)].value or float("inf")
-        a = 1.0 if width == 1 else (self.accept_len.get(width, _Ema()).value or 1.0)
+        a = 1.0 if width == 1 else (self.accept_len.get((bucket, width), _Ema()).value or 1.0)
         return a / t
 
     def observe(self, batch_size: int, width: int, seconds: float, mean_accept_len: float) -> None:
@@ -65,6 +67,6 @@ class AdaptiveDraftPolicy:
         # Step time grows ~linearly with batch size inside a bucket: normalize to the bucket size.
         self.step_time.setdefault((b, width), _Ema()).update(seconds * b / max(batch_size, 1))
         if width > 1:
-            self.accept_len.setdefault(width, _Ema()).update(mean_accept_len)
+            self.accept_len.setdefault((b, width), _Ema()).update(mean_accept_len)
         for key in [k for k in self.step_time if k[0] == b]:
             self._since_tried[key] = 0 if key[1] == width else self._since_tried.get(key, 0) + 1

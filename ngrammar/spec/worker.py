@@ -55,9 +55,6 @@ class NgramSpecWorker:
         if self.config.index_prompt:
             self.corpus.index_prompt(seq.seq_id, seq.prompt_token_ids)
 
-    def on_tokens(self, seq: Sequence) -> None:
-        self.corpus.update(seq.seq_id, seq.token_ids)
-
     def on_finish(self, seqs: list[Sequence]) -> None:
         self.corpus.erase_match_state([s.seq_id for s in seqs])
 
@@ -73,6 +70,8 @@ class NgramSpecWorker:
         eng, runner = self.engine, self.engine.runner
         t0 = time.perf_counter()
         with self._no_sync_region():
+            for seq in seqs:  # incremental: catches up on every token since this sequence's last verify
+                self.corpus.update(seq.seq_id, seq.token_ids)
             tree = self.corpus.batch_get([s.seq_id for s in seqs], [s.token_ids for s in seqs], width)
             eng.stats.draft_seconds += time.perf_counter() - t0
             step = self._step_input(seqs, tree)
@@ -174,7 +173,6 @@ class NgramSpecWorker:
             seq.spec_accepted_tokens += kept
             seq.spec_draft_tokens += width - 1
             emitted += kept
-            self.on_tokens(seq)
         eng.runner.move_kv(src, dst)
         eng.stats.verify_steps += len(seqs)
         eng.stats.verify_emitted += emitted
