@@ -566,6 +566,24 @@ def _jsonable(value: Any) -> Any:
 # ------------------------------------------------------------------ routes
 
 
+async def _respond(
+    s: _Server,
+    request: Request,
+    group: RequestGroup,
+    stream: bool,
+    renderer: Callable[[], _Renderer],
+    response: Callable[[], BaseModel],
+) -> Response:
+    """Stream the group as SSE, or wait for it and answer with one JSON body (499: client left)."""
+    if stream:
+        return s.stream(request, group, renderer())
+    try:
+        await s.collect(request, group)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return Response(_json(response()), media_type="application/json")
+
+
 def _install_routes(app: FastAPI, s: _Server, api_key: str | None) -> None:
     guarded = [Depends(_auth_dependency(api_key))]
 
@@ -586,26 +604,16 @@ def _install_routes(app: FastAPI, s: _Server, api_key: str | None) -> None:
         messages = body.template_messages()
         group = await s.submit([messages], body.sampling_kwargs(), body.requested_max_tokens, "chatcmpl")
         rid = group.request_ids[0]
-        if body.stream:
-            return s.stream(request, group, _ChatStream(s, rid, body))
-        try:
-            await s.collect(request, group)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        return Response(_json(_chat_response(s, rid, body, group)), media_type="application/json")
+        return await _respond(s, request, group, body.stream, lambda: _ChatStream(s, rid, body),
+                              lambda: _chat_response(s, rid, body, group))
 
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(request: Request, body: CompletionRequest) -> Response:
         s.check_model(body.model)
         group = await s.submit(body.prompts(), body.sampling_kwargs(), body.max_tokens, "cmpl")
         rid = group.request_ids[0]
-        if body.stream:
-            return s.stream(request, group, _CompletionStream(s, rid, body))
-        try:
-            await s.collect(request, group)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        return Response(_json(_completion_response(s, rid, body, group)), media_type="application/json")
+        return await _respond(s, request, group, body.stream, lambda: _CompletionStream(s, rid, body),
+                              lambda: _completion_response(s, rid, body, group))
 
     @app.post("/generate", dependencies=guarded)
     async def generate(request: Request, body: GenerateRequest) -> Response:

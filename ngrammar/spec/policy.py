@@ -19,7 +19,7 @@ def _bucket(batch_size: int) -> int:
 @dataclass
 class _Ema:
     value: float | None = None
-    alpha: float = 0.2
+    alpha: float = 0.3
 
     def update(self, x: float) -> None:
         self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
@@ -29,11 +29,13 @@ class _Ema:
 class AdaptiveDraftPolicy:
     max_width: int
     adaptive: bool = True
-    explore_every: int = 48  # steps between re-measurements of a non-chosen width
-    margin: float = 1.05  # speculate only when it is expected to be this much faster than plain
+    explore_every: int = 16  # steps between re-measurements of a non-chosen draft width
+    baseline_every: int = 8  # plain steps are re-measured more often: step costs drift with context
+    margin: float = 1.15  # speculate only when expected this much faster than plain: timings are noisy
     step_time: dict[tuple[int, int], _Ema] = field(default_factory=dict)
     accept_len: dict[tuple[int, int], _Ema] = field(default_factory=dict)  # per (bucket, width)
     _since_tried: dict[tuple[int, int], int] = field(default_factory=dict)
+    _backoff: dict[tuple[int, int], int] = field(default_factory=dict)  # doublings of a losing width's interval
 
     @property
     def widths(self) -> list[int]:
@@ -51,11 +53,19 @@ class AdaptiveDraftPolicy:
         for w in sorted(self.widths, reverse=True):  # measure every width once, widest first
             if (b, w) not in self.step_time:
                 return w
-        stale = [w for w in self.widths if self._since_tried.get((b, w), 0) >= self.explore_every]
+        stale = [w for w in self.widths if self._since_tried.get((b, w), 0) >= self._interval(b, w)]
         if stale:
-            return max(stale, key=lambda w: self._since_tried[(b, w)])
-        best = max(self.widths, key=lambda w: self._expected_rate(b, w))
-        return best if self._expected_rate(b, best) > self.margin * self._expected_rate(b, 1) else 1
+            return max(stale, key=lambda w: self._since_tried[(b, w)] / self._interval(b, w))
+        return self._best(b)
+
+    def _best(self, bucket: int) -> int:
+        best = max(self.widths, key=lambda w: self._expected_rate(bucket, w))
+        return best if self._expected_rate(bucket, best) > self.margin * self._expected_rate(bucket, 1) else 1
+
+    def _interval(self, bucket: int, width: int) -> int:
+        if width == 1:
+            return self.baseline_every
+        return self.explore_every << self._backoff.get((bucket, width), 0)
 
     def _expected_rate(self, bucket: int, width: int) -> float:
         t = self.step_time[(bucket, width)].value or float("inf")
@@ -70,3 +80,7 @@ class AdaptiveDraftPolicy:
             self.accept_len.setdefault((b, width), _Ema()).update(mean_accept_len)
         for key in [k for k in self.step_time if k[0] == b]:
             self._since_tried[key] = 0 if key[1] == width else self._since_tried.get(key, 0) + 1
+        if width > 1 and len([k for k in self.step_time if k[0] == b]) == len(self.widths):
+            # A draft width that still loses after being re-measured is re-tried less and less often.
+            lost = self._best(b) != width
+            self._backoff[(b, width)] = min(self._backoff.get((b, width), 0) + 1, 4) if lost else 0
