@@ -57,10 +57,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions][:, None, :]  # [T, 1, d/2]
-        sin = self.sin[positions][:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, d/2] for the step's positions, gathered once and shared by all layers."""
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+
+
+def apply_rope(
+    rope: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = rope
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -82,8 +88,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        positions: torch.Tensor,  # [T]
-        rotary: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [T, 1, d/2]
         layer_cache: torch.Tensor,  # [2, pages, page_size, Hkv, d]
         plan: Any,
     ) -> torch.Tensor:
@@ -94,7 +99,7 @@ class Attention(nn.Module):
         v = v.view(-1, c.num_kv_heads, c.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rope(rope, q, k)
         out = self.backend.forward(q, k, v, layer_cache, plan, self.scale)
         return self.o_proj(out.reshape(-1, c.q_size))
 
@@ -137,8 +142,9 @@ class LlamaForCausalLM(nn.Module):
         plan: Any,  # the attention backend's plan for this step
     ) -> torch.Tensor:  # [T, hidden]
         h = self.embed_tokens(input_ids)
+        rope = self.rotary.table(positions)
         for i, layer in enumerate(self.layers):
-            h = h + layer.self_attn(layer.input_layernorm(h), positions, self.rotary, kv_cache[i], plan)
+            h = h + layer.self_attn(layer.input_layernorm(h), rope, kv_cache[i], plan)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 

@@ -129,8 +129,9 @@ class TorchSDPABackend:
         write_kv(layer_cache, meta.slot_mapping, k, v)
         _, pages, page_size, hkv, d = layer_cache.shape
         flat = layer_cache.view(2, pages * page_size, hkv, d)
-        keys = flat[0][plan.kv_slots].permute(0, 2, 3, 1)  # [B, Hkv, d, Lk]
-        values = flat[1][plan.kv_slots].transpose(1, 2)  # [B, Hkv, Lk, d]
+        kv = flat[:, plan.kv_slots]  # one gather for K and V: [2, B, Lk, Hkv, d]
+        keys = kv[0].permute(0, 2, 3, 1)  # [B, Hkv, d, Lk]
+        values = kv[1].transpose(1, 2)  # [B, Hkv, Lk, d]
         bsz, qm, hq = meta.batch_size, meta.max_q_len, q.shape[1]
         group = hq // hkv
         if qm == 1:
