@@ -1,0 +1,29 @@
+"""CLI: batch jobs through --input/--output, and bad input as one line with exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ngrammar.cli import main
+
+
+def test_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], tmp_path) -> None:  # type: ignore[no-untyped-def]
+    assert main(["generate", "Hi", "--max-tokens", "-3"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "max_tokens" in err and "Traceback" not in err
+    assert main(["generate", "Hi", "--model", str(tmp_path / "missing.gguf")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["generate"]) == 2
+
+
+def test_jsonl_batch_job(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"prompt": "The capital of France is", "max_tokens": 3}) + "\n"
+                   + json.dumps({"messages": [{"role": "user", "content": "Say hi."}]}) + "\n")
+    assert main(["generate", "--input", str(src), "--output", str(dst), "--temperature", "0",
+                 "--max-tokens", "4", "--device", "cpu", "--kv-cache-tokens", "4096"]) == 0
+    rows = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert len(rows) == 2 and rows[0]["metrics"]["completion_tokens"] == 3
+    assert all(r["finish_reason"] in ("stop", "length") for r in rows)
