@@ -16,6 +16,7 @@ import torch
 from ngrammar.model.config import ModelConfig
 from ngrammar.model.llama import LlamaForCausalLM
 from ngrammar.model.loader import Checkpoint, iter_weights
+from ngrammar.runner.transfer import to_device
 from ngrammar.runner.attention import AttentionBackend, AttentionMetadata, TorchSDPABackend
 
 if TYPE_CHECKING:
@@ -100,10 +101,7 @@ class ModelRunner:
         return self.config.vocab_size
 
     def _tensor(self, values: Sequence[int] | np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        host = torch.as_tensor(np.asarray(values), dtype=dtype)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        return host.to(self.device, non_blocking=True)
+        return to_device(values, dtype, self.device)
 
     def metadata(self, step: StepInput) -> AttentionMetadata:
         q_lens = [len(t) for t in step.tokens]
