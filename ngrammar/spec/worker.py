@@ -168,12 +168,13 @@ class NgramSpecWorker:
                     src.append(eng.blocks.slot(seq, start + nodes[b][j]))
                     dst.append(eng.blocks.slot(seq, start + j))
             seq.num_cached = start + max(kept, 1)
-            eng.blocks.trim(seq, seq.num_cached)
             seq.spec_verify_steps += 1
             seq.spec_accepted_tokens += kept
             seq.spec_draft_tokens += width - 1
             emitted += kept
         eng.runner.move_kv(src, dst)
+        for seq in seqs:  # after the move: a rejected draft's page may hold an accepted node's KV
+            eng.blocks.trim(seq, seq.num_cached)
         eng.stats.verify_steps += len(seqs)
         eng.stats.verify_emitted += emitted
         eng.stats.decode_tokens += emitted
