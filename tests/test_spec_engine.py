@@ -106,3 +106,26 @@ def test_adaptive_policy_follows_measured_payoff() -> None:
     assert bad.count(1) >= 0.85 * len(bad)
     good = _run_policy(1, spec_time=0.065, spec_accept=3.0)  # 3 tokens for 1.3x the time
     assert sum(w > 1 for w in good) >= 0.85 * len(good)
+
+
+def test_freed_pages_are_never_read(spec_llm: LLM, llm: LLM) -> None:
+    """Poison every page as it is freed: a verify step must move accepted KV before trimming.
+
+    The poison is large but finite: masked (unwritten) slots are multiplied by an exact 0."""
+    eng = spec_llm.engine
+    alloc = eng.blocks.allocator
+    original_free = alloc.free
+
+    def poisoning_free(pages: list[int]) -> None:
+        eng.runner.kv_cache[:, :, pages] = 1000.0
+        original_free(pages)
+
+    alloc.free = poisoning_free  # type: ignore[method-assign]
+    try:
+        params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        prompts = GROUNDED[:3]
+        spec = [o.token_ids for o in spec_llm.generate(prompts, params)]
+    finally:
+        alloc.free = original_free  # type: ignore[method-assign]
+        eng.runner.kv_cache.zero_()
+    assert spec == [o.token_ids for o in llm.generate(prompts, params)]
