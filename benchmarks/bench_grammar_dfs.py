@@ -30,6 +30,7 @@ from ngrammar.grammar import (
 from ngrammar.grammar.tree_mask import fill_tree_bitmask, fill_tree_bitmask_native
 from ngrammar.model.loader import resolve_checkpoint
 from ngrammar.model.tokenizer import Tokenizer
+from ngrammar.spec.tree import links_from_parents
 
 CITY_SCHEMA = {
     "type": "object",
@@ -76,20 +77,6 @@ class Tree:
     next_token: torch.Tensor  # [D] int64
     next_sibling: torch.Tensor  # [D] int64
     tokens: torch.Tensor  # [D] int64
-
-
-def links_from_parents(parents: list[int]) -> tuple[list[int], list[int]]:
-    """First-child / next-sibling links of a parent list with parent < child."""
-    d = len(parents)
-    first, sibling, last = [-1] * d, [-1] * d, [-1] * d
-    for child in range(1, d):
-        p = parents[child]
-        if first[p] == -1:
-            first[p] = child
-        else:
-            sibling[last[p]] = child
-        last[p] = child
-    return first, sibling
 
 
 def allowed_tokens(matcher: GrammarMatcher, vocab: int) -> list[int]:

@@ -6,7 +6,7 @@ import json
 import random
 import re
 import threading
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -25,8 +25,13 @@ from ngrammar.grammar import (
     grammar_spec_from_request,
     unpack_bitmask,
 )
-from ngrammar.grammar.tree_mask import _version_tuple, fill_tree_bitmask_native, native_traverse_available
+from ngrammar.grammar.tree_mask import (
+    _version_tuple,
+    fill_tree_bitmask_native,
+    native_traverse_available,
+)
 from ngrammar.model.tokenizer import Tokenizer
+from ngrammar.spec.tree import links_from_parents
 
 VOCAB = 49152
 EOS = 2
@@ -314,19 +319,6 @@ def test_apply_bitmask_rejects_short_mask() -> None:
 
 
 # ---------------------------------------------------------------- tree masks
-
-
-def links_from_parents(parents: Sequence[int]) -> tuple[list[int], list[int]]:
-    d = len(parents)
-    first, sibling, last = [-1] * d, [-1] * d, [-1] * d
-    for child in range(1, d):
-        p = parents[child]
-        if first[p] == -1:
-            first[p] = child
-        else:
-            sibling[last[p]] = child
-        last[p] = child
-    return first, sibling
 
 
 def random_tree(

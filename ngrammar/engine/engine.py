@@ -13,12 +13,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence as Seq
 
-import numpy as np
 import torch
 
 from ngrammar.config import EngineConfig
 from ngrammar.engine.block_manager import BlockManager, PageAllocator
-from ngrammar.engine.scheduler import ScheduledBatch, Scheduler
+from ngrammar.engine.scheduler import Scheduler
 from ngrammar.engine.sequence import Sequence
 from ngrammar.model.loader import resolve_checkpoint
 from ngrammar.model.tokenizer import Message, Tokenizer

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -189,3 +190,11 @@ def reconstruct_indices_from_tree_mask(
     positions = (seq_lens.to(device=device, dtype=torch.int64)[:, None] + depth).reshape(-1)
     retrive_index = torch.arange(bs * d, device=device, dtype=torch.int64).reshape(bs, d)
     return positions, retrive_index, next_token, next_sibling
+
+
+def links_from_parents(parents: Sequence[int]) -> tuple[list[int], list[int]]:
+    """(next_token, next_sibling) lists of one tree given by parent indices (parent < child)."""
+    table = np.asarray(parents, dtype=np.int64).reshape(1, -1).copy()
+    table[0, 0] = -1
+    next_token, next_sibling = derive_tree_links(mask_from_parents(table), 1, table.shape[1])
+    return next_token[0].tolist(), next_sibling[0].tolist()
