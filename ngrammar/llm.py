@@ -90,7 +90,7 @@ class LLM:
             eng.validate(ids, p)
             prepared.append((ids, p))
         for _, p in prepared:
-            eng._compile_grammar(p)  # compile (cached) up front: a bad grammar fails before any work
+            eng.compile_grammar(p)  # compile (cached) up front: a bad grammar fails before any work
         return [eng.add_request(ids, p, stream=False) for ids, p in prepared]
 
     def _drain(self, pending: set[str]) -> Iterator[RequestOutput]:

@@ -182,7 +182,7 @@ class LLMEngine:
         """Queue a request; raises InvalidRequestError / GrammarError for bad input (nothing queued)."""
         prompt_ids = self.tokenize(prompt)
         self.validate(prompt_ids, params)
-        compiled = self._compile_grammar(params)
+        compiled = self.compile_grammar(params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
@@ -206,7 +206,7 @@ class LLMEngine:
                 self.spec.on_admit(seq)
         return request_id
 
-    def _compile_grammar(self, params: SamplingParams) -> Any:
+    def compile_grammar(self, params: SamplingParams) -> Any:
         if not params.has_grammar:
             return None
         from ngrammar.grammar import grammar_spec_from_request
@@ -267,7 +267,7 @@ class LLMEngine:
                 rows.append(offset - 1)
                 sampled.append(seq)
         step = StepInput(tokens, positions, [s.num_cached for s, _ in chunks], [s.pages for s, _ in chunks], rows or [0])
-        logits = self._timed_forward(step)
+        logits = self.timed_forward(step)
         for seq, n in chunks:
             seq.num_cached += n
         self.stats.prefill_tokens += sum(n for _, n in chunks)
@@ -282,13 +282,13 @@ class LLMEngine:
             [s.pages for s in seqs],
             list(range(len(seqs))),
         )
-        logits = self._timed_forward(step)
+        logits = self.timed_forward(step)
         for seq in seqs:
             seq.num_cached += 1
         self._sample_and_commit(seqs, logits)
         self.stats.decode_tokens += len(seqs)
 
-    def _timed_forward(self, step: StepInput) -> torch.Tensor:
+    def timed_forward(self, step: StepInput) -> torch.Tensor:
         t = time.perf_counter()
         logits = self.runner.forward(step)
         self.stats.forward_seconds += time.perf_counter() - t

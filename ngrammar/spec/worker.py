@@ -79,7 +79,7 @@ class NgramSpecWorker:
             candidates = to_device(tree.tokens.reshape(len(seqs), width), torch.int64, eng.device)
             if self.readback_links:
                 self._read_links_back(tree)
-            logits = eng._timed_forward(step)  # [B*D, V]; launched before any host-side tree work
+            logits = eng.timed_forward(step)  # [B*D, V]; launched before any host-side tree work
         t1 = time.perf_counter()
         self._apply_grammar(seqs, tree, logits)
         eng.stats.grammar_seconds += time.perf_counter() - t1
