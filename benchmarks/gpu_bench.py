@@ -176,12 +176,13 @@ def _cuda_time(fn: Callable[[], Any], n: int) -> float:
 
 
 def random_model(config: ModelConfig) -> Any:
+    from ngrammar.kernels.fused_ops import TritonOps
     from ngrammar.kernels.triton_attention import TritonAttentionBackend
     from ngrammar.model.llama import LlamaForCausalLM
 
     backend = TritonAttentionBackend()
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend)
+        model = LlamaForCausalLM(config, backend, TritonOps())
     model = model.to_empty(device="cuda").to(torch.bfloat16)
     model.rotary.__init__(config)
     model.rotary.to("cuda")

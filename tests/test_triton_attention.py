@@ -4,32 +4,20 @@ On a CUDA machine (bf16 and fp16, realistic shapes):
     pytest -m gpu tests/test_triton_attention.py
 Without a GPU, the same checks run on small shapes (fp32 and fp16) under Triton's CPU interpreter:
     NGRAMMAR_TRITON_INTERPRET=1 pytest -m gpu tests/test_triton_attention.py
-That variable makes this module set TRITON_INTERPRET=1 before Triton is imported (Triton reads it when
-kernels are defined, so it must precede the first import of ngrammar.kernels.triton_attention).
-Anywhere else (no Triton, or no CUDA and no interpreter flag) the whole module is skipped.
+(``triton_env`` sets that up; anywhere else the module is skipped).
 """
 
 from __future__ import annotations
 
-import os
-
-if os.environ.get("NGRAMMAR_TRITON_INTERPRET") == "1":
-    os.environ["TRITON_INTERPRET"] = "1"
-
 import pytest
 import torch
-
-pytest.importorskip("triton")
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("needs CUDA, or NGRAMMAR_TRITON_INTERPRET=1 for the CPU interpreter", allow_module_level=True)
+from triton_env import DEVICE, INTERPRET
 
 from ngrammar.kernels.triton_attention import TritonAttentionBackend, choose_launch_config
 from ngrammar.runner.attention import AttentionMetadata, TorchSDPABackend
 
 pytestmark = pytest.mark.gpu
 
-DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 # The interpreter computes in numpy, which has no bf16; on the GPU fp32 caches are not a target.
 DTYPES = [torch.float32, torch.float16] if INTERPRET else [torch.bfloat16, torch.float16]
 # Max abs error allowed, relative to the reference output's largest magnitude.

@@ -297,9 +297,12 @@ class LLMEngine:
     def _sample_and_commit(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Grammar-mask, sample, read back once, and append one token per sequence."""
         self.apply_grammar_rows(seqs, logits)
-        st = SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs],
-                                   [len(s.token_ids) for s in seqs], self.device)
-        tokens = sample(logits, st)
+        if all(s.params.greedy for s in seqs):
+            tokens = logits.argmax(dim=-1)  # no per-row parameters to copy in
+        else:
+            st = SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs],
+                                       [len(s.token_ids) for s in seqs], self.device)
+            tokens = sample(logits, st)
         rows = torch.arange(len(seqs), device=self.device)[:, None]
         lp = self.logprob_tensors(seqs, logits, rows, tokens[:, None])
         host = self.runner.to_host(tokens, *lp)

@@ -3,7 +3,9 @@
 A pure ``nn.Module``: ``forward`` takes packed token ids, their positions, the KV pool and the
 attention plan as arguments and returns hidden states; ``compute_logits`` maps selected rows to the
 vocabulary. Weights use Hugging Face names; q/k/v and gate/up are fused at load time so each layer
-runs two GEMMs fewer (the CPU decode step is bound by those weight reads).
+runs two GEMMs fewer (the CPU decode step is bound by those weight reads). Norms, RoPE and SiLU·mul
+go through ``ops`` (``ngrammar.model.ops``): torch on the CPU, fused Triton kernels on CUDA, where the
+residual add rides along with the next norm.
 """
 
 from __future__ import annotations
@@ -16,19 +18,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from ngrammar.model.config import ModelConfig
+from ngrammar.model.ops import ElementwiseOps, TorchOps
 from ngrammar.runner.attention import AttentionBackend
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, ops: ElementwiseOps) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., n]
+        shape = x.shape
+        return self.ops.rms_norm(x.reshape(-1, shape[-1]), self.weight, self.eps)[0].view(shape)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) for x, residual [T, n]."""
+        normed, summed = self.ops.rms_norm(x, self.weight, self.eps, residual)
+        assert summed is not None
+        return normed, summed
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
@@ -62,27 +71,16 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
 
 
-def apply_rope(
-    rope: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    cos, sin = rope
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: ElementwiseOps) -> None:
         super().__init__()
         self.config = config
         self.backend = backend
+        self.ops = ops
         self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
         self.scale = config.head_dim**-0.5
 
     def forward(
@@ -99,38 +97,55 @@ class Attention(nn.Module):
         v = v.view(-1, c.num_kv_heads, c.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(rope, q, k)
+        q, k = self.ops.rope(q, k, *rope)
         out = self.backend.forward(q, k, v, layer_cache, plan, self.scale)
         return self.o_proj(out.reshape(-1, c.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: ElementwiseOps) -> None:
         super().__init__()
+        self.ops = ops
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: ElementwiseOps) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, backend)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.self_attn = Attention(config, backend, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.mlp = MLP(config, ops)
+
+    def forward(
+        self,
+        h: torch.Tensor,  # [T, hidden]: the previous layer's output (not yet added to the residual)
+        residual: torch.Tensor | None,  # [T, hidden] running residual stream; None for layer 0
+        rope: tuple[torch.Tensor, torch.Tensor],
+        layer_cache: torch.Tensor,
+        plan: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm.add_forward(h, residual)
+        h = self.self_attn(x, rope, layer_cache, plan)
+        x, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: ElementwiseOps | None = None) -> None:
         super().__init__()
+        ops = ops or TorchOps()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend, ops) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.rotary = RotaryEmbedding(config)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -143,10 +158,11 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         h = self.embed_tokens(input_ids)
         rope = self.rotary.table(positions)
+        residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            h = h + layer.self_attn(layer.input_layernorm(h), rope, kv_cache[i], plan)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.norm(h)
+            h, residual = layer(h, residual, rope, kv_cache[i], plan)
+        assert residual is not None
+        return self.norm.add_forward(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, vocab] float32
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

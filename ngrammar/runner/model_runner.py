@@ -16,6 +16,7 @@ import torch
 from ngrammar.model.config import ModelConfig
 from ngrammar.model.llama import LlamaForCausalLM
 from ngrammar.model.loader import Checkpoint, iter_weights
+from ngrammar.model.ops import default_ops
 from ngrammar.runner.transfer import to_device
 from ngrammar.runner.attention import AttentionBackend, AttentionMetadata, TorchSDPABackend
 
@@ -82,7 +83,7 @@ class ModelRunner:
         self.page_size = page_size
         self.backend = backend or TorchSDPABackend()
         with torch.device("meta"):
-            model = LlamaForCausalLM(self.config, self.backend)
+            model = LlamaForCausalLM(self.config, self.backend, default_ops(device))
         model = model.to_empty(device=device).to(dtype)
         model.rotary.__init__(self.config)  # buffers were created on meta; rebuild them for real
         model.rotary.to(device)

@@ -58,16 +58,17 @@ class SamplingTensors:
     def build(
         cls, params: Sequence[SamplingParams], seeds: Sequence[int], offsets: Sequence[int], device: torch.device
     ) -> "SamplingTensors":
-        def t(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
-            return to_device(values, dtype, device)
-
+        # Two host->device copies (float and int parameters), not one per field.
+        floats = to_device([[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]],
+                           torch.float32, device)
+        ints = to_device([[p.top_k for p in params], list(seeds), list(offsets)], torch.int64, device)
         return cls(
-            temperature=t([p.temperature for p in params], torch.float32),
-            top_p=t([p.top_p for p in params], torch.float32),
-            top_k=t([p.top_k for p in params], torch.int64),
-            min_p=t([p.min_p for p in params], torch.float32),
-            seeds=t(list(seeds), torch.int64),
-            offsets=t(list(offsets), torch.int64),
+            temperature=floats[0],
+            top_p=floats[1],
+            top_k=ints[0],
+            min_p=floats[2],
+            seeds=ints[1],
+            offsets=ints[2],
             all_greedy=all(p.greedy for p in params),
             needs_sort=any(p.top_k > 0 or p.top_p < 1 for p in params),
             needs_min_p=any(p.min_p > 0 for p in params),

@@ -141,10 +141,10 @@ class NgramSpecWorker:
     ) -> TreeAcceptResult:
         bs = len(seqs)
         eng = self.engine
+        if all(s.params.greedy for s in seqs):
+            return verify_tree_greedy(candidates, mask, logits.argmax(dim=-1).view(bs, width))
         st = SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs],
                                    [len(s.token_ids) for s in seqs], eng.device)
-        if st.all_greedy:
-            return verify_tree_greedy(candidates, mask, logits.argmax(dim=-1).view(bs, width))
         probs = target_probs(logits, st.repeat(width)).view(bs, width, -1)
         coins = hash_uniform(st.seeds, st.offsets, width, STREAM_TREE_COIN)
         final = hash_uniform(st.seeds, st.offsets, 1, STREAM_FINAL_COIN)[:, 0]

@@ -1,0 +1,137 @@
+"""Where a decode step's time goes: host Python vs GPU, plain and NGRAM, at small batch sizes.
+
+Prints, per variant: tok/s, the step time, the time the engine spends inside ``runner.forward``
+(staging + launch; with CUDA graphs the GPU runs asynchronously), the GPU-bound time of the same
+step (the captured graph replayed back to back), the host time left over, and the top functions of
+a cProfile run. Writes the profiles under --out.
+
+    python -m benchmarks.profile_step --model /tmp/ngm/model.gguf --out $OUT/profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import chat, forget_outputs, load_workload, machine, print_table
+from ngrammar import LLM, SamplingParams
+
+
+def _prompts(kind: str, bs: int) -> list[Any]:
+    items = [w.prompt for w in load_workload() if (w.kind == "open") == (kind == "open")]
+    return [chat(items[i % len(items)]) for i in range(bs)]
+
+
+def _generate(llm: LLM, prompts: list[Any], max_tokens: int) -> tuple[float, int]:
+    forget_outputs(llm)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    eng = llm.engine
+    steps0 = eng.stats.steps
+    t = time.perf_counter()
+    outs = llm.chat(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t - max(o.metrics["ttft_s"] for o in outs)
+    tokens = sum(len(o.token_ids) - 1 for o in outs)
+    return tokens / seconds, eng.stats.steps - steps0
+
+
+def _graph_replay_ms(llm: LLM, bs: int, width: int, n: int = 50) -> float | None:
+    """GPU-bound time of one (bucket, width) graph: replays launched back to back, one sync."""
+    graphs = llm.engine.runner.graphs
+    if graphs is None or not graphs.capture:
+        return None
+    entry = graphs._entries.get((graphs._bucket_of[bs], width))
+    if entry is None or entry.graph is None:
+        return None
+    entry.graph.replay()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        entry.graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n * 1e3
+
+
+def kernel_table(llm: LLM, bs: int, width: int, out: Path, replays: int = 10) -> None:
+    """CUDA kernel times inside one captured graph (CUPTI sees the kernels a replay runs)."""
+    graphs = llm.engine.runner.graphs
+    if graphs is None or not graphs.capture:
+        return
+    entry = graphs._entries.get((graphs._bucket_of[bs], width))
+    if entry is None or entry.graph is None:
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            entry.graph.replay()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+    (out / f"kernels_b{bs}_w{width}.txt").write_text(f"{replays} replays\n{table}")
+    print(f"kernels b{bs} w{width}\n{table}", flush=True)
+
+
+def profile_variant(llm: LLM, label: str, prompts: list[Any], max_tokens: int, out: Path) -> dict[str, Any]:
+    _generate(llm, prompts, 16)
+    stats = llm.engine.stats
+    f0, s0 = stats.forward_seconds, stats.step_seconds
+    tok_s, steps = _generate(llm, prompts, max_tokens)
+    step_ms = (stats.step_seconds - s0) / steps * 1e3
+    forward_ms = (stats.forward_seconds - f0) / steps * 1e3
+    prof = cProfile.Profile()
+    prof.enable()
+    _generate(llm, prompts, max_tokens)
+    prof.disable()
+    text = io.StringIO()
+    ps = pstats.Stats(prof, stream=text)
+    ps.sort_stats("tottime").print_stats(40)
+    ps.sort_stats("cumtime").print_stats(60)
+    (out / f"{label}.prof.txt").write_text(text.getvalue())
+    width = 1 if llm.engine.spec is None else llm.engine.spec.policy.max_width
+    res = {"tok_s": tok_s, "steps": steps, "step_ms": step_ms, "forward_call_ms": forward_ms,
+           "graph_replay_ms": _graph_replay_ms(llm, len(prompts), 1),
+           "graph_replay_verify_ms": None if width == 1 else _graph_replay_ms(llm, len(prompts), width)}
+    print(label, json.dumps(res), flush=True)
+    return res
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default=None)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", default="profile")
+    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--kernels", action="store_true", help="also print the kernels of the b=1 and b=8 graphs")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log: dict[str, Any] = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    plain = LLM(args.model, device=args.device)
+    spec = LLM(args.model, device=args.device, speculative="ngram", num_draft_tokens=16)
+    for bs in (int(x) for x in args.batch_sizes.split(",")):
+        for kind in ("grounded", "open"):
+            prompts = _prompts(kind, bs)
+            log[f"plain/b{bs}/{kind}"] = profile_variant(plain, f"plain_b{bs}_{kind}", prompts, args.max_tokens, out)
+            log[f"ngram/b{bs}/{kind}"] = profile_variant(spec, f"ngram_b{bs}_{kind}", prompts, args.max_tokens, out)
+    if args.kernels:
+        for bs, width in ((1, 1), (8, 1), (1, spec.engine.spec.policy.max_width if spec.engine.spec else 1)):
+            kernel_table(spec if width > 1 else plain, bs, width, out)
+    (out / "profile.json").write_text(json.dumps(log, indent=1, default=str))
+    rows = [[k, v["tok_s"], v["step_ms"], v["forward_call_ms"], v["graph_replay_ms"] or "", v["graph_replay_verify_ms"] or ""]
+            for k, v in log.items() if isinstance(v, dict) and "tok_s" in v]
+    print_table("decode step breakdown", ["variant", "tok/s", "step ms", "in forward() ms", "replay ms (W=1)",
+                                          "replay ms (W=D)"], rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Fused Triton elementwise kernels (``ngrammar.kernels.fused_ops``) against the torch reference ops.
+
+On a CUDA machine: ``pytest -m gpu tests/test_fused_ops.py``; without a GPU, under Triton's CPU
+interpreter: ``NGRAMMAR_TRITON_INTERPRET=1 pytest -m gpu tests/test_fused_ops.py`` (the variable must
+be set before Triton is imported). Anywhere else the module is skipped.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_env import DEVICE, INTERPRET
+
+from ngrammar.kernels.fused_ops import TritonOps
+from ngrammar.model.config import ModelConfig
+from ngrammar.model.llama import LlamaForCausalLM, RotaryEmbedding
+from ngrammar.model.ops import TorchOps
+from ngrammar.runner.attention import AttentionMetadata, TorchSDPABackend
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float32, torch.float16] if INTERPRET else [torch.bfloat16, torch.float16, torch.float32]
+# Max abs error relative to the reference's largest magnitude: one or two storage-dtype ulps, since the
+# kernels round where the reference rounds and differ only by fp32 contraction.
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+REF, FUSED = TorchOps(), TritonOps()
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= TOL[dtype] * max(want.float().abs().max().item(), 1.0), err
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,n", [(1, 576), (7, 64), (33, 1000)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_torch(dtype: torch.dtype, tokens: int, n: int, with_residual: bool) -> None:
+    g = torch.Generator().manual_seed(tokens * n)
+    x = torch.randn(tokens, n, generator=g).to(DEVICE, dtype) * 3
+    res = torch.randn(tokens, n, generator=g).to(DEVICE, dtype) if with_residual else None
+    w = (torch.rand(n, generator=g) + 0.5).to(DEVICE, dtype)
+    got, got_sum = FUSED.rms_norm(x, w, 1e-5, res)
+    want, want_sum = REF.rms_norm(x, w, 1e-5, res)
+    _close(got, want, dtype)
+    if with_residual:
+        assert got_sum is not None and want_sum is not None
+        assert torch.equal(got_sum, want_sum)  # one rounding of the same fp32 sum: bit-identical
+    else:
+        assert got_sum is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 32)])
+@pytest.mark.parametrize("fused_qkv", [True, False])
+def test_rope_matches_torch(dtype: torch.dtype, hq: int, hkv: int, d: int, fused_qkv: bool) -> None:
+    tokens = 11
+    config = ModelConfig(vocab_size=16, hidden_size=hq * d, intermediate_size=8, num_layers=1, num_heads=hq,
+                         num_kv_heads=hkv, head_dim=d, max_position=256, rope_theta=10000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True)
+    rotary = RotaryEmbedding(config).to(DEVICE)
+    g = torch.Generator().manual_seed(hq + d)
+    positions = torch.randint(0, 256, (tokens,), generator=g).to(DEVICE)
+    cos, sin = rotary.table(positions)
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=g).to(DEVICE, dtype)
+    if fused_qkv:  # q and k are views of one projection row, as in the model (one launch)
+        q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        q, k = q.view(tokens, hq, d), k.view(tokens, hkv, d)
+    else:  # separate tensors (e.g. after Qwen3's q/k norms): two launches
+        q = qkv[:, : hq * d].reshape(tokens, hq, d).clone()
+        k = qkv[:, hq * d : (hq + hkv) * d].reshape(tokens, hkv, d).clone()
+    v_before = qkv[:, (hq + hkv) * d :].clone()
+    want_q, want_k = REF.rope(q, k, cos, sin)
+    got_q, got_k = FUSED.rope(q, k, cos, sin)
+    _close(got_q, want_q, dtype)
+    _close(got_k, want_k, dtype)
+    if fused_qkv:  # v, right after k in each row, is untouched
+        assert torch.equal(qkv[:, (hq + hkv) * d :], v_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,n", [(1, 1536), (5, 100), (3, 5000)])
+def test_silu_and_mul_matches_torch(dtype: torch.dtype, tokens: int, n: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(tokens, 2 * n, generator=g) * 4).to(DEVICE, dtype)
+    _close(FUSED.silu_and_mul(x), REF.silu_and_mul(x), dtype)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_whole_model_logits_match_torch_ops(qk_norm: bool) -> None:
+    """The decoder with fused ops gives the reference decoder's logits (fp32, random weights)."""
+    config = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
+                         num_kv_heads=2, head_dim=16, max_position=64, qk_norm=qk_norm, rope_theta=10000.0,
+                         rms_norm_eps=1e-5, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    backend = TorchSDPABackend()
+    ref = LlamaForCausalLM(config, backend, REF).to(DEVICE)
+    for p in ref.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.2)
+    fused = LlamaForCausalLM(config, backend, FUSED).to(DEVICE)
+    fused.load_state_dict(ref.state_dict())
+    tokens = 9
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(tokens, device=DEVICE), page_table=torch.arange(2, device=DEVICE)[None],
+        kv_lens=torch.tensor([tokens], device=DEVICE), q_lens=torch.tensor([tokens], device=DEVICE),
+        q_start=torch.tensor([0, tokens], device=DEVICE), max_q_len=tokens, max_kv_len=tokens, page_size=8,
+    )
+    ids = torch.randint(0, 97, (tokens,), device=DEVICE)
+    pos = torch.arange(tokens, device=DEVICE)
+    out = []
+    for model in (ref, fused):
+        cache = torch.zeros(3, 2, 2, 8, 2, 16, device=DEVICE)
+        with torch.inference_mode():
+            out.append(model.compute_logits(model(ids, pos, cache, backend.plan(meta))))
+    _close(out[1], out[0], torch.float32)
