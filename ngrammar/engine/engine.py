@@ -126,6 +126,7 @@ class LLMEngine:
             kv_len_bound=self.max_model_len + max(widths),
             dummy_page=self.blocks.allocator.num_pages,
             capture=capture,
+            acceptor=None if self.spec is None else self.spec.graph_acceptor,
         )
         if capture:
             graphs.capture_all()
@@ -247,8 +248,8 @@ class LLMEngine:
             self.spec.observe_step(len(batch.decode), batch.width, self.stats.last_step_seconds)
         return self._collect_outputs()
 
-    def _decode_width(self, batch_size: int) -> int:
-        return 1 if self.spec is None or batch_size == 0 else self.spec.choose_width(batch_size)
+    def _decode_width(self, seqs: list[Sequence]) -> int:
+        return 1 if self.spec is None or not seqs else self.spec.choose_width(seqs)
 
     def _finish_overlong(self) -> None:
         for seq in self.scheduler.running:
@@ -303,8 +304,10 @@ class LLMEngine:
             st = SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs],
                                        [len(s.token_ids) for s in seqs], self.device)
             tokens = sample(logits, st)
-        rows = torch.arange(len(seqs), device=self.device)[:, None]
-        lp = self.logprob_tensors(seqs, logits, rows, tokens[:, None])
+        lp: list[torch.Tensor] = []
+        if any(s.params.logprobs is not None for s in seqs):
+            rows = torch.arange(len(seqs), device=self.device)[:, None]
+            lp = self.logprob_tensors(seqs, logits, rows, tokens[:, None])
         host = self.runner.to_host(tokens, *lp)
         token_list = host[0].tolist()
         logprobs = self.unpack_logprobs(seqs, host[1:], [1] * len(seqs))

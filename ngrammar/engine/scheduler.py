@@ -50,7 +50,7 @@ class Scheduler:
         self.waiting = deque(s for s in self.waiting if not s.is_finished)
         return done
 
-    def schedule(self, decode_width: Callable[[int], int]) -> ScheduledBatch:
+    def schedule(self, decode_width: Callable[[list[Sequence]], int]) -> ScheduledBatch:
         batch = self._schedule_prefill()
         if batch.prefill or batch.failed:
             return batch
@@ -94,10 +94,10 @@ class Scheduler:
         self.blocks.reserve(seq, seq.num_cached + chunk)
         return chunk
 
-    def _schedule_decode(self, decode_width: Callable[[int], int]) -> ScheduledBatch:
+    def _schedule_decode(self, decode_width: Callable[[list[Sequence]], int]) -> ScheduledBatch:
         batch = ScheduledBatch()
         decoding = [s for s in self.running if not s.is_prefilling]
-        width = decode_width(len(decoding))
+        width = decode_width(decoding)
         i = 0
         while i < len(self.running):
             seq = self.running[i]

@@ -25,6 +25,13 @@ sees at least itself (no all-masked softmax row). Real sequences never read the 
 padding rows write there is harmless. Invariant: every page-table entry of the static buffers always
 names a page of the pool (stale entries past a row's length are never read unmasked).
 
+Acceptance graphs
+-----------------
+With an ``acceptor`` (the NGRAM worker's greedy tree acceptance), every verify width W > 1 also gets a
+second, small graph per bucket: ``acceptor(ids [bucket, W], tree mask [bucket, W, W], logits
+[bucket * W, V])`` over the same static buffers, replayed after the host has masked the logits in
+place with the grammar (``accept``). It turns ~45 tiny acceptance kernels into one launch.
+
 Host maxima and the attention plan
 ----------------------------------
 A captured graph bakes in the launch shapes, so its metadata has max_q_len = W and max_kv_len =
@@ -42,7 +49,7 @@ from __future__ import annotations
 import inspect
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -149,6 +156,8 @@ class _Entry:
     meta: AttentionMetadata | None = None  # the captured metadata (capture mode only)
     plan: Any = None
     graph: Any = None  # torch.cuda.CUDAGraph, or None in no-capture mode
+    accept_graph: Any = None  # the acceptor's graph (widths > 1, capture mode with an acceptor)
+    accept_out: Any = None  # what the captured acceptor returned (its tensors live in the pool)
 
     @property
     def tokens(self) -> int:
@@ -165,6 +174,8 @@ class CUDAGraphRunner:
     dummy_page: a pool page that no sequence ever owns; padding rows write and read only there.
     capture: True: capture CUDA graphs (CUDA device and a capturable backend). False: run the same
         static path eagerly.
+    acceptor: optional device-only function (candidates [bucket, W] int64, tree mask [bucket, W, W]
+        bool, logits [bucket * W, V] float32) -> result, captured per (bucket, W > 1); see ``accept``.
     """
 
     def __init__(
@@ -175,8 +186,10 @@ class CUDAGraphRunner:
         kv_len_bound: int,
         dummy_page: int,
         capture: bool = True,
+        acceptor: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any] | None = None,
     ) -> None:
         self.runner = runner
+        self.acceptor = acceptor
         self.widths = sorted(set(widths) | {1})
         if self.widths[0] < 1 or kv_len_bound < 1:
             raise ValueError(f"widths and kv_len_bound must be positive, got {self.widths}, {kv_len_bound}")
@@ -202,6 +215,7 @@ class CUDAGraphRunner:
         self._entries: dict[tuple[int, int], _Entry] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.replays: Counter[tuple[int, int]] = Counter()  # steps served per (bucket, width)
+        self.accept_replays: Counter[tuple[int, int]] = Counter()  # acceptor runs per (bucket, width)
 
     # ------------------------------------------------------------- set-up
     def _bucket_table(self) -> list[int]:
@@ -228,6 +242,9 @@ class CUDAGraphRunner:
         # Recorded after each upload: the host buffer is refilled only once the last copy has read it.
         self._uploaded = torch.cuda.Event() if pinned else None
         self._arange = np.arange(self.widths[-1], dtype=np.int64)  # [W_max] token index inside a row
+        # (first, bucket, width) of the padding now staged: a step with the same triple skips
+        # re-staging it (real rows only write rows < first; other triples restage).
+        self._padded: tuple[int, int, int] | None = None
         # Padding token i writes dummy-page offset i % page_size.
         self._pad_slots = self.dummy_page * self.page_size + self._arange % self.page_size
 
@@ -263,6 +280,27 @@ class CUDAGraphRunner:
             self._compute(entry.tokens, meta, self.runner.backend.plan(meta))
         self.replays[(entry.bucket, w)] += 1
         return self._logits[: b * w]
+
+    @torch.inference_mode()
+    def accept(self, batch_size: int, width: int) -> Any:
+        """Run the acceptor on the last step served by ``forward`` (which must have been a verify of
+        ``batch_size`` sequences at ``width``), after any in-place masking of its logits. Returns
+        the acceptor's result for the whole bucket (padding rows last); valid until the next call."""
+        if self.acceptor is None or width == 1:
+            raise ValueError("accept() needs an acceptor and a verify width > 1")
+        entry = self._entry(self._bucket_of[batch_size], width)
+        self.accept_replays[(entry.bucket, width)] += 1
+        if entry.accept_graph is not None:
+            entry.accept_graph.replay()
+            return entry.accept_out
+        return self._run_acceptor(entry)
+
+    def _run_acceptor(self, entry: _Entry) -> Any:
+        d, tokens, w = self._dev, entry.tokens, entry.width
+        candidates = d.ids[:tokens].view(entry.bucket, w)
+        mask = d.tree_mask[: tokens * w].view(entry.bucket, w, w)
+        assert self.acceptor is not None
+        return self.acceptor(candidates, mask, self._logits[:tokens])
 
     @property
     def prepared(self) -> list[tuple[int, int]]:
@@ -300,6 +338,12 @@ class CUDAGraphRunner:
         with torch.cuda.graph(graph, pool=self._pool):
             self._compute(entry.tokens, meta, plan)
         entry.meta, entry.plan, entry.graph = meta, plan, graph
+        if self.acceptor is not None and entry.width > 1:
+            self._run_acceptor(entry)  # warm-up on the padding rows just computed
+            accept_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(accept_graph, pool=self._pool):
+                entry.accept_out = self._run_acceptor(entry)
+            entry.accept_graph = accept_graph
 
     def _compute(self, tokens: int, meta: AttentionMetadata, plan: Any) -> None:
         """The captured region: model forward over the static ids/positions, then the logits copied
@@ -343,12 +387,14 @@ class CUDAGraphRunner:
         h.slots[:n] = (pages * self.page_size + kv_idx % self.page_size).reshape(-1)
         if width > 1:
             h.tree_mask[: n * width] = np.asarray(step.tree_mask, dtype=np.bool_).reshape(-1)
-        self._stage_padding(b, bucket, width)
+        if self._padded != (b, bucket, width):  # else rows b..bucket-1 still hold this padding
+            self._stage_padding(b, bucket, width)
         self._upload(bucket)
         return int(starts.max()) + width
 
     def _stage_padding(self, first: int, bucket: int, width: int) -> None:
         """Rows first..bucket-1 become dummy sequences on the dummy page; q_lens/q_start of the bucket."""
+        self._padded = (first, bucket, width)
         h, pad = self._host, bucket - first
         lo, hi = first * width, bucket * width
         h.ids[lo:hi] = 0

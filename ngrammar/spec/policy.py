@@ -1,15 +1,27 @@
 """Adaptive draft width: pick D per batch (1 = plain decode) from measured costs and acceptance.
 
 Speculation pays when the tokens a verify step emits per sequence outweigh how much slower it is
-than a plain step at the same batch size. Both are measured online: step time per (batch-size
-bucket, D) and accepted length per D, as exponential moving averages. Each step takes the width with
-the best expected tokens/second; options not tried recently are re-measured now and then so the
-choice follows the workload (grounded text accepts long runs, open-ended text does not).
+than a plain step at the same batch size. The two halves are measured separately because they vary
+for different reasons:
+
+- step cost is a property of the hardware and the batch: an exponential moving average of the step
+  time per (batch-size bucket, D), shared by all requests; plain steps are re-measured every
+  ``baseline_every`` steps because their cost drifts with context length;
+- acceptance is a property of each request's text (a code edit copies long runs, a story does not):
+  a moving average of accepted drafts per verify step per (sequence, D). A sequence not yet verified
+  at D borrows its own figure at another D, and a new sequence starts from ``prior_drafts``, so every
+  new request is tried with speculation instead of inheriting the last request's luck.
+
+Each step takes the width with the best expected tokens per second, and speculates only when that
+beats plain decoding by ``margin`` (timings are noisy). While plain decoding wins, the best draft width
+is re-tried every ``explore_every`` steps, doubling the interval (up to ``max_backoff`` times) while it
+keeps losing, so a batch whose text becomes repetitive is noticed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Mapping, Sequence
 
 
 def _bucket(batch_size: int) -> int:
@@ -29,13 +41,16 @@ class _Ema:
 class AdaptiveDraftPolicy:
     max_width: int
     adaptive: bool = True
-    explore_every: int = 16  # steps between re-measurements of a non-chosen draft width
-    baseline_every: int = 8  # plain steps are re-measured more often: step costs drift with context
-    margin: float = 1.15  # speculate only when expected this much faster than plain: timings are noisy
-    step_time: dict[tuple[int, int], _Ema] = field(default_factory=dict)
-    accept_len: dict[tuple[int, int], _Ema] = field(default_factory=dict)  # per (bucket, width)
-    _since_tried: dict[tuple[int, int], int] = field(default_factory=dict)
-    _backoff: dict[tuple[int, int], int] = field(default_factory=dict)  # doublings of a losing width's interval
+    explore_every: int = 16  # plain steps before the best draft width is re-tried
+    max_backoff: int = 2  # the re-try interval doubles at most this many times (16 -> 64 steps)
+    baseline_every: int = 8  # plain steps are re-measured this often while speculating
+    margin: float = 1.15  # speculate only when expected this much faster than plain
+    prior_drafts: float = 1.0  # accepted drafts per verify step assumed for an untried sequence
+    step_time: dict[tuple[int, int], _Ema] = field(default_factory=dict)  # (bucket, width) -> s / step
+    seq_drafts: dict[tuple[str, int], _Ema] = field(default_factory=dict)  # (seq id, width) -> drafts
+    _latest: dict[str, float] = field(default_factory=dict)  # seq id -> its last measured drafts, any width
+    _since: dict[tuple[int, int], int] = field(default_factory=dict)  # steps since (bucket, width) last ran
+    _backoff: dict[int, int] = field(default_factory=dict)  # bucket -> doublings of the re-try interval
 
     @property
     def widths(self) -> list[int]:
@@ -46,41 +61,60 @@ class AdaptiveDraftPolicy:
             w //= 2
         return sorted(out)
 
-    def choose(self, batch_size: int) -> int:
-        if not self.adaptive or self.max_width == 1:
-            return self.max_width
-        b = _bucket(batch_size)
-        for w in sorted(self.widths, reverse=True):  # measure every width once, widest first
+    # ------------------------------------------------------------ decide
+    def choose(self, seq_ids: Sequence[str]) -> int:
+        """The draft width for a decode step over these sequences."""
+        if not self.adaptive or self.max_width == 1 or not seq_ids:
+            return self.max_width if seq_ids else 1
+        b = _bucket(len(seq_ids))
+        for w in sorted(self.widths, reverse=True):  # time every width once, widest first
             if (b, w) not in self.step_time:
                 return w
-        stale = [w for w in self.widths if self._since_tried.get((b, w), 0) >= self._interval(b, w)]
-        if stale:
-            return max(stale, key=lambda w: self._since_tried[(b, w)] / self._interval(b, w))
-        return self._best(b)
+        best = max(self.widths[1:], key=lambda w: self.expected_rate(b, w, seq_ids))
+        if self.expected_rate(b, best, seq_ids) > self.margin * self.expected_rate(b, 1, seq_ids):
+            if self._since.get((b, 1), 0) >= self.baseline_every:
+                return 1  # refresh the plain cost while speculating
+            return best
+        if self._since.get((b, best), 0) >= self.explore_every << self._backoff.get(b, 0):
+            return best  # plain is winning: re-try speculation now and then
+        return 1
 
-    def _best(self, bucket: int) -> int:
-        best = max(self.widths, key=lambda w: self._expected_rate(bucket, w))
-        return best if self._expected_rate(bucket, best) > self.margin * self._expected_rate(bucket, 1) else 1
-
-    def _interval(self, bucket: int, width: int) -> int:
-        if width == 1:
-            return self.baseline_every
-        return self.explore_every << self._backoff.get((bucket, width), 0)
-
-    def _expected_rate(self, bucket: int, width: int) -> float:
+    def expected_rate(self, bucket: int, width: int, seq_ids: Sequence[str]) -> float:
+        """Expected tokens per second per sequence at this width."""
         t = self.step_time[(bucket, width)].value or float("inf")
-        a = 1.0 if width == 1 else (self.accept_len.get((bucket, width), _Ema()).value or 1.0)
-        return a / t
+        if width == 1:
+            return 1.0 / t
+        drafts = sum(self._drafts(s, width) for s in seq_ids) / len(seq_ids)
+        return (1.0 + min(drafts, width - 1)) / t
 
-    def observe(self, batch_size: int, width: int, seconds: float, mean_accept_len: float) -> None:
+    def _drafts(self, seq_id: str, width: int) -> float:
+        ema = self.seq_drafts.get((seq_id, width))
+        if ema is not None and ema.value is not None:
+            return ema.value
+        return self._latest.get(seq_id, self.prior_drafts)
+
+    # ------------------------------------------------------------ learn
+    def observe(self, batch_size: int, width: int, seconds: float, drafts: Mapping[str, int] | None = None) -> None:
+        """A decode step ran: its time, and for a verify step the drafts each sequence accepted."""
         b = _bucket(batch_size)
         # Step time grows ~linearly with batch size inside a bucket: normalize to the bucket size.
         self.step_time.setdefault((b, width), _Ema()).update(seconds * b / max(batch_size, 1))
-        if width > 1:
-            self.accept_len.setdefault((b, width), _Ema()).update(mean_accept_len)
-        for key in [k for k in self.step_time if k[0] == b]:
-            self._since_tried[key] = 0 if key[1] == width else self._since_tried.get(key, 0) + 1
-        if width > 1 and len([k for k in self.step_time if k[0] == b]) == len(self.widths):
-            # A draft width that still loses after being re-measured is re-tried less and less often.
-            lost = self._best(b) != width
-            self._backoff[(b, width)] = min(self._backoff.get((b, width), 0) + 1, 4) if lost else 0
+        for w in self.widths:
+            self._since[(b, w)] = 0 if w == width else self._since.get((b, w), 0) + 1
+        if width == 1 or drafts is None:
+            return
+        for seq_id, n in drafts.items():
+            self.seq_drafts.setdefault((seq_id, width), _Ema(alpha=0.5)).update(float(n))
+            self._latest[seq_id] = float(n)
+        if self.adaptive and all((b, w) in self.step_time for w in self.widths):
+            seq_ids = list(drafts)
+            won = self.expected_rate(b, width, seq_ids) > self.margin * self.expected_rate(b, 1, seq_ids)
+            self._backoff[b] = 0 if won else min(self._backoff.get(b, 0) + 1, self.max_backoff)
+
+    def forget(self, seq_ids: Sequence[str]) -> None:
+        """Finished sequences: drop their acceptance state."""
+        gone = set(seq_ids)
+        for key in [k for k in self.seq_drafts if k[0] in gone]:
+            del self.seq_drafts[key]
+        for seq_id in gone:
+            self._latest.pop(seq_id, None)

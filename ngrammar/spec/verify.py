@@ -34,6 +34,11 @@ class TreeAcceptResult:
     accept_nodes: torch.Tensor  # [bs, D]: local node indices of the path, root first
     bonus: torch.Tensor  # [bs]: the token emitted after the last accepted node
 
+    def head(self, bs: int) -> "TreeAcceptResult":
+        """The first ``bs`` requests (drops CUDA-graph padding rows; flat rows stay valid)."""
+        return TreeAcceptResult(self.accept_index[:bs], self.accept_len[:bs], self.accept_tokens[:bs],
+                                self.accept_nodes[:bs], self.bonus[:bs])
+
 
 @dataclass
 class _TreeStructure:
@@ -135,6 +140,14 @@ def verify_tree_greedy(
     on_path = _path_from_chosen(chosen, tree_mask)
     bonus = predict.gather(1, _last_path_node(on_path)[:, None]).squeeze(1)
     return _build_result(candidates, on_path, tree.depth, bonus)
+
+
+def verify_tree_greedy_from_logits(
+    candidates: torch.Tensor, tree_mask: torch.Tensor, logits: torch.Tensor
+) -> TreeAcceptResult:
+    """``verify_tree_greedy`` with the argmax taken here: logits [bs * D, V], row b*D+i after node i."""
+    bs, d = candidates.shape
+    return verify_tree_greedy(candidates, tree_mask, logits.argmax(dim=-1).view(bs, d))
 
 
 def sample_from_probs(probs: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:

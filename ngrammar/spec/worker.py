@@ -27,7 +27,12 @@ from ngrammar.runner.sampler import STREAM_FINAL_COIN, STREAM_TREE_COIN, Samplin
 from ngrammar.spec.corpus import NgramCorpus
 from ngrammar.spec.policy import AdaptiveDraftPolicy
 from ngrammar.spec.tree import DraftTree, derive_tree_links
-from ngrammar.spec.verify import TreeAcceptResult, tree_speculative_sampling_target_only, verify_tree_greedy
+from ngrammar.spec.verify import (
+    TreeAcceptResult,
+    tree_speculative_sampling_target_only,
+    verify_tree_greedy,
+    verify_tree_greedy_from_logits,
+)
 
 if TYPE_CHECKING:
     from ngrammar.engine.engine import LLMEngine
@@ -48,7 +53,9 @@ class NgramSpecWorker:
         self.policy = AdaptiveDraftPolicy(config.num_draft_tokens, config.adaptive)
         self.readback_links = False  # benchmark switch: the old path that reads links back first
         self.sync_debug = False  # GPU check: drafting -> verify launch runs under sync debug "error"
-        self._last_accept = 1.0
+        self._last_drafts: dict[str, int] = {}  # seq id -> drafts it accepted in the last verify step
+        # Captured by the CUDA-graph runner next to each verify graph (greedy batches use it).
+        self.graph_acceptor = verify_tree_greedy_from_logits
 
     # ------------------------------------------------------- corpus upkeep
     def on_admit(self, seq: Sequence) -> None:
@@ -56,14 +63,16 @@ class NgramSpecWorker:
             self.corpus.index_prompt(seq.seq_id, seq.prompt_token_ids)
 
     def on_finish(self, seqs: list[Sequence]) -> None:
-        self.corpus.erase_match_state([s.seq_id for s in seqs])
+        ids = [s.seq_id for s in seqs]
+        self.corpus.erase_match_state(ids)
+        self.policy.forget(ids)
 
     # ------------------------------------------------------------- policy
-    def choose_width(self, batch_size: int) -> int:
-        return self.policy.choose(batch_size)
+    def choose_width(self, seqs: list[Sequence]) -> int:
+        return self.policy.choose([s.seq_id for s in seqs])
 
     def observe_step(self, batch_size: int, width: int, seconds: float) -> None:
-        self.policy.observe(batch_size, width, seconds, self._last_accept if width > 1 else 1.0)
+        self.policy.observe(batch_size, width, seconds, self._last_drafts if width > 1 else None)
 
     # --------------------------------------------------------------- step
     def run_verify(self, seqs: list[Sequence], width: int) -> None:
@@ -75,15 +84,24 @@ class NgramSpecWorker:
             tree = self.corpus.batch_get([s.seq_id for s in seqs], [s.token_ids for s in seqs], width)
             eng.stats.draft_seconds += time.perf_counter() - t0
             step = self._step_input(seqs, tree)
-            meta_mask = to_device(tree.mask, torch.bool, eng.device)
-            candidates = to_device(tree.tokens.reshape(len(seqs), width), torch.int64, eng.device)
+            greedy = all(s.params.greedy for s in seqs)
+            # Greedy verify steps served by a CUDA graph accept from its static buffers (one replay);
+            # everything else copies the drafts and mask in for the eager acceptance.
+            graph_accept = greedy and runner.graphs is not None and runner.graphs.accepts(step)
+            if not graph_accept:
+                meta_mask = to_device(tree.mask, torch.bool, eng.device)
+                candidates = to_device(tree.tokens.reshape(len(seqs), width), torch.int64, eng.device)
             if self.readback_links:
                 self._read_links_back(tree)
             logits = eng.timed_forward(step)  # [B*D, V]; launched before any host-side tree work
         t1 = time.perf_counter()
         self._apply_grammar(seqs, tree, logits)
         eng.stats.grammar_seconds += time.perf_counter() - t1
-        result = self._accept(seqs, candidates, meta_mask, logits, width)
+        if graph_accept:
+            assert runner.graphs is not None
+            result = runner.graphs.accept(len(seqs), width).head(len(seqs))
+        else:
+            result = self._accept(seqs, candidates, meta_mask, logits, width)
         lp = eng.logprob_tensors(seqs, logits, result.accept_index, result.accept_tokens)
         host = runner.to_host(result.accept_tokens, result.accept_len, result.accept_nodes, *lp)
         self._commit(seqs, width, host)
@@ -159,6 +177,7 @@ class NgramSpecWorker:
         logprobs = eng.unpack_logprobs(seqs, host[3:], lens)
         src, dst = [], []
         emitted = 0
+        self._last_drafts = {}
         for b, seq in enumerate(seqs):
             start = seq.num_cached
             kept = seq.append_tokens(tokens[b][: lens[b]], None if logprobs is None else logprobs[b])
@@ -171,6 +190,7 @@ class NgramSpecWorker:
             seq.spec_verify_steps += 1
             seq.spec_accepted_tokens += kept
             seq.spec_draft_tokens += width - 1
+            self._last_drafts[seq.seq_id] = max(kept - 1, 0)
             emitted += kept
         eng.runner.move_kv(src, dst)
         for seq in seqs:  # after the move: a rejected draft's page may hold an accepted node's KV
@@ -178,4 +198,3 @@ class NgramSpecWorker:
         eng.stats.verify_steps += len(seqs)
         eng.stats.verify_emitted += emitted
         eng.stats.decode_tokens += emitted
-        self._last_accept = emitted / len(seqs)
