@@ -44,13 +44,19 @@ def _generate(llm: LLM, prompts: list[Any], max_tokens: int) -> tuple[float, int
 
 
 def _graph_replay_ms(llm: LLM, bs: int, width: int, n: int = 50) -> float | None:
-    """GPU-bound time of one (bucket, width) graph: replays launched back to back, one sync."""
+    """GPU-bound time of one (bucket, width) graph: replays launched back to back, one sync.
+
+    The static buffers are refilled with padding rows first (short contexts on the dummy page): what
+    the last engine step left there may belong to another width."""
     graphs = llm.engine.runner.graphs
     if graphs is None or not graphs.capture:
         return None
     entry = graphs._entries.get((graphs._bucket_of[bs], width))
     if entry is None or entry.graph is None:
         return None
+    graphs._claim_host()
+    graphs._stage_padding(0, entry.bucket, width)
+    graphs._upload(entry.bucket)
     entry.graph.replay()
     torch.cuda.synchronize()
     t = time.perf_counter()
@@ -82,8 +88,11 @@ def kernel_table(llm: LLM, bs: int, width: int, out: Path, replays: int = 10) ->
 def profile_variant(llm: LLM, label: str, prompts: list[Any], max_tokens: int, out: Path) -> dict[str, Any]:
     _generate(llm, prompts, 16)
     stats = llm.engine.stats
-    f0, s0 = stats.forward_seconds, stats.step_seconds
+    f0, s0, v0, e0, k0 = (stats.forward_seconds, stats.step_seconds, stats.spec_steps, stats.verify_emitted,
+                          stats.verify_steps)
     tok_s, steps = _generate(llm, prompts, max_tokens)
+    verify_steps = stats.spec_steps - v0
+    accept = (stats.verify_emitted - e0) / max(stats.verify_steps - k0, 1)
     step_ms = (stats.step_seconds - s0) / steps * 1e3
     forward_ms = (stats.forward_seconds - f0) / steps * 1e3
     prof = cProfile.Profile()
@@ -96,7 +105,8 @@ def profile_variant(llm: LLM, label: str, prompts: list[Any], max_tokens: int, o
     ps.sort_stats("cumtime").print_stats(60)
     (out / f"{label}.prof.txt").write_text(text.getvalue())
     width = 1 if llm.engine.spec is None else llm.engine.spec.policy.max_width
-    res = {"tok_s": tok_s, "steps": steps, "step_ms": step_ms, "forward_call_ms": forward_ms,
+    res = {"tok_s": tok_s, "steps": steps, "verify_steps": verify_steps, "accept_len": accept,
+           "step_ms": step_ms, "forward_call_ms": forward_ms,
            "graph_replay_ms": _graph_replay_ms(llm, len(prompts), 1),
            "graph_replay_verify_ms": None if width == 1 else _graph_replay_ms(llm, len(prompts), width)}
     print(label, json.dumps(res), flush=True)
@@ -126,10 +136,11 @@ def main() -> int:
         for bs, width in ((1, 1), (8, 1), (1, spec.engine.spec.policy.max_width if spec.engine.spec else 1)):
             kernel_table(spec if width > 1 else plain, bs, width, out)
     (out / "profile.json").write_text(json.dumps(log, indent=1, default=str))
-    rows = [[k, v["tok_s"], v["step_ms"], v["forward_call_ms"], v["graph_replay_ms"] or "", v["graph_replay_verify_ms"] or ""]
+    rows = [[k, v["tok_s"], f"{v['verify_steps']}/{v['steps']}", v["accept_len"], v["step_ms"], v["forward_call_ms"],
+             v["graph_replay_ms"] or "", v["graph_replay_verify_ms"] or ""]
             for k, v in log.items() if isinstance(v, dict) and "tok_s" in v]
-    print_table("decode step breakdown", ["variant", "tok/s", "step ms", "in forward() ms", "replay ms (W=1)",
-                                          "replay ms (W=D)"], rows)
+    print_table("decode step breakdown", ["variant", "tok/s", "verify/steps", "accept len", "step ms",
+                                          "in forward() ms", "replay ms (W=1)", "replay ms (W=D)"], rows)
     return 0
 
 

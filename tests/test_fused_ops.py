@@ -11,7 +11,7 @@ import pytest
 import torch
 from triton_env import DEVICE, INTERPRET
 
-from ngrammar.kernels.fused_ops import TritonOps
+from ngrammar.kernels.fused_ops import TritonOps, _adjacent_heads
 from ngrammar.model.config import ModelConfig
 from ngrammar.model.llama import LlamaForCausalLM, RotaryEmbedding
 from ngrammar.model.ops import TorchOps
@@ -53,8 +53,8 @@ def test_rms_norm_matches_torch(dtype: torch.dtype, tokens: int, n: int, with_re
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 32)])
 @pytest.mark.parametrize("fused_qkv", [True, False])
-def test_rope_matches_torch(dtype: torch.dtype, hq: int, hkv: int, d: int, fused_qkv: bool) -> None:
-    tokens = 11
+@pytest.mark.parametrize("tokens", [1, 11])
+def test_rope_matches_torch(dtype: torch.dtype, hq: int, hkv: int, d: int, fused_qkv: bool, tokens: int) -> None:
     config = ModelConfig(vocab_size=16, hidden_size=hq * d, intermediate_size=8, num_layers=1, num_heads=hq,
                          num_kv_heads=hkv, head_dim=d, max_position=256, rope_theta=10000.0, rms_norm_eps=1e-5,
                          tie_word_embeddings=True)
@@ -66,6 +66,7 @@ def test_rope_matches_torch(dtype: torch.dtype, hq: int, hkv: int, d: int, fused
     if fused_qkv:  # q and k are views of one projection row, as in the model (one launch)
         q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
         q, k = q.view(tokens, hq, d), k.view(tokens, hkv, d)
+        assert _adjacent_heads(q, k)  # also for one token, whose views may carry any token stride
     else:  # separate tensors (e.g. after Qwen3's q/k norms): two launches
         q = qkv[:, : hq * d].reshape(tokens, hq, d).clone()
         k = qkv[:, hq * d : (hq + hkv) * d].reshape(tokens, hkv, d).clone()

@@ -152,10 +152,13 @@ class TritonOps:
 
 def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether k [T, Hkv, d] is the continuation of q [T, Hq, d] in memory (same row stride)."""
+    # The token stride only matters with more than one token (a [1, H, d] view may report any).
     return (
         q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
-        and q.stride() == k.stride()
-        and q.stride(2) == 1
+        and (q.shape[0] == 1 or q.stride(0) == k.stride(0))
+        and q.stride(1) == k.stride(1)
+        and q.stride(2) == k.stride(2) == 1
+        and q.shape[0] == k.shape[0]
         and q.shape[2] == k.shape[2]
         and k.data_ptr() == q.data_ptr() + q.shape[1] * q.stride(1) * q.element_size()
     )

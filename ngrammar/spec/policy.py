@@ -4,22 +4,25 @@ Speculation pays when the tokens a verify step emits per sequence outweigh how m
 than a plain step at the same batch size. The two halves are measured separately because they vary
 for different reasons:
 
-- step cost is a property of the hardware and the batch: an exponential moving average of the step
-  time per (batch-size bucket, D), shared by all requests; plain steps are re-measured every
-  ``baseline_every`` steps because their cost drifts with context length;
+- step cost is a property of the hardware and the batch: the lower median of the last few step times
+  per (batch-size bucket, D), shared by all requests (a median, because one slow step - a first
+  launch, a page fault, a busy host - must not decide for many steps); plain steps are re-measured
+  every ``baseline_every`` steps because their cost drifts with context length;
 - acceptance is a property of each request's text (a code edit copies long runs, a story does not):
-  a moving average of accepted drafts per verify step per (sequence, D). A sequence not yet verified
-  at D borrows its own figure at another D, and a new sequence starts from ``prior_drafts``, so every
-  new request is tried with speculation instead of inheriting the last request's luck.
+  a moving average of accepted drafts per verify step per (sequence, D), seeded with a prior. A
+  sequence not yet verified at D starts from its own figure at another D, and a new sequence from
+  ``prior_drafts``, so every new request is tried with speculation instead of inheriting the last
+  request's luck.
 
 Each step takes the width with the best expected tokens per second, and speculates only when that
 beats plain decoding by ``margin`` (timings are noisy). While plain decoding wins, the best draft width
 is re-tried every ``explore_every`` steps, doubling the interval (up to ``max_backoff`` times) while it
-keeps losing, so a batch whose text becomes repetitive is noticed.
+keeps losing, so a batch whose text turns to copying is noticed.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -38,15 +41,35 @@ class _Ema:
 
 
 @dataclass
+class _Recent:
+    """The lower median of the last ``size`` samples: robust to isolated slow steps."""
+
+    size: int = 5
+    samples: deque[float] = field(default_factory=deque)
+
+    def update(self, x: float) -> None:
+        self.samples.append(x)
+        if len(self.samples) > self.size:
+            self.samples.popleft()
+
+    @property
+    def value(self) -> float | None:
+        if not self.samples:
+            return None
+        ordered = sorted(self.samples)
+        return ordered[(len(ordered) - 1) // 2]
+
+
+@dataclass
 class AdaptiveDraftPolicy:
     max_width: int
     adaptive: bool = True
-    explore_every: int = 16  # plain steps before the best draft width is re-tried
-    max_backoff: int = 2  # the re-try interval doubles at most this many times (16 -> 64 steps)
+    explore_every: int = 8  # plain steps before the best draft width is re-tried
+    max_backoff: int = 2  # the re-try interval doubles at most this many times (8 -> 32 steps)
     baseline_every: int = 8  # plain steps are re-measured this often while speculating
     margin: float = 1.15  # speculate only when expected this much faster than plain
     prior_drafts: float = 1.0  # accepted drafts per verify step assumed for an untried sequence
-    step_time: dict[tuple[int, int], _Ema] = field(default_factory=dict)  # (bucket, width) -> s / step
+    step_time: dict[tuple[int, int], _Recent] = field(default_factory=dict)  # (bucket, width) -> s / step
     seq_drafts: dict[tuple[str, int], _Ema] = field(default_factory=dict)  # (seq id, width) -> drafts
     _latest: dict[str, float] = field(default_factory=dict)  # seq id -> its last measured drafts, any width
     _since: dict[tuple[int, int], int] = field(default_factory=dict)  # steps since (bucket, width) last ran
@@ -67,15 +90,15 @@ class AdaptiveDraftPolicy:
         if not self.adaptive or self.max_width == 1 or not seq_ids:
             return self.max_width if seq_ids else 1
         b = _bucket(len(seq_ids))
-        for w in sorted(self.widths, reverse=True):  # time every width once, widest first
-            if (b, w) not in self.step_time:
+        for w in sorted(self.widths, reverse=True):  # time every width twice (a first step can be slow)
+            if len(self.step_time.get((b, w), _Recent()).samples) < 2:
                 return w
         best = max(self.widths[1:], key=lambda w: self.expected_rate(b, w, seq_ids))
         if self.expected_rate(b, best, seq_ids) > self.margin * self.expected_rate(b, 1, seq_ids):
             if self._since.get((b, 1), 0) >= self.baseline_every:
                 return 1  # refresh the plain cost while speculating
             return best
-        if self._since.get((b, best), 0) >= self.explore_every << self._backoff.get(b, 0):
+        if min(self._since.get((b, w), 0) for w in self.widths[1:]) >= self.explore_every << self._backoff.get(b, 0):
             return best  # plain is winning: re-try speculation now and then
         return 1
 
@@ -98,14 +121,17 @@ class AdaptiveDraftPolicy:
         """A decode step ran: its time, and for a verify step the drafts each sequence accepted."""
         b = _bucket(batch_size)
         # Step time grows ~linearly with batch size inside a bucket: normalize to the bucket size.
-        self.step_time.setdefault((b, width), _Ema()).update(seconds * b / max(batch_size, 1))
+        self.step_time.setdefault((b, width), _Recent()).update(seconds * b / max(batch_size, 1))
         for w in self.widths:
             self._since[(b, w)] = 0 if w == width else self._since.get((b, w), 0) + 1
         if width == 1 or drafts is None:
             return
         for seq_id, n in drafts.items():
-            self.seq_drafts.setdefault((seq_id, width), _Ema(alpha=0.5)).update(float(n))
-            self._latest[seq_id] = float(n)
+            # The prior is the first sample, so one unlucky step does not condemn a new request
+            # (acceptance comes in bursts: a copied span, then free text, then another span).
+            ema = self.seq_drafts.setdefault((seq_id, width), _Ema(self._drafts(seq_id, width)))
+            ema.update(float(n))
+            self._latest[seq_id] = ema.value or 0.0
         if self.adaptive and all((b, w) in self.step_time for w in self.widths):
             seq_ids = list(drafts)
             won = self.expected_rate(b, width, seq_ids) > self.margin * self.expected_rate(b, 1, seq_ids)
