@@ -98,6 +98,32 @@ def test_max_tokens_and_stop_strings_exact(llm: LLM) -> None:
     assert stopped.text == full[: full.index(stop)]
 
 
+def test_lazy_text_is_exact_when_read_every_step_or_only_at_the_end(llm: LLM) -> None:
+    """Text is detokenized on demand (every step only for stop strings): streamed deltas, the final
+    text of a stream and of a non-streaming run agree, with and without a stop string."""
+    eng = llm.engine
+    prompt = "Count: 1, 2, 3,"
+    for stop in ([], [" 6,"]):
+        params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=stop)
+        finals = {}
+        for stream in (True, False):
+            rid = eng.add_request(prompt, params, stream=stream)
+            seen = ""
+            while eng.has_unfinished():
+                for out in eng.step():
+                    if out.request_id == rid:
+                        assert out.text.startswith(seen)  # visible text only ever grows
+                        seen = out.text
+                        if out.finished:
+                            finals[stream] = out
+        assert finals[True].text == finals[False].text
+        assert finals[True].token_ids == finals[False].token_ids
+        if not stop:
+            assert finals[False].text == eng.tokenizer.decode(finals[False].token_ids)
+        else:
+            assert finals[False].finish_reason == "stop" and not finals[False].text.endswith(" 6,")
+
+
 def test_stop_token_ids_and_logprobs(llm: LLM) -> None:
     base = llm.generate("Count: 1, 2, 3,", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
                                                           logprobs=3))[0]

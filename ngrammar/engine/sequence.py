@@ -55,7 +55,7 @@ class Sequence:
         self._eos = frozenset() if params.ignore_eos else tokenizer.eos_token_ids
         self._stop_ids = frozenset(params.stop_token_ids)
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
-        self.text = ""
+        self._cut_text: str | None = None  # the text up to a matched stop string, once one matched
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -88,6 +88,16 @@ class Sequence:
     @property
     def is_prefilling(self) -> bool:
         return self.num_cached < self.prefill_target
+
+    @property
+    def text(self) -> str:
+        """The output text so far. Detokenized on demand: only stop strings need it every step, so
+        requests without them (and every non-streaming request) pay the decode once per read."""
+        if self._cut_text is not None:
+            return self._cut_text
+        if self._detok.read_offset < len(self.token_ids):
+            self._detok.step(self.token_ids)
+        return self._detok.text
 
     def visible_text(self) -> str:
         """Text safe to show now: while running, a possible stop-string prefix is held back."""
@@ -124,13 +134,11 @@ class Sequence:
 
     def _check_stop(self, token: int) -> bool:
         if token in self._eos or token in self._stop_ids:
-            self._detok.step(self.token_ids)
-            self.text = self._detok.text
             return self.finish("stop")
-        delta = self._detok.step(self.token_ids)
-        self.text = self._detok.text
-        if delta and self.params.stop and self._check_stop_strings(len(delta)):
-            return True
+        if self.params.stop:
+            delta = self._detok.step(self.token_ids)
+            if delta and self._check_stop_strings(len(delta)):
+                return True
         if self.grammar is not None and self.grammar.is_terminated():
             return self.finish("stop")
         if self.num_output_tokens >= self.params.max_tokens:
@@ -138,11 +146,12 @@ class Sequence:
         return False
 
     def _check_stop_strings(self, delta_len: int) -> bool:
-        window_start = max(len(self.text) - delta_len - self._holdback, 0)
-        hits = [(i, s) for s in self.params.stop if (i := self.text.find(s, window_start)) >= 0]
+        text = self._detok.text
+        window_start = max(len(text) - delta_len - self._holdback, 0)
+        hits = [(i, s) for s in self.params.stop if (i := text.find(s, window_start)) >= 0]
         if not hits:
             return False
-        self.text = self.text[: min(i for i, _ in hits)]
+        self._cut_text = text[: min(i for i, _ in hits)]
         return self.finish("stop")
 
     def finish(self, reason: str, error: str | None = None) -> bool:
