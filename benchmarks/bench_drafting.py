@@ -3,12 +3,17 @@
 Simulates ``num_requests`` concurrent requests over a repetitive synthetic text (sentences drawn
 from a small pool, as in templated or code-like output, optionally mixed with fresh random
 sentences): each gets a prompt of ``prompt_len`` tokens, then every step appends 1-4 tokens of its
-own stream. Per step it times the corpus update
-of all requests, one batch_get for the batch, and derive_tree_links on the drafted mask. It also
-reports how many draft tokens greedy verification would accept against the true continuation, as
-a sanity check that the drafts are useful.
+own stream. Per step it times the corpus update of all requests, one batch_get for the batch
+(together: the worker's drafting cost per step, ``draft_us``), and derive_tree_links on the drafted
+mask. It also reports how many draft tokens greedy verification would accept against the true
+continuation, as a sanity check that the drafts are useful.
 
-Run from the repo root: ``.venv/bin/python -m benchmarks.bench_drafting``
+Scenarios, for each match type: "mixed" (half the sentences are fresh random text), "repetitive"
+(every sentence from a pool of 200) and "very repetitive" (a pool of 10: nearly every suffix
+matches and continues the same way, the costliest case for drafting).
+
+Run from the repo root: ``.venv/bin/python -m benchmarks.bench_drafting`` (``--cpu-time`` on a
+shared machine, ``--steps`` for a quicker run).
 """
 
 from __future__ import annotations
@@ -64,19 +69,21 @@ def run_drafting_benchmark(
     max_trie_depth: int = 18,
     index_prompts: bool = True,
     novelty: float = 0.0,
+    num_sentences: int = 200,
     seed: int = 0,
     cpu_time: bool = False,
 ) -> dict[str, float]:
     """Simulate ``steps`` decode steps and return median/p90 host costs in microseconds per step.
 
     ``novelty`` is the share of sentences that are fresh random text (0: every sentence comes from
-    the shared pool, the costliest case for drafting since every suffix matches). ``cpu_time`` times
-    with this thread's CPU clock instead of the wall clock, for a machine shared with busy processes.
+    the shared pool, the costliest case for drafting since every suffix matches); a smaller
+    ``num_sentences`` pool makes the text more repetitive. ``cpu_time`` times with this thread's CPU
+    clock instead of the wall clock, for a machine shared with busy processes.
     """
     clock = time.thread_time if cpu_time else time.perf_counter
     rng = np.random.default_rng(seed)
     vocab_size = 32_000
-    sentences = sentence_pool(rng, num_sentences=200, vocab_size=vocab_size)
+    sentences = sentence_pool(rng, num_sentences=num_sentences, vocab_size=vocab_size)
     streams = [
         synthetic_stream(rng, sentences, prompt_len + 4 * steps + 32, novelty, vocab_size) for _ in range(num_requests)
     ]
@@ -95,6 +102,7 @@ def run_drafting_benchmark(
     prompt_us = (clock() - start) * 1e6 / num_requests
 
     update_us: list[float] = []
+    draft_us: list[float] = []  # update + batch_get: the worker runs both before each verify step
     get_us: list[float] = []
     links_us: list[float] = []
     accepted: list[int] = []
@@ -117,6 +125,7 @@ def run_drafting_benchmark(
         for r in req_ids:
             corpus.update(r, histories[r])
         update_us.append((clock() - start) * 1e6)
+        draft_us.append(update_us[-1] + get_us[-1])
 
     def p90(samples: list[float]) -> float:
         return float(np.percentile(samples, 90))
@@ -126,6 +135,8 @@ def run_drafting_benchmark(
         "update_us_p90": p90(update_us),
         "batch_get_us_median": statistics.median(get_us),
         "batch_get_us_p90": p90(get_us),
+        "draft_us_median": statistics.median(draft_us),
+        "draft_us_p90": p90(draft_us),
         "derive_tree_links_us_median": statistics.median(links_us),
         "derive_tree_links_us_p90": p90(links_us),
         "index_prompt_us_per_request": prompt_us,
@@ -134,17 +145,35 @@ def run_drafting_benchmark(
     }
 
 
+SCENARIOS = {  # name -> (novelty, num_sentences)
+    "mixed": (0.5, 200),
+    "repetitive": (0.0, 200),
+    "very repetitive": (0.0, 10),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-time", action="store_true", help="time with the thread CPU clock")
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--match-type", choices=["BFS", "PROB"], action="append", help="default: both")
+    parser.add_argument("--scenario", choices=list(SCENARIOS), action="append", help="default: all")
     args = parser.parse_args()
     clock = "thread CPU time" if args.cpu_time else "wall time"
-    for match_type, novelty in (("BFS", 0.0), ("PROB", 0.0), ("BFS", 0.5)):
-        result = run_drafting_benchmark(match_type=match_type, novelty=novelty, steps=args.steps, cpu_time=args.cpu_time)
-        print(f"match_type={match_type} novelty={novelty} (32 requests, D=16, {args.steps} steps, {clock})")
-        for key, value in result.items():
-            print(f"  {key:32s} {value:12.1f}")
+    for match_type in args.match_type or ["BFS", "PROB"]:
+        for scenario in args.scenario or list(SCENARIOS):
+            novelty, num_sentences = SCENARIOS[scenario]
+            result = run_drafting_benchmark(
+                match_type=match_type,
+                novelty=novelty,
+                num_sentences=num_sentences,
+                steps=args.steps,
+                cpu_time=args.cpu_time,
+            )
+            print(f"match_type={match_type} {scenario} (novelty={novelty}, {num_sentences} sentences;")
+            print(f"  32 requests, D=16, {args.steps} steps, {clock})")
+            for key, value in result.items():
+                print(f"  {key:32s} {value:12.1f}")
 
 
 if __name__ == "__main__":

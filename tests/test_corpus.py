@@ -6,12 +6,14 @@ import heapq
 from collections import Counter, deque
 from collections.abc import Sequence
 from fractions import Fraction
+from unittest import mock
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ngrammar.spec import corpus as corpus_module
 from ngrammar.spec.corpus import NgramCorpus
 from ngrammar.spec.tree import DraftTree, mask_from_parents
 
@@ -368,6 +370,67 @@ def test_counts_equal_naive_window_counts(chunks: list[list[int]], depth: int) -
     assert corpus.num_nodes == len(naive)
     for ngram, occurrences in naive.items():
         assert corpus.ngram_count(ngram) == occurrences
+
+
+# ------------------------------------------------------------------ bulk vs per-position indexing
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["prompt", "extend"]), st.integers(0, 2), st.lists(st.integers(1, 4), min_size=1, max_size=30)
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+    fillers=st.lists(st.lists(st.integers(1, 40), min_size=1, max_size=6), min_size=1, max_size=12),
+    depth=st.integers(2, 7),
+    match_type=st.sampled_from(["BFS", "PROB"]),
+    headroom=st.integers(0, 40),
+)
+def test_bulk_indexing_equals_per_position_indexing(
+    ops: list[tuple[str, int, list[int]]],
+    fillers: list[list[int]],
+    depth: int,
+    match_type: str,
+    headroom: int,
+) -> None:
+    """Long inserts (prompts, big catch-ups) take a bulk path that walks windows by start position;
+    it must leave exactly the trie, counts, child order and LRU order that inserting position by
+    position does. Fillers then overflow a tight capacity, so any LRU difference would change
+    which n-grams get evicted."""
+    capacity = sum(len(chunk) for _, _, chunk in ops) * depth + headroom  # room for every bulk insert
+
+    def run() -> list[object]:
+        corpus = NgramCorpus(max_trie_depth=depth, draft_token_num=6, match_type=match_type, capacity=capacity)
+        histories: dict[int, list[int]] = {}
+        seen: list[object] = []
+
+        def observe() -> None:
+            reqs = sorted(histories)
+            tree = corpus.batch_get(reqs, [histories[r] for r in reqs])
+            seen.append((list(corpus.ngrams()), corpus.num_nodes, rows(tree)))
+
+        for op, req, chunk in ops:
+            if op == "prompt" or req not in histories:
+                histories[req] = list(chunk)
+                corpus.index_prompt(req, histories[req])
+            else:
+                histories[req] += chunk
+                corpus.update(req, histories[req])
+            observe()
+        for filler in fillers:  # fresh n-grams: the trie fills up and evicts in LRU order
+            histories[9] = histories.get(9, []) + filler
+            corpus.update(9, histories[9])
+            observe()
+        return seen
+
+    with mock.patch.object(corpus_module, "_BULK_MIN_TOKENS", 1):
+        bulk = run()
+    with mock.patch.object(corpus_module, "_BULK_MIN_TOKENS", 10**9):
+        per_position = run()
+    assert bulk == per_position
 
 
 # ------------------------------------------------------------------ independent reference drafter

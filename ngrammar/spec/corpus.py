@@ -16,7 +16,9 @@ Matching. The anchors of a context are the nodes spelling its suffixes of length
 cursor (those nodes, for the history seen at its last ``batch_get``) and advances it over the
 appended tokens. A cursor is rebuilt from scratch whenever it might disagree with a fresh match:
 the history no longer extends the one it consumed, a node it holds was evicted since, or it records
-a missing suffix and nodes were created since.
+a missing suffix and nodes were created since. When the context is exactly the history just
+indexed, the insert cursor already holds the fresh match (unless it skipped a window or a node was
+evicted since) and is copied instead.
 
 Drafting. One budget of D-1 non-root nodes is shared by all anchors; a (draft parent, token) pair
 already in the draft is reused, so identical continuations from different anchors merge.
@@ -29,11 +31,11 @@ children of a draft node in the order they entered the draft), padded with token
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
-from collections.abc import Hashable, Iterator, Sequence
+from array import array
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from itertools import count, islice
+from itertools import chain, count, islice
 
 import numpy as np
 
@@ -43,42 +45,71 @@ MATCH_TYPES = ("BFS", "PROB")
 PAD_TOKEN = 0
 
 _ROOT = 0
+# Shortest run of new tokens worth the bulk insert path (below it, per-position inserts are cheaper).
+_BULK_MIN_TOKENS = 20
+# Log entries tolerated beyond the live ones before the touch log is tidied (amortizes the tidying).
+_LOG_SLACK = 4096
 # A permanent, dead, childless node id standing for "this n-gram is not in the trie" inside cursors:
 # lookups through it simply miss, and being dead it is never extended by inserts.
 _ABSENT = 1
-# Shared by every childless node and never mutated: a node gets its own dict with its first child.
+# Shared by every childless node and never mutated.
 _NO_CHILDREN: dict[int, int] = {}
+# A node's children: _NO_CHILDREN (a leaf), the id of its only child, or a dict token -> child,
+# least recently touched first (the root always has its own dict). See _Trie.
+_Kids = dict[int, int] | int
 
 
 class _Trie:
     """Trie storage as parallel lists indexed by node id.
 
-    No per-node Python objects: the dicts hold only ints, which the cyclic GC does not track, so
-    a large trie adds no GC pauses. An evicted id is recycled only after the current insert call
-    (``release``), so inside a call ``alive`` says whether an id still names the node a caller saw.
-    Across calls, ``evicted_at`` does: it holds the eviction counter's value at the id's last
-    eviction, so an id recorded when the counter read E still names the same node iff
-    evicted_at[id] <= E.
+    No per-node Python objects beyond ints and dicts of ints, which the cyclic GC does not track,
+    so a large trie adds no GC pauses. An evicted id is recycled only after the current
+    insert call (``release``), so inside a call ``alive`` says whether an id still names the node
+    a caller saw. Across calls, ``evicted_at`` does: it holds the eviction counter's value at the
+    id's last eviction (0 if never), so an id recorded when the counter read E still names the same
+    node iff evicted_at[id] <= E.
+
+    Children (``_Kids``): a leaf has _NO_CHILDREN, a node with one child usually holds that child's
+    id, and the root and branching nodes hold a dict token -> child, least recently touched first.
+    Most nodes of a window trie sit on chains (once a text departs from what was indexed, every
+    longer window is new), and a dict per node used to dominate the cost of indexing.
+
+    Recency: a touch (creating or bumping a node) appends the node to ``log`` and records that
+    entry's position in ``stamp``, so the entry at a node's stamp is current and its older entries
+    are stale. The current entries from ``head`` on are the LRU, least recently touched first.
+    Unlike moving a node within an ordered dict, appending can be batched: an insert call logs its
+    touches when it ends or before it evicts (eviction is the only reader of the log), a bulk
+    insert with numpy. ``release`` drops consumed entries and, when most entries are stale,
+    compacts the log.
 
     Eviction order: a touch refreshes only the touched node, not its ancestors, so the LRU front
     can be an interior node. Such a node leaves the LRU, stamped with ``drop_seq``, and re-enters
     eviction through the ``cold`` heap once its last child is evicted. A cold leaf is older than
     every LRU member (it was the LRU's oldest when dropped and has not been touched since) and cold
     leaves are ordered by drop_seq, so popping cold leaves first keeps exact LRU order over leaves.
+
+    Two insert paths give the same trie, counts, child order and LRU order: ``extend`` inserts the
+    windows position by position (in any state, evicting as it goes) and ``insert_bulk`` inserts a
+    long run of positions at once when no eviction can happen.
     """
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.size = 0  # live nodes, root excluded
+        # Per node id. Lists for what the walks read at every step (tokens, children); machine ints
+        # for the rest: bulk inserts fill them from numpy, and they stay dense in memory (a large
+        # trie's counts and flags as Python objects cost more in cache misses than they save).
         self.token: list[int] = [PAD_TOKEN, PAD_TOKEN]
-        self.parent: list[int] = [-1, -1]
-        self.count: list[int] = [0, 0]  # indexed occurrences of the node's n-gram
-        self.children: list[dict[int, int]] = [{}, _NO_CHILDREN]  # token -> child, least recently touched first
-        self.alive: list[bool] = [True, False]
-        self.evicted_at: list[int] = [0, 0]
-        self.in_lru: list[bool] = [False, False]
-        self.drop_seq: list[int] = [0, 0]
-        self.lru: OrderedDict[int, None] = OrderedDict()  # least recently touched first
+        self.children: list[_Kids] = [{}, _NO_CHILDREN]
+        self.alive = bytearray([True, False])
+        self.parent: array[int] = array("q", [-1, -1])
+        self.count: array[int] = array("q", [0, 0])  # indexed occurrences of the node's n-gram
+        self.stamp: array[int] = array("q", [-1, -1])  # position of the node's latest touch in the log
+        self.evicted_at: dict[int, int] = {}  # sparse: most ids are never evicted
+        self.drop_seq: dict[int, int] = {}  # sparse: only interior nodes that reached the LRU front
+        self.log: array[int] = array("q")  # touched ids, oldest first; log[i] is at position log_base + i
+        self.log_base = 0
+        self.head = 0  # index of the first log entry eviction has not consumed
         self.cold: list[tuple[int, int, int]] = []  # heap of (drop_seq, evicted_at, id)
         self.top: dict[int, list[tuple[int, int, float]]] = {}  # PROB cache: id -> [(child, token, share)]
         self.free: list[int] = []  # ids ready for reuse
@@ -87,59 +118,246 @@ class _Trie:
         self.evictions = 0
         self._drop_seqs = count(1)
 
+    # ------------------------------------------------------------------------------ reading
+
+    def child(self, node: int, token: int) -> int:
+        """``node``'s child for ``token``, _ABSENT if none."""
+        kids = self.children[node]
+        if kids.__class__ is int:
+            return kids if self.token[kids] == token else _ABSENT
+        return kids.get(token, _ABSENT)
+
+    def kid_items(self, node: int) -> list[tuple[int, int]]:
+        """``node``'s (token, child) pairs, least recently touched first."""
+        kids = self.children[node]
+        if kids.__class__ is int:
+            return [(self.token[kids], kids)]
+        return list(kids.items())
+
     def lookup(self, ngram: Sequence[int]) -> int:
         node = _ROOT
         for token in ngram:
-            node = self.children[node].get(int(token), _ABSENT)
+            node = self.child(node, int(token))
         return node
 
-    def extend(self, windows: list[int], token: int, keep: int) -> list[int]:
-        """Count ``token`` after each window ending at the previous position (``windows[n-1]`` has
-        length n) and after the empty window; returns the nodes of the windows ending at ``token``.
+    def in_lru(self, node: int) -> bool:
+        """Whether ``node``'s latest touch is still in the LRU (not consumed by eviction)."""
+        return self.stamp[node] >= self.log_base + self.head
 
-        The hot loop of indexing (every token of every request), so bumping an existing child is
-        inlined here.
+    # ----------------------------------------------------------------------------- inserting
+
+    def extend(self, windows: list[int], tokens: list[int], keep: int) -> list[int]:
+        """For each of ``tokens`` in turn, count it after each window ending at the previous
+        position (``windows[n-1]`` has length n; only the first ``keep`` can grow) and after the
+        empty window. Returns the nodes of the windows ending at the last token.
+
+        The hot loop of per-step indexing. Bumping a child and creating one while there is room
+        are inlined, and touches are logged in one go at the end (or before an eviction, the only
+        reader of the log); creations that need an eviction or a recycled id go through
+        ``new_child``.
         """
-        children, alive, count_, in_lru, lru, top = self.children, self.alive, self.count, self.in_lru, self.lru, self.top
-        grown: list[int] = []
-        for parent in [_ROOT, *windows[:keep]]:
-            if not alive[parent]:  # a skipped or evicted window cannot grow
-                grown.append(_ABSENT)
-                continue
-            siblings = children[parent]
-            child = siblings.get(token)
-            if child is None:
-                grown.append(self.new_child(parent, token))
-                continue
-            del siblings[token]  # re-append: children stay in least-recently-touched-first order
-            siblings[token] = child
-            count_[child] += 1
-            if top:
-                top.pop(parent, None)
-            if in_lru[child]:
-                lru.move_to_end(child)
+        children, alive, count_, top = self.children, self.alive, self.count, self.top
+        token_, parent_, stamp = self.token, self.parent, self.stamp
+        room = 0 if self.free else self.capacity - self.size  # creations that can simply append an id
+        created = 0
+        touched: list[int] = []  # not logged yet, in touch order
+        row = [_ROOT, *windows]  # row[n]: the window of length n ending at the previous position
+        for token in tokens:
+            if len(row) > keep + 1:
+                row.pop()  # the longest window cannot grow
+            grown = [_ROOT]
+            for parent in row:
+                if not alive[parent]:  # a skipped or evicted window cannot grow
+                    grown.append(_ABSENT)
+                    continue
+                kids = children[parent]
+                if kids.__class__ is int:
+                    child = kids if token_[kids] == token else None
+                else:
+                    child = kids.get(token)
+                    if child is not None and len(kids) > 1:
+                        del kids[token]  # re-append: children stay least-recently-touched first
+                        kids[token] = child
+                if child is not None:
+                    count_[child] += 1
+                elif room > created:
+                    created += 1
+                    child = len(token_)
+                    token_.append(token)
+                    parent_.append(parent)
+                    count_.append(1)
+                    children.append(_NO_CHILDREN)
+                    alive.append(True)
+                    stamp.append(-1)  # set when logged
+                    if kids is _NO_CHILDREN:
+                        children[parent] = child
+                    elif kids.__class__ is int:
+                        children[parent] = {token_[kids]: kids, token: child}
+                    else:
+                        kids[token] = child
+                else:
+                    self.size += created
+                    self.creations += created
+                    room = created = 0
+                    self._log_touches(touched)  # the eviction must see every touch so far
+                    touched = []
+                    child = self.new_child(parent, token)
+                    if child == _ABSENT:
+                        grown.append(_ABSENT)
+                        continue
+                if top:
+                    top.pop(parent, None)
+                grown.append(child)
+                touched.append(child)
+            row = grown
+        self.size += created
+        self.creations += created
+        self._log_touches(touched)
+        return row[1:]
+
+    def _log_touches(self, nodes: list[int]) -> None:
+        """Append touches to the log, in order."""
+        stamp = self.stamp
+        for position, node in enumerate(nodes, self.log_base + len(self.log)):
+            stamp[node] = position
+        self.log.extend(nodes)
+
+    def insert_bulk(self, windows: list[int], tokens: list[int], depth: int) -> list[int]:
+        """Same result as ``extend(windows, tokens, depth - 1)`` for a caller that guarantees no
+        eviction can happen (room for one new node per window), in far fewer Python steps.
+
+        Windows are walked once per start position instead of once per end position: a start's
+        windows are one root path, and once a child is missing the rest of that path is a chain
+        of new nodes, created with a few list extends (new ids are consecutive, chain after
+        chain). The walk order changes nothing observable: counts do not depend on order; siblings
+        all have the same length, so walking starts in order touches them in the same relative
+        order as walking ends in order (and children are re-appended on each touch, as in
+        ``extend``); the touch log, which orders nodes of every length, gets the touches appended
+        afterwards in ``extend``'s order (end position, then length).
+        """
+        children, token_ = self.children, self.token
+        k0 = min(len(windows), depth - 1)  # windows ending before tokens[0] that can still grow
+        m = len(tokens)
+        first_new = len(token_)  # this call only appends ids
+        walked: list[int] = []  # the nodes met that existed, row after row (a row = one start)
+        row_walked: list[int] = []  # per row: how many of its windows existed, -1 if skipped
+        heads: list[int] = []  # per chain of new nodes: the existing node it hangs from
+        for r in range(-k0, m):  # start position, relative to tokens[0]
+            if r >= 0:
+                node, j = _ROOT, r
             else:
-                lru[child] = None
-                in_lru[child] = True
-            grown.append(child)
-        return grown
+                node, j = windows[-r - 1], 0  # the window tokens[r:0] is known: continue from it
+                if not self.alive[node]:  # a skipped window: its extensions are skipped too
+                    row_walked.append(-1)
+                    continue
+            stop = min(m, r + depth)
+            met = len(walked)
+            for token in tokens[j:stop]:
+                kids = children[node]
+                if kids.__class__ is int:
+                    if token_[kids] != token:
+                        break
+                    child = kids
+                else:
+                    child = kids.get(token)
+                    if child is None:
+                        break
+                    if len(kids) > 1:  # re-append: children stay least-recently-touched first
+                        del kids[token]
+                        kids[token] = child
+                walked.append(child)
+                node = child
+            met = len(walked) - met
+            row_walked.append(met)
+            j += met
+            if j == stop:
+                continue
+            # tokens[j:stop] are new below ``node``: a chain whose nodes each hold the next's id.
+            first = len(token_)
+            kids = children[node]
+            if kids is _NO_CHILDREN:
+                children[node] = first
+            elif kids.__class__ is int:
+                children[node] = {token_[kids]: kids, tokens[j]: first}
+            else:
+                kids[tokens[j]] = first
+            token_ += tokens[j:stop]
+            children += range(first + 1, first + stop - j + 1)
+            children[-1] = _NO_CHILDREN
+            heads.append(node)
+        if self.top:  # the parents of the touched nodes (and a few more) lose their ranking
+            pop = self.top.pop
+            for node in chain((_ROOT,), windows, walked, heads):
+                pop(node, None)
+        return self._finish_bulk(walked, row_walked, heads, k0, m, depth, first_new)
+
+    def _finish_bulk(
+        self, walked: list[int], row_walked: list[int], heads: list[int], k0: int, m: int, depth: int, first_new: int
+    ) -> list[int]:
+        """The per-window rest of ``insert_bulk``, vectorized: counts, the new nodes' parents, the
+        touches appended to the log in ``extend``'s order, stamps, and the nodes of the windows
+        ending at the last token (shortest first)."""
+        created = len(self.token) - first_new
+        self.size += created
+        self.creations += created
+        self.alive += b"\x01" * created
+        met = np.frombuffer(array("q", walked), dtype=np.int64)
+        self.count.frombytes(np.ones(created, dtype=np.int64).tobytes())
+        counts = np.frombuffer(self.count, dtype=np.int64)  # a view: no resizing while it lives
+        np.add.at(counts, met, 1)  # a node met twice counts twice
+        del counts
+        starts = np.arange(-k0, m)
+        counted = np.array(row_walked, dtype=np.int64)
+        windows = np.where(counted < 0, 0, np.minimum(m, starts + depth) - np.maximum(starts, 0))
+        existing = np.maximum(counted, 0)
+        new = windows - existing  # a row's new windows form one chain
+        # A new node hangs from the previous id, except the first of a chain from the chain's head.
+        parents = np.arange(first_new - 1, first_new - 1 + created)
+        chain_lengths = new[new > 0]
+        parents[np.cumsum(chain_lengths) - chain_lengths] = heads
+        self.parent.frombytes(parents.tobytes())
+        # A table with one row per start r from -(depth - 1) and one column per length 1..depth:
+        # the node of window tokens[r : r + length], _ABSENT where this call did not touch it.
+        row_offset = (starts + depth - 1) * depth + np.maximum(-starts, 0)  # a row < 0 starts at tokens[0]
+        table = np.full((m + depth - 1) * depth, _ABSENT, dtype=np.int64)
+        table[_ranges(row_offset, existing)] = met
+        table[_ranges(row_offset + existing, new)] = np.arange(first_new, first_new + created)
+        # extend's order: end position e, then length c + 1, i.e. row e - c, column c.
+        ends = np.arange(m)[:, None]
+        columns = np.arange(depth)
+        touched = table[((ends - columns + depth - 1) * depth + columns).ravel()]
+        touched = touched[touched != _ABSENT]
+        positions = np.arange(len(touched)) + (self.log_base + len(self.log))
+        self.log.frombytes(touched.tobytes())
+        # A node touched more than once keeps its last (largest) position.
+        self.stamp.frombytes(np.full(created, -1, dtype=np.int64).tobytes())
+        stamps = np.frombuffer(self.stamp, dtype=np.int64)  # a view: no resizing while it lives
+        np.maximum.at(stamps, touched, positions)
+        del stamps
+        # The windows ending at the last token: rows m-1, m-2, ..., each at its last column.
+        rows = np.arange(m - 1, m - 1 - min(k0 + m, depth), -1)
+        return table[(rows + depth - 1) * depth + (m - 1 - rows)].tolist()
 
     def new_child(self, parent: int, token: int) -> int:
-        """Create parent's child for ``token``, evicting when full; _ABSENT if that is impossible."""
+        """Create parent's child for ``token``, evicting when full; _ABSENT if that is impossible.
+        The caller touches it."""
         if self.size >= self.capacity and not self.evict_one():
             return _ABSENT
         if not self.alive[parent]:  # the eviction took the parent itself (it was the oldest leaf)
             return _ABSENT
         node = self._allocate(parent, token)
-        if self.children[parent] is _NO_CHILDREN:
-            self.children[parent] = {}
-        self.children[parent][token] = node
+        kids = self.children[parent]
+        if kids is _NO_CHILDREN:
+            self.children[parent] = node
+        elif kids.__class__ is int:
+            self.children[parent] = {self.token[kids]: kids, token: node}
+        else:
+            kids[token] = node
         self.top.pop(parent, None)
-        self.lru[node] = None
         return node
 
     def _allocate(self, parent: int, token: int) -> int:
-        """A fresh live leaf (count 1, in the LRU), reusing a released id when there is one."""
+        """A fresh live leaf (count 1; the caller touches it), reusing a released id when there is one."""
         self.size += 1
         self.creations += 1
         if not self.free:
@@ -148,32 +366,35 @@ class _Trie:
             self.count.append(1)
             self.children.append(_NO_CHILDREN)
             self.alive.append(True)
-            self.evicted_at.append(0)
-            self.in_lru.append(True)
-            self.drop_seq.append(0)
+            self.stamp.append(-1)
             return len(self.token) - 1
         node = self.free.pop()
         self.token[node], self.parent[node], self.count[node] = token, parent, 1
-        self.children[node], self.alive[node], self.in_lru[node] = _NO_CHILDREN, True, True
+        self.children[node], self.alive[node] = _NO_CHILDREN, True
         return node
+
+    # ------------------------------------------------------------------------------ evicting
 
     def evict_one(self) -> bool:
         """Evict the least recently touched leaf; False only when the trie is empty."""
         while self.cold:
             seq, evicted_at, node = heapq.heappop(self.cold)
             if (
-                self.evicted_at[node] == evicted_at
+                self.evicted_at.get(node, 0) == evicted_at
                 and self.alive[node]
-                and not self.in_lru[node]
+                and not self.in_lru(node)
                 and not self.children[node]
-                and self.drop_seq[node] == seq
+                and self.drop_seq.get(node, 0) == seq
             ):
                 self._detach(node)
                 return True
-        while self.lru:
-            node, _ = self.lru.popitem(last=False)
-            self.in_lru[node] = False
-            if self.children[node]:  # interior: evictable again once its subtree is gone
+        log, stamp, children = self.log, self.stamp, self.children
+        while self.head < len(log):
+            node = log[self.head]
+            self.head += 1
+            if stamp[node] != self.log_base + self.head - 1:
+                continue  # a stale entry: the node was touched again since
+            if children[node]:  # interior: evictable again once its subtree is gone
                 self.drop_seq[node] = next(self._drop_seqs)
                 continue
             self._detach(node)
@@ -182,10 +403,13 @@ class _Trie:
 
     def _detach(self, leaf: int) -> None:
         parent = self.parent[leaf]
-        siblings = self.children[parent]
-        del siblings[self.token[leaf]]
-        if not siblings and parent != _ROOT:
+        kids = self.children[parent]
+        if kids.__class__ is int:  # the leaf was the only child
             self.children[parent] = _NO_CHILDREN
+        else:
+            del kids[self.token[leaf]]
+            if not kids and parent != _ROOT:
+                self.children[parent] = _NO_CHILDREN
         self.top.pop(parent, None)
         self.top.pop(leaf, None)
         self.alive[leaf] = False
@@ -193,28 +417,52 @@ class _Trie:
         self.size -= 1
         self.evictions += 1
         self.evicted_at[leaf] = self.evictions
-        if parent != _ROOT and not self.children[parent] and not self.in_lru[parent]:
-            heapq.heappush(self.cold, (self.drop_seq[parent], self.evicted_at[parent], parent))
+        if parent != _ROOT and not self.children[parent] and not self.in_lru(parent):
+            heapq.heappush(self.cold, (self.drop_seq.get(parent, 0), self.evicted_at.get(parent, 0), parent))
 
     def release(self) -> None:
-        """End of an insert call: ids evicted during it may now be reused."""
-        self.free += self.freed
-        self.freed.clear()
+        """End of an insert call: ids evicted during it may now be reused, and the log is tidied."""
+        if self.freed:
+            self.free += self.freed
+            self.freed.clear()
+        log = self.log
+        if self.head > _LOG_SLACK and self.head > len(log) // 2:  # entries eviction consumed: drop them
+            del log[: self.head]
+            self.log_base += self.head
+            self.head = 0
+        if len(log) - self.head > 2 * self.size + _LOG_SLACK:  # mostly stale: keep only current entries
+            self._compact_log()
+
+    def _compact_log(self) -> None:
+        """Re-append the current entries (in order) after the end of the log and drop everything
+        else. New positions exceed every old one, so nodes out of the LRU stay out of it."""
+        entries = np.frombuffer(self.log, dtype=np.int64)[self.head :]
+        stamps = np.frombuffer(self.stamp, dtype=np.int64)  # a view: no resizing while it lives
+        current = entries[stamps[entries] == np.arange(len(entries)) + (self.log_base + self.head)]
+        end = self.log_base + len(self.log)
+        stamps[current] = np.arange(end, end + len(current))  # current entries name distinct nodes
+        del stamps
+        self.log, self.log_base, self.head = array("q", current.tobytes()), end, 0
+
+    # ------------------------------------------------------------------------------- ranking
 
     def top_children(self, node: int, k: int) -> list[tuple[int, int, float]]:
         """The k most frequent children (ties: smaller token) as (child, token, share of their counts)."""
+        kids = self.children[node]
+        if kids.__class__ is int:  # the common case on long matches: nothing to rank or cache
+            return [(kids, self.token[kids], 1.0)]
         top = self.top.get(node)
         if top is None:
             top = self.top[node] = self._rank_children(node, k)
         return top
 
     def _rank_children(self, node: int, k: int) -> list[tuple[int, int, float]]:
-        siblings = self.children[node]
-        if len(siblings) == 1:  # the common case on long matches
-            ((token, child),) = siblings.items()
+        kids = self.children[node]
+        if len(kids) == 1:
+            ((token, child),) = kids.items()
             return [(child, token, 1.0)]
         count_ = self.count
-        best = heapq.nsmallest(k, siblings.items(), key=lambda item: (-count_[item[1]], item[0]))
+        best = heapq.nsmallest(k, kids.items(), key=lambda item: (-count_[item[1]], item[0]))
         total = sum(count_[child] for _, child in best)
         return [(child, token, count_[child] / total) for token, child in best]
 
@@ -225,7 +473,8 @@ class _Cursor:
 
     ``nodes[n-1]`` spells the last n consumed tokens (_ABSENT if not in the trie); at most
     max_trie_depth entries. A fresh cursor starts with no nodes at some position of the history,
-    so it only knows suffixes starting at or after that position.
+    so it only knows suffixes starting at or after that position. ``nodes`` and ``tail`` are
+    replaced, never mutated, so cursors may share them.
     """
 
     length: int  # tokens of the history consumed
@@ -280,12 +529,12 @@ class NgramCorpus:
 
     def ngrams(self) -> Iterator[tuple[tuple[int, ...], int]]:
         """Every n-gram in the trie with its count, depth first (for debugging and tests)."""
-        children, count_ = self._trie.children, self._trie.count
-        stack = [((token,), child) for token, child in children[_ROOT].items()]
+        trie = self._trie
+        stack = [((token,), child) for token, child in trie.kid_items(_ROOT)]
         while stack:
             ngram, node = stack.pop()
-            yield ngram, count_[node]
-            stack += [(ngram + (token,), child) for token, child in children[node].items()]
+            yield ngram, trie.count[node]
+            stack += [(ngram + (token,), child) for token, child in trie.kid_items(node)]
 
     def index_prompt(self, req_id: Hashable, tokens: Sequence[int]) -> None:
         """Index every window of a whole prompt (at admission); later ``update`` calls continue it."""
@@ -346,15 +595,23 @@ class NgramCorpus:
         return _Cursor(length=start, tail=self._tail(tokens, start))
 
     def _tail(self, tokens: Sequence[int], end: int) -> list[int]:
-        return list(tokens[max(0, end - self.max_trie_depth) : end])
+        tail = tokens[max(0, end - self.max_trie_depth) : end]
+        return tail if tail.__class__ is list else list(tail)
 
     def _index(self, cursor: _Cursor, tokens: Sequence[int]) -> None:
         """Insert the windows ending at tokens[cursor.length:], advancing the insert cursor."""
+        if cursor.length == len(tokens):  # nothing new (the cursor already holds its nodes)
+            return
         trie = self._trie
         windows = self._surviving(cursor)
-        keep = self.max_trie_depth - 1  # windows ending at the previous position that can still grow
-        for token in tokens[cursor.length :]:
-            windows = trie.extend(windows, int(token), keep)
+        new_tokens = _int_list(tokens[cursor.length :])
+        depth = self.max_trie_depth
+        # The bulk path pays a fixed vectorized cost, so it only wins on long runs (prompts), and it
+        # needs room for one new node per window, since it cannot interleave evictions.
+        if len(new_tokens) >= _BULK_MIN_TOKENS and trie.size + len(new_tokens) * depth <= trie.capacity:
+            windows = trie.insert_bulk(windows, new_tokens, depth)
+        else:
+            windows = trie.extend(windows, new_tokens, depth - 1)  # windows of length depth cannot grow
         trie.release()
         self._record(cursor, windows, tokens)
 
@@ -364,7 +621,7 @@ class NgramCorpus:
         if cursor.evictions == trie.evictions:
             return cursor.nodes
         evicted_at, recorded = trie.evicted_at, cursor.evictions
-        return [node if evicted_at[node] <= recorded else _ABSENT for node in cursor.nodes]
+        return [node if evicted_at.get(node, 0) <= recorded else _ABSENT for node in cursor.nodes]
 
     def _record(self, cursor: _Cursor, nodes: list[int], tokens: Sequence[int]) -> None:
         trie = self._trie
@@ -381,10 +638,20 @@ class NgramCorpus:
         """Expandable (node, suffix length) pairs for the context, longest suffix first."""
         nodes = self._match(req_id, context)
         children = self._trie.children
-        return [(nodes[n - 1], n) for n in range(len(nodes), 0, -1) if children[nodes[n - 1]]]
+        return [(node, n) for n, node in zip(range(len(nodes), 0, -1), reversed(nodes)) if children[node]]
 
     def _match(self, req_id: Hashable, context: Sequence[int]) -> list[int]:
         """The nodes of the context's suffixes (see _Cursor), advancing or rebuilding its match cursor."""
+        indexed = self._insert_cursors.get(req_id)
+        if indexed is not None and self._holds_match(indexed, context):
+            # The usual step: the request's history was just indexed, so its insert cursor already
+            # holds the match.
+            cursor = self._match_cursors.get(req_id)
+            if cursor is None:
+                cursor = self._match_cursors[req_id] = _Cursor(length=0, tail=[])
+            cursor.length, cursor.tail, cursor.nodes = indexed.length, indexed.tail, indexed.nodes
+            cursor.creations, cursor.evictions = indexed.creations, indexed.evictions
+            return cursor.nodes
         cursor = self._match_cursors.get(req_id)
         if (
             cursor is None
@@ -397,6 +664,18 @@ class NgramCorpus:
         self._record(cursor, self._advance_match(cursor.nodes, context[cursor.length :]), context)
         return cursor.nodes
 
+    def _holds_match(self, indexed: _Cursor, context: Sequence[int]) -> bool:
+        """Whether an insert cursor's nodes are exactly the context's fresh match: it consumed this
+        very history, indexed every suffix (no window skipped: _ABSENT there means skipped, not
+        missing) and nothing was evicted since, so each node still spells its suffix."""
+        return (
+            indexed.length == len(context)
+            and indexed.evictions == self._trie.evictions
+            and len(indexed.nodes) == min(len(context), self.max_trie_depth)
+            and _ABSENT not in indexed.nodes
+            and _extends(indexed, context)
+        )
+
     def _is_stale(self, cursor: _Cursor) -> bool:
         """Whether trie changes since the cursor was recorded may have changed its nodes."""
         trie = self._trie
@@ -406,10 +685,17 @@ class NgramCorpus:
 
     def _advance_match(self, nodes: list[int], appended: Sequence[int]) -> list[int]:
         keep = self.max_trie_depth - 1
-        children = self._trie.children
+        children, token_ = self._trie.children, self._trie.token
         root = children[_ROOT]
-        for token in appended:
-            nodes = [root.get(token, _ABSENT)] + [children[node].get(token, _ABSENT) for node in nodes[:keep]]
+        for token in _int_list(appended):
+            advanced = [root.get(token, _ABSENT)]
+            for node in nodes[:keep]:
+                kids = children[node]
+                if kids.__class__ is int:
+                    advanced.append(kids if token_[kids] == token else _ABSENT)
+                else:
+                    advanced.append(kids.get(token, _ABSENT))
+            nodes = advanced
         return nodes
 
     # ------------------------------------------------------------------------------ drafting
@@ -434,60 +720,92 @@ class NgramCorpus:
     def _draft(self, root_token: int, anchors: list[tuple[int, int]], d: int) -> tuple[list[int], list[int]]:
         """One request's tree as (tokens [D], parents [D]) in BFS order, padded."""
         tokens = [root_token]
+        parents = [-1]  # draft node -> its parent; nodes are numbered in the order they enter
         children: list[dict[int, int]] = [{}]  # draft node -> {token: draft child}, in insertion order
         if anchors and d > 1:
             if self.match_type == "BFS":
-                self._grow_by_recency(anchors, tokens, children, d)
+                self._grow_by_recency(anchors, tokens, parents, children, d)
             else:
-                self._grow_by_frequency(anchors, tokens, children, d)
+                self._grow_by_frequency(anchors, tokens, parents, children, d)
+        if parents == sorted(parents):  # children come in blocks, by parent: already BFS order (common)
+            pad = d - len(tokens)
+            return tokens + [PAD_TOKEN] * pad, parents + [0] * pad
         return _bfs_order(tokens, children, d)
 
     def _grow_by_recency(
-        self, anchors: list[tuple[int, int]], tokens: list[int], children: list[dict[int, int]], d: int
+        self,
+        anchors: list[tuple[int, int]],
+        tokens: list[int],
+        parents: list[int],
+        children: list[dict[int, int]],
+        d: int,
     ) -> None:
         """BFS from each anchor, level by level (the order of a FIFO queue): each node of a level takes
         its first ``take`` children, most recent first (see _bfs_schedule).
 
-        Fast path, same result: while a level is one trie node with one child (long matches are
-        chains) the walk needs no queue; the general BFS resumes at the first branching node.
+        Fast path, same result: while a level is one trie node with one child stored as an id
+        (long matches are chains) the walk needs no queue; the general BFS resumes at the first
+        other node.
         """
-        trie_children = self._trie.children
+        trie_children, trie_token = self._trie.children, self._trie.token
         for anchor, depth in anchors:
             if len(tokens) >= d:
                 return
             takes = self._bfs_takes[depth]
-            levels = len(takes)
-            parent, node, level = 0, anchor, 0
-            successors = trie_children[node]
-            while len(successors) == 1 and level < levels:
-                ((token, child),) = successors.items()
-                slot = children[parent].get(token)
-                if slot is None:
-                    if len(tokens) >= d:
+            parent, node = 0, anchor
+            kids = trie_children[node]
+            for level in range(len(takes)):
+                if kids.__class__ is not int:
+                    break
+                token = trie_token[kids]
+                drafted = children[parent]
+                slot = drafted.get(token)
+                if slot is None:  # a new draft node (inlined: the hottest loop of drafting)
+                    slot = len(tokens)
+                    if slot >= d:
                         return
-                    slot = _add_draft_node(tokens, children, parent, token)
-                parent, node, level = slot, child, level + 1
-                successors = trie_children[node]
-            if successors and level < levels:
-                if not self._expand_levels([(parent, node)], takes[level:], tokens, children, d):
-                    return
+                    tokens.append(token)
+                    parents.append(parent)
+                    children.append({})
+                    drafted[token] = slot
+                parent, node = slot, kids
+                kids = trie_children[node]
+            else:
+                continue  # every level below the anchor was walked
+            if kids and not self._expand_levels([(parent, node)], takes[level:], tokens, parents, children, d):
+                return
 
     def _expand_levels(
-        self, level: list[tuple[int, int]], takes: list[int], tokens: list[int], children: list[dict[int, int]], d: int
+        self,
+        level: list[tuple[int, int]],
+        takes: list[int],
+        tokens: list[int],
+        parents: list[int],
+        children: list[dict[int, int]],
+        d: int,
     ) -> bool:
         """General BFS over (draft node, trie node) levels; False once the draft is full."""
-        trie_children = self._trie.children
+        trie_children, trie_token = self._trie.children, self._trie.token
         for take in takes:
             below: list[tuple[int, int]] = []
             for parent, node in level:
                 drafted = children[parent]
-                recent = trie_children[node].items()
-                for token, child in reversed(recent) if len(recent) <= take else islice(reversed(recent), take):
+                kids = trie_children[node]
+                if kids.__class__ is int:
+                    picked: Iterable[tuple[int, int]] = ((trie_token[kids], kids),)
+                else:
+                    recent = kids.items()
+                    picked = reversed(recent) if len(recent) <= take else islice(reversed(recent), take)
+                for token, child in picked:
                     slot = drafted.get(token)
                     if slot is None:
-                        if len(tokens) >= d:
+                        slot = len(tokens)
+                        if slot >= d:
                             return False
-                        slot = _add_draft_node(tokens, children, parent, token)
+                        tokens.append(token)
+                        parents.append(parent)
+                        children.append({})
+                        drafted[token] = slot
                     below.append((slot, child))
             if not below:
                 break
@@ -495,40 +813,71 @@ class NgramCorpus:
         return True
 
     def _grow_by_frequency(
-        self, anchors: list[tuple[int, int]], tokens: list[int], children: list[dict[int, int]], d: int
+        self,
+        anchors: list[tuple[int, int]],
+        tokens: list[int],
+        parents: list[int],
+        children: list[dict[int, int]],
+        d: int,
     ) -> None:
         """Best-first over continuation probability; the heap is shared across anchors.
 
         Fast path, same result: when the heap is empty and the node just drafted has a single
         child, that child (share 1.0, so the same probability) would be pushed and popped at once,
         so it is taken directly. Push order only breaks ties among entries present together, which
-        skipping a push into an empty heap cannot reorder.
+        skipping a push into an empty heap cannot reorder. A child stored as an id (a chain) is
+        taken without ranking.
         """
         trie = self._trie
+        trie_children, trie_token, top_children = trie.children, trie.token, trie.top_children
+        heappush, heappop = heapq.heappush, heapq.heappop
         k = self.max_bfs_breadth
         heap: list[tuple[float, int, int, int, int]] = []  # (-probability, push order, draft parent, node, token)
         pushes = 0  # tie-break: equal probabilities pop in push order
         for anchor, _ in anchors:
             if len(tokens) >= d:
                 return
-            for child, token, share in trie.top_children(anchor, k):
+            for child, token, share in top_children(anchor, k):
                 pushes += 1
-                heapq.heappush(heap, (-share, pushes, 0, child, token))
+                heappush(heap, (-share, pushes, 0, child, token))
             while heap:
-                neg_prob, _, parent, node, token = heapq.heappop(heap)
+                neg_prob, _, parent, node, token = heappop(heap)
                 while True:
-                    slot = children[parent].get(token)
+                    drafted = children[parent]
+                    slot = drafted.get(token)
                     if slot is None:
-                        if len(tokens) >= d:
+                        slot = len(tokens)
+                        if slot >= d:
                             return
-                        slot = _add_draft_node(tokens, children, parent, token)
-                    top = trie.top_children(node, k)
+                        tokens.append(token)
+                        parents.append(parent)
+                        children.append({})
+                        drafted[token] = slot
+                    kids = trie_children[node]
+                    if kids.__class__ is int:  # one child, share 1.0
+                        if not heap:
+                            parent, node, token = slot, kids, trie_token[kids]
+                            continue
+                        top = [(kids, trie_token[kids], 1.0)]
+                        break
+                    top = top_children(node, k)
                     if heap or len(top) != 1:
                         break
                     parent, (node, token, _) = slot, top[0]
                 for child, child_token, share in top:
                     pushes += 1
-                    heapq.heappush(heap, (neg_prob * share, pushes, slot, child, child_token))
+                    heappush(heap, (neg_prob * share, pushes, slot, child, child_token))
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenated ranges [starts[i], starts[i] + lengths[i]) as one int64 array."""
+    total = int(lengths.sum())
+    return np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + np.arange(total)
+
+
+def _int_list(tokens: Sequence[int]) -> list[int]:
+    """Plain Python ints (numpy histories too): dict keys and list items stay cheap to hash and compare."""
+    return tokens.tolist() if isinstance(tokens, np.ndarray) else [int(token) for token in tokens]
 
 
 def _extends(cursor: _Cursor, tokens: Sequence[int]) -> bool:
@@ -536,29 +885,17 @@ def _extends(cursor: _Cursor, tokens: Sequence[int]) -> bool:
     end = cursor.length
     if end > len(tokens):
         return False
-    return list(tokens[end - len(cursor.tail) : end]) == cursor.tail  # list(): numpy histories too
-
-
-def _add_draft_node(tokens: list[int], children: list[dict[int, int]], parent: int, token: int) -> int:
-    """Append a draft node for ``token`` under ``parent``; returns its index."""
-    slot = len(tokens)
-    tokens.append(token)
-    children.append({})
-    children[parent][token] = slot
-    return slot
+    consumed = tokens[end - len(cursor.tail) : end]
+    return (consumed if consumed.__class__ is list else list(consumed)) == cursor.tail  # numpy histories too
 
 
 def _bfs_order(tokens: list[int], children: list[dict[int, int]], d: int) -> tuple[list[int], list[int]]:
     """Renumber a draft (node 0 = root) in BFS order and pad it with PAD_TOKEN root children to D nodes."""
-    queue = [0]  # draft nodes in output order; a node's output index is its queue position
-    out_tokens = [tokens[0]]
+    order = [0]  # draft nodes in output order; a node's output index is its position here
     out_parents = [-1]
-    head = 0
-    while head < len(queue):
-        for child in children[queue[head]].values():
-            queue.append(child)
-            out_tokens.append(tokens[child])
+    for head, node in enumerate(order):  # visits the nodes appended below as well
+        for child in children[node].values():
+            order.append(child)
             out_parents.append(head)
-        head += 1
-    pad = d - len(out_tokens)
-    return out_tokens + [PAD_TOKEN] * pad, out_parents + [0] * pad
+    pad = d - len(order)
+    return [tokens[node] for node in order] + [PAD_TOKEN] * pad, out_parents + [0] * pad
