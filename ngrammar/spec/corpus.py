@@ -66,7 +66,7 @@ class _Trie:
     so a large trie adds no GC pauses. An evicted id is recycled only after the current
     insert call (``release``), so inside a call ``alive`` says whether an id still names the node
     a caller saw. Across calls, ``evicted_at`` does: it holds the eviction counter's value at the
-    id's last eviction (0 if never), so an id recorded when the counter read E still names the same
+    id's last eviction, so an id recorded when the counter read E still names the same
     node iff evicted_at[id] <= E.
 
     Children (``_Kids``): a leaf has _NO_CHILDREN, a node with one child usually holds that child's
@@ -96,17 +96,18 @@ class _Trie:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.size = 0  # live nodes, root excluded
-        # Per node id. Lists for what the walks read at every step (tokens, children); machine ints
-        # for the rest: bulk inserts fill them from numpy, and they stay dense in memory (a large
-        # trie's counts and flags as Python objects cost more in cache misses than they save).
+        # Per node id. Machine ints where bulk inserts write with numpy; they also stay dense in
+        # memory (in a large trie, per-node int objects cost more in cache misses than they save).
+        # Lists for the rest: the walks read tokens and children at every step, and evictions
+        # read evicted_at and drop_seq.
         self.token: list[int] = [PAD_TOKEN, PAD_TOKEN]
         self.children: list[_Kids] = [{}, _NO_CHILDREN]
         self.alive = bytearray([True, False])
         self.parent: array[int] = array("q", [-1, -1])
         self.count: array[int] = array("q", [0, 0])  # indexed occurrences of the node's n-gram
         self.stamp: array[int] = array("q", [-1, -1])  # position of the node's latest touch in the log
-        self.evicted_at: dict[int, int] = {}  # sparse: most ids are never evicted
-        self.drop_seq: dict[int, int] = {}  # sparse: only interior nodes that reached the LRU front
+        self.evicted_at: list[int] = [0, 0]
+        self.drop_seq: list[int] = [0, 0]
         self.log: array[int] = array("q")  # touched ids, oldest first; log[i] is at position log_base + i
         self.log_base = 0
         self.head = 0  # index of the first log entry eviction has not consumed
@@ -157,7 +158,8 @@ class _Trie:
         ``new_child``.
         """
         children, alive, count_, top = self.children, self.alive, self.count, self.top
-        token_, parent_, stamp = self.token, self.parent, self.stamp
+        token_, parent_, stamp, log = self.token, self.parent, self.stamp, self.log
+        evicted_at, drop_seq = self.evicted_at, self.drop_seq
         room = 0 if self.free else self.capacity - self.size  # creations that can simply append an id
         created = 0
         touched: list[int] = []  # not logged yet, in touch order
@@ -189,6 +191,8 @@ class _Trie:
                     children.append(_NO_CHILDREN)
                     alive.append(True)
                     stamp.append(-1)  # set when logged
+                    evicted_at.append(0)
+                    drop_seq.append(0)
                     if kids is _NO_CHILDREN:
                         children[parent] = child
                     elif kids.__class__ is int:
@@ -199,8 +203,13 @@ class _Trie:
                     self.size += created
                     self.creations += created
                     room = created = 0
-                    self._log_touches(touched)  # the eviction must see every touch so far
-                    touched = []
+                    if touched:  # the eviction must see every touch so far (inlined: once per creation when full)
+                        position = self.log_base + len(log)
+                        for node in touched:
+                            stamp[node] = position
+                            position += 1
+                        log.extend(touched)
+                        touched = []
                     child = self.new_child(parent, token)
                     if child == _ABSENT:
                         grown.append(_ABSENT)
@@ -301,6 +310,8 @@ class _Trie:
         self.size += created
         self.creations += created
         self.alive += b"\x01" * created
+        self.evicted_at += [0] * created
+        self.drop_seq += [0] * created
         met = np.frombuffer(array("q", walked), dtype=np.int64)
         self.count.frombytes(np.ones(created, dtype=np.int64).tobytes())
         counts = np.frombuffer(self.count, dtype=np.int64)  # a view: no resizing while it lives
@@ -345,32 +356,35 @@ class _Trie:
             return _ABSENT
         if not self.alive[parent]:  # the eviction took the parent itself (it was the oldest leaf)
             return _ABSENT
-        node = self._allocate(parent, token)
-        kids = self.children[parent]
-        if kids is _NO_CHILDREN:
-            self.children[parent] = node
-        elif kids.__class__ is int:
-            self.children[parent] = {self.token[kids]: kids, token: node}
-        else:
-            kids[token] = node
-        self.top.pop(parent, None)
-        return node
-
-    def _allocate(self, parent: int, token: int) -> int:
-        """A fresh live leaf (count 1; the caller touches it), reusing a released id when there is one."""
         self.size += 1
         self.creations += 1
-        if not self.free:
-            self.token.append(token)
+        children, token_ = self.children, self.token
+        if self.free:  # a released id
+            node = self.free.pop()
+            token_[node] = token
+            self.parent[node] = parent
+            self.count[node] = 1
+            children[node] = _NO_CHILDREN
+            self.alive[node] = True
+        else:
+            node = len(token_)
+            token_.append(token)
             self.parent.append(parent)
             self.count.append(1)
-            self.children.append(_NO_CHILDREN)
+            children.append(_NO_CHILDREN)
             self.alive.append(True)
             self.stamp.append(-1)
-            return len(self.token) - 1
-        node = self.free.pop()
-        self.token[node], self.parent[node], self.count[node] = token, parent, 1
-        self.children[node], self.alive[node] = _NO_CHILDREN, True
+            self.evicted_at.append(0)
+            self.drop_seq.append(0)
+        kids = children[parent]
+        if kids is _NO_CHILDREN:
+            children[parent] = node
+        elif kids.__class__ is int:
+            children[parent] = {token_[kids]: kids, token: node}
+        else:
+            kids[token] = node
+        if self.top:
+            self.top.pop(parent, None)
         return node
 
     # ------------------------------------------------------------------------------ evicting
@@ -380,45 +394,54 @@ class _Trie:
         while self.cold:
             seq, evicted_at, node = heapq.heappop(self.cold)
             if (
-                self.evicted_at.get(node, 0) == evicted_at
+                self.evicted_at[node] == evicted_at
                 and self.alive[node]
-                and not self.in_lru(node)
+                and self.stamp[node] < self.log_base + self.head  # not in the LRU: see in_lru
                 and not self.children[node]
-                and self.drop_seq.get(node, 0) == seq
+                and self.drop_seq[node] == seq
             ):
                 self._detach(node)
                 return True
         log, stamp, children = self.log, self.stamp, self.children
-        while self.head < len(log):
-            node = log[self.head]
-            self.head += 1
-            if stamp[node] != self.log_base + self.head - 1:
+        head, end = self.head, len(log)
+        position = self.log_base + head  # of log[head]
+        while head < end:
+            node = log[head]
+            head += 1
+            if stamp[node] != position:
+                position += 1
                 continue  # a stale entry: the node was touched again since
+            position += 1
             if children[node]:  # interior: evictable again once its subtree is gone
                 self.drop_seq[node] = next(self._drop_seqs)
                 continue
+            self.head = head  # before detaching: the entry is consumed
             self._detach(node)
             return True
+        self.head = head
         return False
 
     def _detach(self, leaf: int) -> None:
+        children, top = self.children, self.top
         parent = self.parent[leaf]
-        kids = self.children[parent]
+        kids = children[parent]
         if kids.__class__ is int:  # the leaf was the only child
-            self.children[parent] = _NO_CHILDREN
+            kids = children[parent] = _NO_CHILDREN
         else:
             del kids[self.token[leaf]]
             if not kids and parent != _ROOT:
-                self.children[parent] = _NO_CHILDREN
-        self.top.pop(parent, None)
-        self.top.pop(leaf, None)
+                children[parent] = _NO_CHILDREN
+        if top:
+            top.pop(parent, None)
+            top.pop(leaf, None)
         self.alive[leaf] = False
         self.freed.append(leaf)
         self.size -= 1
         self.evictions += 1
         self.evicted_at[leaf] = self.evictions
-        if parent != _ROOT and not self.children[parent] and not self.in_lru(parent):
-            heapq.heappush(self.cold, (self.drop_seq.get(parent, 0), self.evicted_at.get(parent, 0), parent))
+        if not kids and parent != _ROOT and self.stamp[parent] < self.log_base + self.head:
+            # a dropped interior node just became a leaf (out of the LRU: see in_lru)
+            heapq.heappush(self.cold, (self.drop_seq[parent], self.evicted_at[parent], parent))
 
     def release(self) -> None:
         """End of an insert call: ids evicted during it may now be reused, and the log is tidied."""
@@ -621,7 +644,7 @@ class NgramCorpus:
         if cursor.evictions == trie.evictions:
             return cursor.nodes
         evicted_at, recorded = trie.evicted_at, cursor.evictions
-        return [node if evicted_at.get(node, 0) <= recorded else _ABSENT for node in cursor.nodes]
+        return [node if evicted_at[node] <= recorded else _ABSENT for node in cursor.nodes]
 
     def _record(self, cursor: _Cursor, nodes: list[int], tokens: Sequence[int]) -> None:
         trie = self._trie
