@@ -3,7 +3,8 @@
 One verify step for B sequences with D nodes each:
   1. ``NgramCorpus.batch_get`` -> host DraftTree (tokens [B*D], ancestor mask [B, D, D]);
   2. the verify forward is launched (host->device copies only; nothing is read back before it);
-  3. while it runs: host ``derive_tree_links`` + grammar DFS -> bitmask [B*D, V/32], copied in
+  3. while it runs: the corpus indexes the last step's tokens; host ``derive_tree_links`` + grammar
+     DFS -> bitmask [B*D, V/32], copied in
      non-blocking and applied to all B*D logits rows;
   4. greedy or target-only sampling acceptance on the device;
   5. one device->host read of the accepted tokens; commit (stop strings, EOS, max_tokens and grammar
@@ -62,6 +63,18 @@ class NgramSpecWorker:
         if self.config.index_prompt:
             self.corpus.index_prompt(seq.seq_id, seq.prompt_token_ids)
 
+    def index_outputs(self, seqs: list[Sequence]) -> None:
+        """Insert the windows ending at each sequence's tokens committed since the last call.
+
+        Called right after a decode or verify forward is launched, so on a GPU the insertion runs
+        while the device computes. A step's drafts therefore see the trie as of the previous step:
+        only windows ending in the newest tokens are missing, which a draft almost never needs
+        (its continuation would have to come from text generated a moment ago)."""
+        t = time.perf_counter()
+        for seq in seqs:
+            self.corpus.update(seq.seq_id, seq.token_ids)
+        self.engine.stats.draft_seconds += time.perf_counter() - t
+
     def on_finish(self, seqs: list[Sequence]) -> None:
         ids = [s.seq_id for s in seqs]
         self.corpus.erase_match_state(ids)
@@ -79,8 +92,6 @@ class NgramSpecWorker:
         eng, runner = self.engine, self.engine.runner
         t0 = time.perf_counter()
         with self._no_sync_region():
-            for seq in seqs:  # incremental: catches up on every token since this sequence's last verify
-                self.corpus.update(seq.seq_id, seq.token_ids)
             tree = self.corpus.batch_get([s.seq_id for s in seqs], [s.token_ids for s in seqs], width)
             eng.stats.draft_seconds += time.perf_counter() - t0
             step = self._step_input(seqs, tree)
@@ -94,6 +105,7 @@ class NgramSpecWorker:
             if self.readback_links:
                 self._read_links_back(tree)
             logits = eng.timed_forward(step)  # [B*D, V]; launched before any host-side tree work
+        self.index_outputs(seqs)
         t1 = time.perf_counter()
         self._apply_grammar(seqs, tree, logits)
         eng.stats.grammar_seconds += time.perf_counter() - t1
