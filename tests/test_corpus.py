@@ -192,6 +192,23 @@ def test_update_indexes_only_new_windows() -> None:
     assert corpus.ngram_count([1, 2]) == 1
 
 
+def test_bounded_catch_up_indexes_only_the_recent_windows() -> None:
+    history = [1, 2, 3]
+    unbounded, bounded = NgramCorpus(max_trie_depth=3), NgramCorpus(max_trie_depth=3)
+    for corpus in (unbounded, bounded):
+        corpus.update("r", history)
+    grown = history + list(range(10, 20))  # 10 new tokens
+    unbounded.update("r", grown)
+    bounded.update("r", grown, max_catch_up=4)
+    assert unbounded.ngram_count([10, 11, 12]) == 1
+    # More than max_catch_up new tokens: only windows starting in the last max_trie_depth positions.
+    assert bounded.ngram_count([10, 11, 12]) == 0 and bounded.ngram_count([11]) == 0
+    assert bounded.ngram_count([17, 18, 19]) == 1 and bounded.ngram_count([19]) == 1
+    within = grown + [20, 21]  # two more tokens: within the bound, indexed incrementally
+    bounded.update("r", within, max_catch_up=4)
+    assert bounded.ngram_count([19, 20, 21]) == 1 and bounded.ngram_count([18, 19, 20]) == 1
+
+
 # ---------------------------------------------------------------------------------- capacity
 
 

@@ -284,8 +284,6 @@ class LLMEngine:
             list(range(len(seqs))),
         )
         logits = self.timed_forward(step)
-        if self.spec is not None:
-            self.spec.index_outputs(seqs)  # host work while the forward runs
         for seq in seqs:
             seq.num_cached += 1
         self._sample_and_commit(seqs, logits)

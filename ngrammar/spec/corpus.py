@@ -565,14 +565,19 @@ class NgramCorpus:
         self._insert_cursors[req_id] = cursor
         self._index(cursor, tokens)
 
-    def update(self, req_id: Hashable, tokens: Sequence[int]) -> None:
+    def update(self, req_id: Hashable, tokens: Sequence[int], max_catch_up: int | None = None) -> None:
         """Index the windows ending at the tokens appended to ``req_id``'s full history since the last call.
 
-        A request seen for the first time, or whose history no longer extends the indexed one, has
+        A request seen for the first time, or whose history no longer extends the indexed one, or
+        (with ``max_catch_up``) that grew by more than that many tokens since the last call, has
         only its last ``max_trie_depth`` positions indexed (windows starting inside them).
         """
         cursor = self._insert_cursors.get(req_id)
-        if cursor is None or not _extends(cursor, tokens):
+        if (
+            cursor is None
+            or not _extends(cursor, tokens)
+            or (max_catch_up is not None and len(tokens) - cursor.length > max_catch_up)
+        ):
             cursor = self._fresh_cursor(tokens)
             self._insert_cursors[req_id] = cursor
         self._index(cursor, tokens)

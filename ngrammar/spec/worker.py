@@ -55,6 +55,7 @@ class NgramSpecWorker:
         self.readback_links = False  # benchmark switch: the old path that reads links back first
         self.sync_debug = False  # GPU check: drafting -> verify launch runs under sync debug "error"
         self._last_drafts: dict[str, int] = {}  # seq id -> drafts it accepted in the last verify step
+        self._max_catch_up = max(2 * config.max_trie_depth, config.num_draft_tokens)
         # Captured by the CUDA-graph runner next to each verify graph (greedy batches use it).
         self.graph_acceptor = verify_tree_greedy_from_logits
 
@@ -64,15 +65,17 @@ class NgramSpecWorker:
             self.corpus.index_prompt(seq.seq_id, seq.prompt_token_ids)
 
     def index_outputs(self, seqs: list[Sequence]) -> None:
-        """Insert the windows ending at each sequence's tokens committed since the last call.
+        """Insert the windows ending at each sequence's tokens committed since its last verify step.
 
-        Called right after a decode or verify forward is launched, so on a GPU the insertion runs
-        while the device computes. A step's drafts therefore see the trie as of the previous step:
-        only windows ending in the newest tokens are missing, which a draft almost never needs
-        (its continuation would have to come from text generated a moment ago)."""
+        Called right after a verify forward is launched, so on a GPU the insertion runs while the
+        device computes; a step's drafts see the trie as of the previous verify step (only windows
+        ending in the newest tokens are missing, which a draft almost never needs). Plain steps do
+        not index: at batch 32 on a GPU the Python insertion costs about as much as the whole
+        step, and speculation that is off must cost nothing. After a plain stretch only the last
+        ``max_catch_up`` tokens are indexed, so the catch-up stays one step's worth of work."""
         t = time.perf_counter()
         for seq in seqs:
-            self.corpus.update(seq.seq_id, seq.token_ids)
+            self.corpus.update(seq.seq_id, seq.token_ids, self._max_catch_up)
         self.engine.stats.draft_seconds += time.perf_counter() - t
 
     def on_finish(self, seqs: list[Sequence]) -> None:
