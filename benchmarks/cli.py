@@ -1,4 +1,4 @@
-"""``ngrammar bench [engine|spec|grammar|serve]``: build the engines once and run a suite."""
+"""``ngrammar bench [engine|spec|grammar|serve|profile]``: build the engines once and run a suite."""
 
 from __future__ import annotations
 
@@ -55,6 +55,14 @@ def run_benchmark(args: argparse.Namespace) -> int:
         plain, spec = _llm(args, False), _llm(args, True)
         result = {f"b{b}": run_grammar_benchmark(plain, spec, b, args.max_tokens or 96, args.repeats or 2)
                   for b in _sizes(args, (1,))}
+    elif suite == "profile":
+        from pathlib import Path
+
+        from benchmarks.profile_step import run_profile
+
+        out_dir = Path(args.out).with_suffix("") if args.out else Path("profile")
+        result = run_profile(_llm(args, False), _llm(args, True), list(_sizes(args, (1, 8))),
+                             args.max_tokens or 128, out_dir)
     else:
         from benchmarks.bench_serve import run_serve_benchmark
 

@@ -113,6 +113,27 @@ def profile_variant(llm: LLM, label: str, prompts: list[Any], max_tokens: int, o
     return res
 
 
+def run_profile(plain: LLM, spec: LLM, batch_sizes: list[int], max_tokens: int, out: Path,
+                kernels: bool = False) -> dict[str, Any]:
+    """Profile plain and NGRAM decoding at each batch size; prints the breakdown table last."""
+    out.mkdir(parents=True, exist_ok=True)
+    log: dict[str, Any] = {}
+    for bs in batch_sizes:
+        for kind in ("grounded", "open"):
+            prompts = _prompts(kind, bs)
+            log[f"plain/b{bs}/{kind}"] = profile_variant(plain, f"plain_b{bs}_{kind}", prompts, max_tokens, out)
+            log[f"ngram/b{bs}/{kind}"] = profile_variant(spec, f"ngram_b{bs}_{kind}", prompts, max_tokens, out)
+    if kernels:
+        for bs, width in ((1, 1), (8, 1), (1, spec.engine.spec.policy.max_width if spec.engine.spec else 1)):
+            kernel_table(spec if width > 1 else plain, bs, width, out)
+    rows = [[k, v["tok_s"], f"{v['verify_steps']}/{v['steps']}", v["accept_len"], v["step_ms"], v["forward_call_ms"],
+             v["graph_replay_ms"] or "", v["graph_replay_verify_ms"] or ""]
+            for k, v in log.items()]
+    print_table("decode step breakdown", ["variant", "tok/s", "verify/steps", "accept len", "step ms",
+                                          "in forward() ms", "replay ms (W=1)", "replay ms (W=D)"], rows)
+    return log
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=None)
@@ -123,24 +144,12 @@ def main() -> int:
     p.add_argument("--kernels", action="store_true", help="also print the kernels of the b=1 and b=8 graphs")
     args = p.parse_args()
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    log: dict[str, Any] = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     plain = LLM(args.model, device=args.device)
     spec = LLM(args.model, device=args.device, speculative="ngram", num_draft_tokens=16)
-    for bs in (int(x) for x in args.batch_sizes.split(",")):
-        for kind in ("grounded", "open"):
-            prompts = _prompts(kind, bs)
-            log[f"plain/b{bs}/{kind}"] = profile_variant(plain, f"plain_b{bs}_{kind}", prompts, args.max_tokens, out)
-            log[f"ngram/b{bs}/{kind}"] = profile_variant(spec, f"ngram_b{bs}_{kind}", prompts, args.max_tokens, out)
-    if args.kernels:
-        for bs, width in ((1, 1), (8, 1), (1, spec.engine.spec.policy.max_width if spec.engine.spec else 1)):
-            kernel_table(spec if width > 1 else plain, bs, width, out)
+    log = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+           "result": run_profile(plain, spec, [int(x) for x in args.batch_sizes.split(",")], args.max_tokens, out,
+                                 args.kernels)}
     (out / "profile.json").write_text(json.dumps(log, indent=1, default=str))
-    rows = [[k, v["tok_s"], f"{v['verify_steps']}/{v['steps']}", v["accept_len"], v["step_ms"], v["forward_call_ms"],
-             v["graph_replay_ms"] or "", v["graph_replay_verify_ms"] or ""]
-            for k, v in log.items() if isinstance(v, dict) and "tok_s" in v]
-    print_table("decode step breakdown", ["variant", "tok/s", "verify/steps", "accept len", "step ms",
-                                          "in forward() ms", "replay ms (W=1)", "replay ms (W=D)"], rows)
     return 0
 
 
