@@ -43,42 +43,37 @@ def _generate(llm: LLM, prompts: list[Any], max_tokens: int) -> tuple[float, int
     return tokens / seconds, eng.stats.steps - steps0
 
 
-def _graph_replay_ms(llm: LLM, bs: int, width: int, n: int = 50) -> float | None:
-    """GPU-bound time of one (bucket, width) graph: replays launched back to back, one sync.
-
-    The static buffers are refilled with padding rows first (short contexts on the dummy page): what
-    the last engine step left there may belong to another width."""
+def _padding_graph(llm: LLM, bs: int, width: int) -> Any:
+    """The captured (bucket, width) graph over padding-only buffers (short contexts on the dummy page),
+    or None without captured graphs."""
     graphs = llm.engine.runner.graphs
-    if graphs is None or not graphs.capture:
+    return None if graphs is None or not graphs.capture else graphs.padding_graph(bs, width)
+
+
+def _graph_replay_ms(llm: LLM, bs: int, width: int, n: int = 50) -> float | None:
+    """GPU-bound time of one (bucket, width) graph: replays launched back to back, one sync."""
+    graph = _padding_graph(llm, bs, width)
+    if graph is None:
         return None
-    entry = graphs._entries.get((graphs._bucket_of[bs], width))
-    if entry is None or entry.graph is None:
-        return None
-    graphs._claim_host()
-    graphs._stage_padding(0, entry.bucket, width)
-    graphs._upload(entry.bucket)
-    entry.graph.replay()
+    graph.replay()
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(n):
-        entry.graph.replay()
+        graph.replay()
     torch.cuda.synchronize()
     return (time.perf_counter() - t) / n * 1e3
 
 
 def kernel_table(llm: LLM, bs: int, width: int, out: Path, replays: int = 10) -> None:
     """CUDA kernel times inside one captured graph (CUPTI sees the kernels a replay runs)."""
-    graphs = llm.engine.runner.graphs
-    if graphs is None or not graphs.capture:
-        return
-    entry = graphs._entries.get((graphs._bucket_of[bs], width))
-    if entry is None or entry.graph is None:
+    graph = _padding_graph(llm, bs, width)
+    if graph is None:
         return
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
-            entry.graph.replay()
+            graph.replay()
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
     (out / f"kernels_b{bs}_w{width}.txt").write_text(f"{replays} replays\n{table}")

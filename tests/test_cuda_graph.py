@@ -244,6 +244,24 @@ def test_static_logits_and_kv_writes_match_eager(static_spec_llm: LLM, width: in
     torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)
 
 
+def test_padding_graph_refills_the_static_buffers(static_spec_llm: LLM) -> None:
+    """The benchmark hook stages all-padding rows, so a lone replay never reads another width's layout."""
+    graphs = _graphs(static_spec_llm)
+    ids, pages = _prefill(static_spec_llm, PROMPTS[:3])
+    try:
+        runner = static_spec_llm.engine.runner
+        runner.forward(_step(ids, pages, 1, None))  # prepares (bucket 4, width 1)
+        runner.forward(_step(ids, pages, 8, _tree_masks(3, 8, seed=3)))  # leaves the verify layout behind
+    finally:
+        for pg in pages:
+            static_spec_llm.engine.blocks.allocator.free(pg)
+    assert graphs.padding_graph(3, 1) is None  # nothing is captured in no-capture mode ...
+    host = graphs._host  # ... but the buffers of bucket 4, width 1 now hold only padding
+    assert (host.q_lens[:4] == 1).all() and (host.kv_lens[:4] == 1).all()
+    assert host.q_start[:5].tolist() == [0, 1, 2, 3, 4]
+    assert (host.page_table[:4, 0] == graphs.dummy_page).all()
+
+
 def test_non_uniform_steps_run_eagerly(static_spec_llm: LLM) -> None:
     graphs = _graphs(static_spec_llm)
     mask = _tree_masks(2, 8, seed=1)

@@ -302,6 +302,19 @@ class CUDAGraphRunner:
         assert self.acceptor is not None
         return self.acceptor(candidates, mask, self._logits[:tokens])
 
+    def padding_graph(self, batch_size: int, width: int) -> Any:
+        """For benchmarks: the captured graph of (bucket of ``batch_size``, ``width``) with every row of
+        the static buffers turned into padding, so it can be replayed on its own (whatever the last
+        step left there may belong to another width). None when that graph was not captured (the
+        buffers are still refilled if the pair was prepared in no-capture mode)."""
+        entry = self._entries.get((self._bucket_of[batch_size], width))
+        if entry is None:
+            return None
+        self._claim_host()
+        self._stage_padding(0, entry.bucket, width)
+        self._upload(entry.bucket)
+        return entry.graph
+
     @property
     def prepared(self) -> list[tuple[int, int]]:
         """(bucket, width) pairs set up so far (captured, in capture mode)."""

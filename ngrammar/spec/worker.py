@@ -31,7 +31,6 @@ from ngrammar.spec.tree import DraftTree, derive_tree_links
 from ngrammar.spec.verify import (
     TreeAcceptResult,
     tree_speculative_sampling_target_only,
-    verify_tree_greedy,
     verify_tree_greedy_from_logits,
 )
 
@@ -116,7 +115,7 @@ class NgramSpecWorker:
             assert runner.graphs is not None
             result = runner.graphs.accept(len(seqs), width).head(len(seqs))
         else:
-            result = self._accept(seqs, candidates, meta_mask, logits, width)
+            result = self._accept(seqs, candidates, meta_mask, logits, width, greedy)
         lp = eng.logprob_tensors(seqs, logits, result.accept_index, result.accept_tokens)
         host = runner.to_host(result.accept_tokens, result.accept_len, result.accept_nodes, *lp)
         self._commit(seqs, width, host)
@@ -170,12 +169,18 @@ class NgramSpecWorker:
         apply_bitmask(logits, bitmask.to(eng.device, non_blocking=True))
 
     def _accept(
-        self, seqs: list[Sequence], candidates: torch.Tensor, mask: torch.Tensor, logits: torch.Tensor, width: int
+        self,
+        seqs: list[Sequence],
+        candidates: torch.Tensor,
+        mask: torch.Tensor,
+        logits: torch.Tensor,
+        width: int,
+        greedy: bool,
     ) -> TreeAcceptResult:
+        if greedy:  # the same function the CUDA-graph path captures
+            return verify_tree_greedy_from_logits(candidates, mask, logits)
         bs = len(seqs)
         eng = self.engine
-        if all(s.params.greedy for s in seqs):
-            return verify_tree_greedy(candidates, mask, logits.argmax(dim=-1).view(bs, width))
         st = SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs],
                                    [len(s.token_ids) for s in seqs], eng.device)
         probs = target_probs(logits, st.repeat(width)).view(bs, width, -1)
