@@ -85,11 +85,15 @@ def profile_variant(llm: LLM, label: str, prompts: list[Any], max_tokens: int, o
     stats = llm.engine.stats
     f0, s0, v0, e0, k0 = (stats.forward_seconds, stats.step_seconds, stats.spec_steps, stats.verify_emitted,
                           stats.verify_steps)
+    vs0, d0 = stats.verify_seconds, stats.draft_seconds
     tok_s, steps = _generate(llm, prompts, max_tokens)
     verify_steps = stats.spec_steps - v0
     accept = (stats.verify_emitted - e0) / max(stats.verify_steps - k0, 1)
     step_ms = (stats.step_seconds - s0) / steps * 1e3
     forward_ms = (stats.forward_seconds - f0) / steps * 1e3
+    # A verify step's own time (drafting to commit) and its drafting + corpus indexing share.
+    verify_ms = (stats.verify_seconds - vs0) / max(verify_steps, 1) * 1e3
+    draft_ms = (stats.draft_seconds - d0) / max(verify_steps, 1) * 1e3
     prof = cProfile.Profile()
     prof.enable()
     _generate(llm, prompts, max_tokens)
@@ -101,7 +105,8 @@ def profile_variant(llm: LLM, label: str, prompts: list[Any], max_tokens: int, o
     (out / f"{label}.prof.txt").write_text(text.getvalue())
     width = 1 if llm.engine.spec is None else llm.engine.spec.policy.max_width
     res = {"tok_s": tok_s, "steps": steps, "verify_steps": verify_steps, "accept_len": accept,
-           "step_ms": step_ms, "forward_call_ms": forward_ms,
+           "step_ms": step_ms, "forward_call_ms": forward_ms, "verify_step_ms": verify_ms,
+           "draft_ms_per_verify": draft_ms,
            "graph_replay_ms": _graph_replay_ms(llm, len(prompts), 1),
            "graph_replay_verify_ms": None if width == 1 else _graph_replay_ms(llm, len(prompts), width)}
     print(label, json.dumps(res), flush=True)
@@ -122,10 +127,12 @@ def run_profile(plain: LLM, spec: LLM, batch_sizes: list[int], max_tokens: int, 
         for bs, width in ((1, 1), (8, 1), (1, spec.engine.spec.policy.max_width if spec.engine.spec else 1)):
             kernel_table(spec if width > 1 else plain, bs, width, out)
     rows = [[k, v["tok_s"], f"{v['verify_steps']}/{v['steps']}", v["accept_len"], v["step_ms"], v["forward_call_ms"],
+             v["verify_step_ms"] if v["verify_steps"] else "", v["draft_ms_per_verify"] if v["verify_steps"] else "",
              v["graph_replay_ms"] or "", v["graph_replay_verify_ms"] or ""]
             for k, v in log.items()]
     print_table("decode step breakdown", ["variant", "tok/s", "verify/steps", "accept len", "step ms",
-                                          "in forward() ms", "replay ms (W=1)", "replay ms (W=D)"], rows)
+                                          "in forward() ms", "verify step ms", "draft+index ms",
+                                          "replay ms (W=1)", "replay ms (W=D)"], rows)
     return log
 
 
@@ -137,10 +144,12 @@ def main() -> int:
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--kernels", action="store_true", help="also print the kernels of the b=1 and b=8 graphs")
+    p.add_argument("--fixed-width", action="store_true", help="NGRAM always verifies at D=16 (policy off)")
     args = p.parse_args()
     out = Path(args.out)
     plain = LLM(args.model, device=args.device)
-    spec = LLM(args.model, device=args.device, speculative="ngram", num_draft_tokens=16)
+    spec = LLM(args.model, device=args.device, speculative="ngram", num_draft_tokens=16,
+               spec_adaptive=not args.fixed_width)
     log = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
            "result": run_profile(plain, spec, [int(x) for x in args.batch_sizes.split(",")], args.max_tokens, out,
                                  args.kernels)}

@@ -389,6 +389,38 @@ def test_counts_equal_naive_window_counts(chunks: list[list[int]], depth: int) -
         assert corpus.ngram_count(ngram) == occurrences
 
 
+def test_match_length_golden() -> None:
+    corpus = NgramCorpus(max_trie_depth=8)
+    corpus.index_prompt("p", [1, 2, 3, 4, 1, 2, 3])
+    assert corpus.match_length([9, 4, 1, 2, 3], 8) == 3  # "1 2 3" was followed by 4; "4 1 2 3" never continued
+    assert corpus.match_length([9, 4, 1, 2, 3], 2) == 2  # capped
+    assert corpus.match_length([3, 2], 8) == 1  # "2" was followed by 3; "3 2" was never seen
+    assert corpus.match_length([4, 1], 8) == 2  # "4 1" was followed by 2
+    assert corpus.match_length([5], 8) == 0  # unseen token
+    assert NgramCorpus().match_length([1, 2], 4) == 0  # empty corpus
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    history=st.lists(st.integers(1, 4), min_size=1, max_size=40),
+    context=st.lists(st.integers(1, 4), min_size=1, max_size=12),
+    depth=st.integers(2, 6),
+    cap=st.integers(1, 6),
+)
+def test_match_length_equals_naive_longest_continued_suffix(
+    history: list[int], context: list[int], depth: int, cap: int
+) -> None:
+    corpus = NgramCorpus(max_trie_depth=depth)
+    corpus.index_prompt("r", history)
+    continued = windows(history, depth)  # an n-gram is continued iff its (n+1)-gram is a window
+    naive = max(
+        (n for n in range(1, min(cap, len(context)) + 1)
+         if any(w[:-1] == tuple(context[-n:]) for w in continued if len(w) == n + 1)),
+        default=0,
+    )
+    assert corpus.match_length(context, cap) == naive
+
+
 # ------------------------------------------------------------------ bulk vs per-position indexing
 
 

@@ -91,16 +91,29 @@ def test_many_speculative_requests_free_all_pages(spec_llm: LLM) -> None:
 
 
 def _run_policy(
-    policy: AdaptiveDraftPolicy, seq_ids: list[str], spec_time: float, spec_accept: float, steps: int = 100
+    policy: AdaptiveDraftPolicy,
+    seq_ids: list[str],
+    spec_time: float,
+    spec_accept: float,
+    steps: int = 100,
+    match_length: int = 4,
+    probes: list[int] | None = None,
 ) -> list[int]:
     """Drive the policy with synthetic steps: plain costs 0.05 s, a verify ``spec_time`` and emits
-    ``spec_accept`` tokens per sequence on average (drafts drawn reproducibly)."""
+    ``spec_accept`` tokens per sequence on average (drafts drawn reproducibly); every sequence has
+    ``match_length``. Each probe of the match lengths is counted in ``probes``."""
     import random
 
     rng = random.Random(0)
     chosen = []
+
+    def lengths() -> list[int]:
+        if probes is not None:
+            probes.append(1)
+        return [match_length] * len(seq_ids)
+
     for _ in range(steps):
-        w = policy.choose(seq_ids)
+        w = policy.choose(seq_ids, lengths)
         extra = spec_accept - 1
         drafts = {s: int(extra) + (rng.random() < extra - int(extra)) for s in seq_ids}
         policy.observe(len(seq_ids), w, 0.05 if w == 1 else spec_time, None if w == 1 else drafts)
@@ -119,25 +132,87 @@ def test_adaptive_policy_follows_measured_payoff() -> None:
 
 def test_one_slow_first_verify_step_does_not_switch_speculation_off() -> None:
     policy = AdaptiveDraftPolicy(max_width=8)
-    first = policy.choose(["a"])
+    first = policy.choose(["a"], lambda: [4])
     assert first == 8
     policy.observe(1, first, 5.0, {"a": 2})  # e.g. a first launch or a page fault: 100x a normal step
     chosen = _run_policy(policy, ["a"], spec_time=0.065, spec_accept=3.0, steps=30)
     assert sum(w > 1 for w in chosen[8:]) >= 0.8 * len(chosen[8:])
 
 
-def test_adaptive_policy_judges_each_request_on_its_own_text() -> None:
+def test_sequences_without_a_match_are_not_verified_and_rarely_probed() -> None:
     policy = AdaptiveDraftPolicy(max_width=8)
-    losing = _run_policy(policy, ["open"], spec_time=0.06, spec_accept=1.0, steps=200)
-    assert losing[-100:].count(1) >= 90
-    # Plain keeps winning: speculation is re-tried at most every 32 steps, but it is re-tried.
-    assert 2 <= sum(w > 1 for w in losing[-100:]) <= 4
-    policy.forget(["open"])
-    # A new request is not judged by the last one's text: it is tried at once and kept if it pays.
-    grounded = _run_policy(policy, ["code-edit"], spec_time=0.06, spec_accept=3.0, steps=50)
-    assert grounded[0] > 1
-    assert sum(w > 1 for w in grounded) >= 0.8 * len(grounded)
-    assert not any(k[0] == "open" for k in policy.seq_drafts)  # forgotten state is gone
+    ids = [f"s{i}" for i in range(32)]
+    probes: list[int] = []
+    chosen = _run_policy(policy, ids, spec_time=0.06, spec_accept=1.0, steps=200, match_length=0, probes=probes)
+    timing = len(policy.widths) * 2  # every width is timed twice first
+    assert all(w == 1 for w in chosen[timing:])
+    # A probe that found nothing holds the next ones off for bucket // 4 = 8 steps at batch 32.
+    assert len(probes) <= timing + (200 - timing) / 8 + 1
+
+
+def test_losing_widths_are_retried_less_often_the_more_a_retry_costs() -> None:
+    ids = [f"s{i}" for i in range(32)]
+    timing = 3 * 2  # widths 4 and 8 and plain, each timed twice
+    cheap = _run_policy(AdaptiveDraftPolicy(max_width=8), ids, spec_time=0.06, spec_accept=1.0, steps=300,
+                        match_length=2)
+    dear = _run_policy(AdaptiveDraftPolicy(max_width=8), ids, spec_time=0.2, spec_accept=1.0, steps=300,
+                       match_length=2)
+    cheap_retries = sum(w > 1 for w in cheap[timing:])
+    dear_retries = sum(w > 1 for w in dear[timing:])
+    # 1.2x plain: every max(8, 0.2 / 0.02) = 10 steps; 4x plain: every 3 / 0.02 = 150 steps.
+    assert 15 <= cheap_retries <= 40
+    assert 1 <= dear_retries <= 3
+
+
+def test_a_draining_batch_is_judged_by_its_slowest_member() -> None:
+    policy = AdaptiveDraftPolicy(max_width=8)
+    ids = ["copy", "prose"]
+    for _ in range(6):  # time plain (0.05 s) and verify steps (0.06 s)
+        w = policy.choose(ids, lambda: [4, 4])
+        policy.observe(2, w, 0.05 if w == 1 else 0.06, None if w == 1 else {"copy": 3, "prose": 3})
+    lengths = lambda: [4, 0]  # noqa: E731 - "prose" has no match: its tree is padding
+    # More requests waiting: finished ones are replaced, so the mean (1.5 drafts) pays for 1.2x.
+    assert policy.choose(ids, lengths) > 1
+    # Draining with equal budgets: "prose" sets the finish time and gains nothing from a verify.
+    assert policy.choose(ids, lengths, remaining=lambda: [50, 50]) == 1
+    # ... unless "copy" is the one with the most left to emit.
+    assert policy.choose(ids, lengths, remaining=lambda: [200, 20]) > 1
+
+
+def test_a_new_batch_bucket_borrows_the_verify_cost_ratio_of_a_timed_one() -> None:
+    policy = AdaptiveDraftPolicy(max_width=8)
+    eight = [f"s{i}" for i in range(8)]
+    _run_policy(policy, eight, spec_time=0.2, spec_accept=1.0, steps=10, match_length=0)
+    # The batch drains to 3 sequences (bucket 4): only its plain cost is measured, not its verify cost.
+    three = eight[:3]
+    chosen = _run_policy(policy, three, spec_time=0.2, spec_accept=1.0, steps=10, match_length=0)
+    assert chosen == [1] * 10
+    assert policy.step_cost((4, False), 8) == pytest.approx(0.05 * 4 / 3 * 0.2 / 0.05)
+
+
+def test_acceptance_is_learned_per_match_length_and_biased_per_request() -> None:
+    policy = AdaptiveDraftPolicy(max_width=8)
+    # Verify costs 1.2x plain. A story at match length 1 accepts nothing: after a few tries,
+    # length-1 steps are decoded plainly (re-tried only when a longer match shows up).
+    story = _run_policy(policy, ["story"], spec_time=0.06, spec_accept=1.0, steps=100, match_length=1)
+    assert story[-60:].count(1) == 60
+    assert policy.expected_drafts("story", 1, 8) < 0.1
+    # A code edit copying at match length 4 speculates from its first step (the table, not its
+    # history, says length 4 pays) ...
+    code = _run_policy(policy, ["code"], spec_time=0.06, spec_accept=5.0, steps=40, match_length=4)
+    assert code[0] > 1 and sum(w > 1 for w in code) >= 0.8 * len(code)
+    policy.forget(["story", "code"])
+    assert not policy.seq_bias
+
+
+def test_each_request_keeps_its_own_bias_at_the_same_match_length() -> None:
+    policy = AdaptiveDraftPolicy(max_width=8)
+    for _ in range(12):  # the timing steps verify at every width
+        w = policy.choose(["copy", "prose"], lambda: [2, 2])
+        drafts = None if w == 1 else {"copy": min(5, w - 1), "prose": 0}
+        policy.observe(2, w, 0.05, drafts)
+    assert policy.expected_drafts("copy", 2, 8) > policy.expected_drafts("prose", 2, 8) + 2
+    assert policy.expected_drafts("new", 0, 8) == 0.0  # no match: a padding-only tree
 
 
 def test_freed_pages_are_never_read(spec_llm: LLM, llm: LLM) -> None:

@@ -577,6 +577,26 @@ class NgramCorpus:
             self._insert_cursors[req_id] = cursor
         self._index(cursor, tokens)
 
+    def match_length(self, context: Sequence[int], max_len: int) -> int:
+        """The longest n <= max_len such that the context's last n tokens were indexed followed by
+        something (so a draft from that suffix has real nodes); 0 when even the last token was not.
+
+        A cheap per-step signal of how much a verify step may accept (no cursor, no drafting).
+        Windows nest, so when a suffix has a continuation its shorter suffixes do too, and the scan
+        goes up from 1 and stops at the first miss: O(n^2) lookups for a short n. (An eviction can
+        break the nesting; then the scan only under-reports.)"""
+        trie = self._trie
+        child, children = trie.child, trie.children
+        size, n = len(context), 0
+        while n < max_len and n < size:
+            node = _ROOT
+            for token in context[size - n - 1 :]:
+                node = child(node, int(token))
+            if node == _ABSENT or not children[node]:
+                break
+            n += 1
+        return n
+
     def batch_get(
         self,
         req_ids: Sequence[Hashable],

@@ -26,7 +26,7 @@ from ngrammar.runner.model_runner import StepInput
 from ngrammar.runner.transfer import to_device
 from ngrammar.runner.sampler import STREAM_FINAL_COIN, STREAM_TREE_COIN, SamplingTensors, hash_uniform, target_probs
 from ngrammar.spec.corpus import NgramCorpus
-from ngrammar.spec.policy import AdaptiveDraftPolicy
+from ngrammar.spec.policy import MAX_MATCH, AdaptiveDraftPolicy
 from ngrammar.spec.tree import DraftTree, derive_tree_links
 from ngrammar.spec.verify import (
     TreeAcceptResult,
@@ -54,7 +54,11 @@ class NgramSpecWorker:
         self.readback_links = False  # benchmark switch: the old path that reads links back first
         self.sync_debug = False  # GPU check: drafting -> verify launch runs under sync debug "error"
         self._last_drafts: dict[str, int] = {}  # seq id -> drafts it accepted in the last verify step
-        self._max_catch_up = max(2 * config.max_trie_depth, config.num_draft_tokens)
+        self._constrained = False  # whether the last batch the policy chose for had a grammar
+        # Past this many tokens a catch-up indexes only the last max_trie_depth positions, which
+        # costs ~depth^2/2 window inserts instead of depth per token (at batch 32 on a GPU, the first
+        # verify step after a plain stretch spent 6 ms here with a limit of 2 * depth).
+        self._max_catch_up = config.max_trie_depth // 2
         # Captured by the CUDA-graph runner next to each verify graph (greedy batches use it).
         self.graph_acceptor = verify_tree_greedy_from_logits
 
@@ -84,10 +88,18 @@ class NgramSpecWorker:
 
     # ------------------------------------------------------------- policy
     def choose_width(self, seqs: list[Sequence]) -> int:
-        return self.policy.choose([s.seq_id for s in seqs])
+        self._constrained = any(s.grammar is not None for s in seqs)
+        draining = not self.engine.scheduler.waiting
+        return self.policy.choose(
+            [s.seq_id for s in seqs],
+            lambda: [self.corpus.match_length(s.token_ids, MAX_MATCH) for s in seqs],
+            self._constrained,
+            (lambda: [s.params.max_tokens - s.num_output_tokens for s in seqs]) if draining else None,
+        )
 
     def observe_step(self, batch_size: int, width: int, seconds: float) -> None:
-        self.policy.observe(batch_size, width, seconds, self._last_drafts if width > 1 else None)
+        drafts = self._last_drafts if width > 1 else None
+        self.policy.observe(batch_size, width, seconds, drafts, self._constrained)
 
     # --------------------------------------------------------------- step
     def run_verify(self, seqs: list[Sequence], width: int) -> None:
