@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import chat, load_workload, print_table, timed
+from benchmarks.common import chat, decode_seconds, load_workload, print_table, timed
 from ngrammar import LLM, SamplingParams
 
 
@@ -19,11 +19,11 @@ def decode_rate(llm: LLM, prompts: list[Any], max_tokens: int) -> tuple[float, f
     """(aggregate decode tok/s, ms per decode step); the prefill (time to first token) is excluded."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     llm.chat(prompts, params)  # warm-up with the same shapes
-    seconds, outs = timed(lambda: llm.chat(prompts, params))
-    decode_seconds = seconds - max(o.metrics["ttft_s"] for o in outs)
+    _, outs = timed(lambda: llm.chat(prompts, params))
+    decode = decode_seconds(outs)
     steps = max(len(o.token_ids) for o in outs) - 1  # plain decoding: one token per request per step
     tokens = sum(len(o.token_ids) - 1 for o in outs)
-    return tokens / decode_seconds, 1e3 * decode_seconds / steps
+    return tokens / decode, 1e3 * decode / steps
 
 
 def prefill_rate(llm: LLM, prompt: str) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from benchmarks.common import forget_outputs, chat, print_table, timed
+from benchmarks.common import chat, decode_seconds, forget_outputs, print_table, timed
 from ngrammar import LLM, SamplingParams
 
 PEOPLE = [
@@ -41,8 +41,8 @@ def _rate(llm: LLM, prompts: list[Any], params: SamplingParams) -> tuple[float, 
     forget_outputs(llm)
     eng = llm.engine
     g0, f0, s0 = eng.stats.grammar_seconds, eng.stats.forward_seconds, eng.stats.steps
-    seconds, outs = timed(lambda: llm.chat(prompts, params, use_tqdm=False))
-    decode = seconds - max(o.metrics["ttft_s"] for o in outs)
+    _, outs = timed(lambda: llm.chat(prompts, params, use_tqdm=False))
+    decode = decode_seconds(outs)
     tokens = sum(len(o.token_ids) - 1 for o in outs)
     steps = max(eng.stats.steps - s0, 1)
     accept = [o.metrics.get("spec_accept_length", 1.0) for o in outs]

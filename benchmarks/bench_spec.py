@@ -6,7 +6,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from benchmarks.common import forget_outputs, WorkItem, chat, load_workload, print_table, timed
+from benchmarks.common import WorkItem, chat, decode_seconds, forget_outputs, load_workload, print_table, timed
 from ngrammar import LLM, SamplingParams
 
 
@@ -23,13 +23,13 @@ def measure(llm: LLM, prompts: list[Any], max_tokens: int) -> RunFigures:
     eng = llm.engine
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     s0 = (eng.stats.spec_steps, eng.stats.verify_seconds, eng.stats.draft_seconds)
-    seconds, outs = timed(lambda: llm.chat(prompts, params, use_tqdm=False))
-    decode_seconds = seconds - max(o.metrics["ttft_s"] for o in outs)
+    _, outs = timed(lambda: llm.chat(prompts, params, use_tqdm=False))
+    decode = decode_seconds(outs)
     tokens = sum(len(o.token_ids) - 1 for o in outs)
     steps = eng.stats.spec_steps - s0[0]
     accept = [o.metrics["spec_accept_length"] for o in outs if "spec_accept_length" in o.metrics]
     return RunFigures(
-        tok_s=tokens / decode_seconds,
+        tok_s=tokens / decode,
         accept_len=statistics.mean(accept) if accept else 1.0,
         verify_ms=1e3 * (eng.stats.verify_seconds - s0[1]) / steps if steps else 0.0,
         draft_us=1e6 * (eng.stats.draft_seconds - s0[2]) / steps if steps else 0.0,

@@ -39,6 +39,15 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - t, out
 
 
+def decode_seconds(outs: Sequence[Any]) -> float:
+    """The decode phase of one batch of finished outputs: from the last first token to the last finish.
+
+    (Total time minus the longest time to first token over-counts when admission work - prompt
+    indexing for NGRAM - delays the first requests more than the last ones: the difference then
+    includes later prefill chunks.)"""
+    return max(o.metrics["finish_time"] for o in outs) - max(o.metrics["first_token_time"] for o in outs)
+
+
 def machine() -> dict[str, Any]:
     import torch
 

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from benchmarks.bench_grammar import RECORD_SCHEMA, extraction_prompts
-from benchmarks.common import forget_outputs, chat, load_workload, machine, print_table
+from benchmarks.common import chat, decode_seconds, forget_outputs, load_workload, machine, print_table
 from ngrammar import LLM, SamplingParams
 from ngrammar.config import EngineConfig
 from ngrammar.model.config import ModelConfig
@@ -44,10 +44,8 @@ def _categories() -> dict[str, list[Any]]:
 
 def _run(llm: LLM, prompts: list[Any], params: SamplingParams) -> tuple[float, list[Any]]:
     forget_outputs(llm)
-    t = time.perf_counter()
     outs = llm.chat(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - t
-    decode = seconds - max(o.metrics["ttft_s"] for o in outs)
+    decode = decode_seconds(outs)
     return sum(len(o.token_ids) - 1 for o in outs) / decode, outs
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import chat, forget_outputs, load_workload, machine, print_table
+from benchmarks.common import chat, decode_seconds, forget_outputs, load_workload, machine, print_table
 from ngrammar import LLM, SamplingParams
 
 
@@ -36,9 +36,8 @@ def _generate(llm: LLM, prompts: list[Any], max_tokens: int) -> tuple[float, int
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     eng = llm.engine
     steps0 = eng.stats.steps
-    t = time.perf_counter()
     outs = llm.chat(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - t - max(o.metrics["ttft_s"] for o in outs)
+    seconds = decode_seconds(outs)
     tokens = sum(len(o.token_ids) - 1 for o in outs)
     return tokens / seconds, eng.stats.steps - steps0
 

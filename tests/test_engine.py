@@ -142,7 +142,11 @@ def test_chat_template(llm: LLM) -> None:
     out = llm.chat([{"role": "user", "content": "What is the capital of France? Answer in one word."}],
                    SamplingParams(max_tokens=8, temperature=0))[0]
     assert "Paris" in out.text
-    assert out.metrics["prompt_tokens"] > 10 and out.metrics["completion_tokens"] >= 1
+    m = out.metrics
+    assert m["prompt_tokens"] > 10 and m["completion_tokens"] >= 1
+    # absolute stamps (the decode phase of a batch spans its last first token to its last finish)
+    assert m["first_token_time"] <= m["finish_time"]
+    assert m["finish_time"] - m["first_token_time"] == pytest.approx(m["e2e_latency_s"] - m["ttft_s"])
 
 
 @pytest.mark.parametrize(

@@ -171,6 +171,11 @@ class Sequence:
         }
         if self.first_token_time is not None:
             m["ttft_s"] = self.first_token_time - self.arrival_time
+            # Absolute time.perf_counter() stamps, comparable across the requests of one process:
+            # a batch's decode phase runs from its last first token to its last finish.
+            m["first_token_time"] = self.first_token_time
+            if self.finish_time is not None:
+                m["finish_time"] = self.finish_time
             if self.num_output_tokens > 1:
                 m["tpot_s"] = (end - self.first_token_time) / (self.num_output_tokens - 1)
         if self.spec_verify_steps:
