@@ -188,6 +188,10 @@ def test_a_new_batch_bucket_borrows_the_verify_cost_ratio_of_a_timed_one() -> No
     chosen = _run_policy(policy, three, spec_time=0.2, spec_accept=1.0, steps=10, match_length=0)
     assert chosen == [1] * 10
     assert policy.step_cost((4, False), 8) == pytest.approx(0.05 * 4 / 3 * 0.2 / 0.05)
+    # A larger bucket never borrows a smaller one's (optimistic) ratio: its verify cost is measured.
+    sixteen = [f"t{i}" for i in range(16)]
+    grown = _run_policy(policy, sixteen, spec_time=0.3, spec_accept=1.0, steps=6, match_length=0)
+    assert grown.count(1) == 2 and sorted(grown[2:]) == [4, 4, 8, 8]
 
 
 def test_acceptance_is_learned_per_match_length_and_biased_per_request() -> None:

@@ -159,9 +159,10 @@ class AdaptiveDraftPolicy:
     def step_cost(self, bucket: Bucket, width: int) -> float | None:
         """Seconds per step at this bucket and width (normalized to the bucket size): measured
         (twice at least), else estimated from its plain cost and the verify / plain cost ratio of
-        the nearest bucket measured at both, else None (to be measured). A batch that drains
-        passes through every smaller bucket; timing verify steps afresh in each would cost
-        several wasted verify steps per bucket."""
+        the nearest larger bucket measured at both, else None (to be measured). A batch that
+        drains passes through every smaller bucket; timing verify steps afresh in each would cost
+        several wasted verify steps per bucket. Only larger buckets lend their ratio: it grows
+        with the batch (host drafting on a GPU, compute on a CPU), so theirs over-estimates."""
         rec = self.step_time.get((bucket, width))
         if rec is not None and len(rec.samples) >= 2:
             return rec.value
@@ -169,10 +170,11 @@ class AdaptiveDraftPolicy:
         if width == 1 or plain is None or len(plain.samples) < 2 or plain.value is None:
             return None
         known = [b for (b, w), r in self.step_time.items()
-                 if w == width and b[1] == bucket[1] and len(r.samples) >= 2 and (b, 1) in self.step_time]
+                 if w == width and b[1] == bucket[1] and b[0] > bucket[0] and len(r.samples) >= 2
+                 and (b, 1) in self.step_time]
         if not known:
             return None
-        near = min(known, key=lambda b: abs(b[0].bit_length() - bucket[0].bit_length()))
+        near = min(known, key=lambda b: b[0])
         verify, base = self.step_time[(near, width)].value, self.step_time[(near, 1)].value
         return None if verify is None or not base else plain.value * verify / base
 
