@@ -313,25 +313,6 @@ def test_apply_bitmask_from_a_matcher(backend: GrammarBackend) -> None:
     assert finite == allowed(matcher) and len(finite) == 10
 
 
-def test_batched_row_fill_equals_one_matcher_at_a_time(backend: GrammarBackend, tokenizer: Tokenizer) -> None:
-    specs = [regex(r"^\d{3}$"), schema(CITY_SCHEMA), regex(r"^(yes|no)$")]
-    matchers = [backend.new_matcher(backend.compile(spec)) for spec in specs]
-    for token in tokenizer.encode('{"name": "Par'):
-        assert matchers[1].accept_token(token)  # a matcher part-way through its grammar
-    rows: list[GrammarMatcher | None] = [matchers[0], None, matchers[1], matchers[2]]
-    batched = allocate_bitmask(4, VOCAB)
-    backend.fill_bitmask_rows(rows, batched)
-    one_by_one = allocate_bitmask(4, VOCAB)
-    for i, m in enumerate(rows):
-        if m is not None:
-            m.fill_bitmask(one_by_one, i)
-    assert torch.equal(batched, one_by_one)
-    assert (batched[1] == -1).all()  # no grammar: the row is left all-allowed
-    single = allocate_bitmask(2, VOCAB)
-    backend.fill_bitmask_rows([None, matchers[0]], single)
-    assert torch.equal(single[1], one_by_one[0])
-
-
 def test_apply_bitmask_rejects_short_mask() -> None:
     with pytest.raises(ValueError):
         apply_bitmask(torch.zeros(2, 100), allocate_bitmask(2, 64))

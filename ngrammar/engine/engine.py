@@ -322,7 +322,9 @@ class LLMEngine:
 
         t = time.perf_counter()
         bitmask = allocate_bitmask(len(seqs), self.model_config.vocab_size, pin_memory=self.device.type == "cuda")
-        self.grammar_backend.fill_bitmask_rows([s.grammar for s in seqs], bitmask)
+        for i, seq in enumerate(seqs):
+            if seq.grammar is not None:
+                seq.grammar.fill_bitmask(bitmask, i)
         self.stats.grammar_seconds += time.perf_counter() - t
         apply_bitmask(logits, bitmask.to(self.device, non_blocking=True))
 

@@ -212,7 +212,6 @@ class GrammarBackend:
         self._cache: OrderedDict[GrammarSpec, xgr.CompiledGrammar] = OrderedDict()  # newest last
         self._in_flight: dict[GrammarSpec, Future[xgr.CompiledGrammar]] = {}  # one compile per spec
         self.compile_count = 0  # compilations that actually ran (cache misses), for tests and stats
-        self._batch: xgr.BatchGrammarMatcher | None = None  # created on first use (it starts threads)
 
     def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         """The ``xgrammar.CompiledGrammar`` for ``spec``; compiles on a cache miss (blocking).
@@ -263,22 +262,6 @@ class GrammarBackend:
             done.set_result(hit)
             return done
         return self._pool.submit(self.compile, spec)
-
-    def fill_bitmask_rows(self, matchers: Sequence[GrammarMatcher | None], bitmask: torch.Tensor) -> None:
-        """Row i of ``bitmask`` <- matchers[i]'s allowed next tokens; rows of None are left as they are.
-
-        Two or more matchers are filled by xgrammar's ``BatchGrammarMatcher`` on its C++ threads
-        (one Python call instead of one per request: at batch 32 on a GPU the serial fills
-        took a large share of a decode step). None of the matchers may be terminated.
-        """
-        rows = [i for i, m in enumerate(matchers) if m is not None]
-        if len(rows) == 1:
-            matchers[rows[0]].fill_bitmask(bitmask, rows[0])  # type: ignore[union-attr]
-        elif rows:
-            if self._batch is None:
-                self._batch = self._xgr.BatchGrammarMatcher()
-            inner = [matchers[i].xgrammar_matcher for i in rows]  # type: ignore[union-attr]
-            self._batch.batch_fill_next_token_bitmask(inner, bitmask, rows)
 
     def new_matcher(self, compiled: xgr.CompiledGrammar) -> GrammarMatcher:
         """A fresh matcher at the grammar's start; the stop tokens are the tokenizer's EOS ids."""
