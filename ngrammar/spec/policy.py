@@ -65,18 +65,14 @@ class _Recent:
 
     size: int = 5
     samples: deque[float] = field(default_factory=deque)
+    value: float | None = None  # kept current by update: it is read several times per step
 
     def update(self, x: float) -> None:
         self.samples.append(x)
         if len(self.samples) > self.size:
             self.samples.popleft()
-
-    @property
-    def value(self) -> float | None:
-        if not self.samples:
-            return None
         ordered = sorted(self.samples)
-        return ordered[(len(ordered) - 1) // 2]
+        self.value = ordered[(len(ordered) - 1) // 2]
 
 
 MatchLengths = Callable[[], Sequence[int]]  # the batch's match lengths, in seq_ids order (computed on demand)
@@ -99,14 +95,17 @@ class AdaptiveDraftPolicy:
     _probe_at: dict[Bucket, int] = field(default_factory=dict)  # bucket -> first step a probe may run again
     _explore_at: dict[Bucket, int] = field(default_factory=dict)  # bucket -> first step exploring may run
 
-    @property
-    def widths(self) -> list[int]:
+    # The policy runs on every decode step, so what it reads often is precomputed:
+    widths: list[int] = field(init=False)  # 1 and the draft widths it may pick
+    _table: dict[int, list[float]] = field(default_factory=dict)  # width -> predicted drafts by match length
+
+    def __post_init__(self) -> None:
         out = {1, self.max_width}
         w = self.max_width // 2
         while w >= 4:
             out.add(w)
             w //= 2
-        return sorted(out)
+        self.widths = sorted(out)
 
     # ------------------------------------------------------------ decide
     def choose(
@@ -142,6 +141,9 @@ class AdaptiveDraftPolicy:
                        for w in self.widths[1:]):
                 return 1  # no width could win even at the best match length: skip the probe
         lengths = self._probe(seq_ids, match_lengths)
+        if not any(lengths):  # every tree would be padding: nothing to gain, nothing to explore
+            self._probe_at[b] = now + b[0] // 4
+            return 1
         rem = None if remaining is None else remaining()
         rates = {w: self._rate(b, w, self._drafts(seq_ids, lengths, w, rem)) for w in self.widths[1:]}
         best = max(rates, key=rates.__getitem__)
@@ -187,11 +189,18 @@ class AdaptiveDraftPolicy:
 
     def _best_case(self, width: int) -> float:
         """The most drafts any match length is expected to accept at this width (before the bias)."""
-        return max(self._predicted(width, n) for n in range(1, MAX_MATCH + 1))
+        return max(self._predictions(width))
 
-    def _predicted(self, width: int, match_length: int) -> float:
-        ema = self.accept.get((width, match_length))
-        return min(PRIOR_DRAFTS[match_length], width - 1) if ema is None else ema.value
+    def _predictions(self, width: int) -> list[float]:
+        """Accepted drafts predicted at this width for match lengths 0..MAX_MATCH (cached until learned)."""
+        table = self._table.get(width)
+        if table is None:
+            table = [0.0]
+            for n in range(1, MAX_MATCH + 1):
+                ema = self.accept.get((width, n))
+                table.append(min(PRIOR_DRAFTS[n], width - 1) if ema is None else ema.value)
+            self._table[width] = table
+        return table
 
     def _probe(self, seq_ids: Sequence[str], match_lengths: MatchLengths) -> Sequence[int]:
         lengths = match_lengths()
@@ -212,7 +221,7 @@ class AdaptiveDraftPolicy:
         what counts). With it, the batch drains: its finish time is max_s rem_s / (1 + d_s) steps,
         so the worth is the d that gives the longest-remaining member, max rem, the same finish
         time (a copying member finishing early leaves a straggler and no gain)."""
-        predicted = [0.0] + [self._predicted(width, n) for n in range(1, MAX_MATCH + 1)]
+        predicted = self._predictions(width)
         bias, cap = self.seq_bias, width - 1
         expected = []
         for seq_id, n in zip(seq_ids, lengths):
@@ -232,7 +241,7 @@ class AdaptiveDraftPolicy:
         if n == 0:
             return 0.0  # no anchor with a continuation: the tree is all padding
         bias = self.seq_bias.get(seq_id)
-        return min(max(self._predicted(width, n) + (0.0 if bias is None else bias.value), 0.0), width - 1)
+        return min(max(self._predictions(width)[n] + (0.0 if bias is None else bias.value), 0.0), width - 1)
 
     # ------------------------------------------------------------ learn
     def observe(
@@ -260,6 +269,7 @@ class AdaptiveDraftPolicy:
             predicted = ema.value
             ema.update(float(accepted))
             self.seq_bias.setdefault(seq_id, _Ema(0.0)).update(accepted - predicted)
+        self._table.pop(width, None)
         if self.adaptive:
             timed = self.step_cost(b, 1) is not None
             self._explore_at[b] = now + 1 + (self.explore_interval(b, width) if timed else self.explore_every)
