@@ -48,7 +48,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
         from benchmarks.bench_spec import run_spec_benchmark
 
         result = run_spec_benchmark(_llm(args, False), _llm(args, True), _sizes(args, (1, 8, 32)),
-                                    args.max_tokens or 64)
+                                    args.max_tokens or 64, args.repeats or 1)
     elif suite == "grammar":
         from benchmarks.bench_grammar import run_grammar_benchmark
 
