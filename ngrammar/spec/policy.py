@@ -117,16 +117,16 @@ class AdaptiveDraftPolicy:
     ) -> int:
         """The draft width for a decode step over these sequences (``constrained``: some have a grammar).
 
-        ``remaining`` (tokens each sequence may still emit, computed on demand) is given when the batch is draining
-        (nothing waits to join it): then it finishes with its slowest member, and a width is judged
-        by how fast that member advances, not by the batch's mean (see ``_drafts``)."""
+        ``remaining`` (tokens each sequence may still emit, computed on demand) is given when the
+        batch is draining (nothing waits to join it): then it finishes with its slowest member, and
+        a width is judged by how fast that member advances, not by the batch's mean (``_drafts``)."""
         if not seq_ids:
             return 1
         if not self.adaptive or self.max_width == 1:
             return self.max_width
         b = _bucket(len(seq_ids), constrained)
         now = self._steps.get(b, 0)
-        for w in self.widths:  # time every width twice (a first step can be slow); plain first
+        for w in self.widths:  # plain first, then each width with no cost known or borrowable, twice
             if self.step_cost(b, w) is None:
                 if w > 1:
                     self._probe(seq_ids, match_lengths)
