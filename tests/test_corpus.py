@@ -209,6 +209,24 @@ def test_bounded_catch_up_indexes_only_the_recent_windows() -> None:
     assert bounded.ngram_count([19, 20, 21]) == 1 and bounded.ngram_count([18, 19, 20]) == 1
 
 
+@pytest.mark.parametrize("grown_by", [5, 6, 7, 9, 12])
+def test_a_catch_up_never_indexes_a_position_twice(grown_by: int) -> None:
+    # Growth between max_catch_up and max_trie_depth: the catch-up must start where indexing
+    # stopped, not max_trie_depth back (which re-inserted windows and doubled their counts).
+    depth = 8
+    history = list(range(100, 120))
+    corpus = NgramCorpus(max_trie_depth=depth)
+    corpus.update("r", history)
+    grown = history + list(range(200, 200 + grown_by))
+    corpus.update("r", grown, max_catch_up=depth // 2)
+    naive = Counter(
+        tuple(grown[s : e + 1]) for e in range(len(grown)) for s in range(max(0, e - depth + 1), e + 1)
+    )
+    for ngram, count in corpus.ngrams():
+        assert count <= naive[ngram], ngram
+    assert corpus.ngram_count(grown[-1:]) == 1  # the newest position is indexed
+
+
 # ---------------------------------------------------------------------------------- capacity
 
 

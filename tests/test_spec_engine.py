@@ -167,7 +167,7 @@ def test_losing_widths_are_retried_less_often_the_more_a_retry_costs() -> None:
     assert 1 <= dear_retries <= 3
 
 
-def test_a_draining_batch_is_judged_by_its_slowest_member() -> None:
+def test_a_draining_batch_weighs_each_member_by_what_it_has_left() -> None:
     policy = AdaptiveDraftPolicy(max_width=8)
     ids = ["copy", "prose"]
     for _ in range(6):  # time plain (0.05 s) and verify steps (0.06 s)
@@ -176,9 +176,10 @@ def test_a_draining_batch_is_judged_by_its_slowest_member() -> None:
     lengths = lambda: [4, 0]  # noqa: E731 - "prose" has no match: its tree is padding
     # More requests waiting: finished ones are replaced, so the mean (1.5 drafts) pays for 1.2x.
     assert policy.choose(ids, lengths) > 1
-    # Draining with equal budgets: "prose" sets the finish time and gains nothing from a verify.
-    assert policy.choose(ids, lengths, remaining=lambda: [50, 50]) == 1
-    # ... unless "copy" is the one with the most left to emit.
+    # Draining with equal budgets: the same mean.
+    assert policy.choose(ids, lengths, remaining=lambda: [50, 50]) > 1
+    # "prose" has ten times as much left: the batch ends with it, and it gains nothing now.
+    assert policy.choose(ids, lengths, remaining=lambda: [20, 200]) == 1
     assert policy.choose(ids, lengths, remaining=lambda: [200, 20]) > 1
 
 

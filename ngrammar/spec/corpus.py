@@ -563,17 +563,18 @@ class NgramCorpus:
     def update(self, req_id: Hashable, tokens: Sequence[int], max_catch_up: int | None = None) -> None:
         """Index the windows ending at the tokens appended to ``req_id``'s full history since the last call.
 
-        A request seen for the first time, or whose history no longer extends the indexed one, or
-        (with ``max_catch_up``) that grew by more than that many tokens since the last call, has
-        only its last ``max_trie_depth`` positions indexed (windows starting inside them).
+        A request seen for the first time, or whose history no longer extends the indexed one, has
+        only its last ``max_trie_depth`` positions indexed (windows starting inside them). One that
+        grew by more than ``max_catch_up`` tokens since the last call has only its new positions
+        among the last ``max_trie_depth`` indexed (windows starting inside them): positions it
+        already indexed are never indexed twice, which would double their n-grams' counts.
         """
         cursor = self._insert_cursors.get(req_id)
-        if (
-            cursor is None
-            or not _extends(cursor, tokens)
-            or (max_catch_up is not None and len(tokens) - cursor.length > max_catch_up)
-        ):
+        if cursor is None or not _extends(cursor, tokens):
             cursor = self._fresh_cursor(tokens)
+            self._insert_cursors[req_id] = cursor
+        elif max_catch_up is not None and len(tokens) - cursor.length > max_catch_up:
+            cursor = self._fresh_cursor(tokens, floor=cursor.length)
             self._insert_cursors[req_id] = cursor
         self._index(cursor, tokens)
 
@@ -632,9 +633,10 @@ class NgramCorpus:
 
     # ------------------------------------------------------------------------------ indexing
 
-    def _fresh_cursor(self, tokens: Sequence[int]) -> _Cursor:
-        """A cursor knowing nothing, placed so that consuming the rest covers max_trie_depth tokens."""
-        start = max(0, len(tokens) - self.max_trie_depth)
+    def _fresh_cursor(self, tokens: Sequence[int], floor: int = 0) -> _Cursor:
+        """A cursor knowing nothing, placed so that consuming the rest covers max_trie_depth tokens
+        (fewer when ``floor``, the end of what is already indexed, lies inside them)."""
+        start = max(floor, len(tokens) - self.max_trie_depth)
         return _Cursor(length=start, tail=self._tail(tokens, start))
 
     def _tail(self, tokens: Sequence[int], end: int) -> list[int]:

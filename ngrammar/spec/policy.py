@@ -22,7 +22,8 @@ beats plain decoding by ``margin`` (timings are noisy). The match lengths are pr
 width could win at all, and after a probe that found nothing worth verifying the next probes in that
 batch bucket are skipped for ``bucket // 4`` steps, so that a plain stretch of a large batch costs
 no more than plain decoding. While plain wins, the best width is still re-tried now and then when
-some sequence has a 2-token match, so the acceptance table cannot get stuck below the truth; the
+some sequence has a 2-token match, so the table's entries for lengths >= 2 cannot get stuck below
+the truth (length 1 can: a batch whose matches are all length 1 is never re-tried); the
 interval between re-tries keeps their cost under ``explore_overhead`` of plain throughput (at
 least ``explore_every`` steps; ~100 steps for a batch of 32 on a GPU, where a verify step costs
 three plain ones).
@@ -118,8 +119,8 @@ class AdaptiveDraftPolicy:
         """The draft width for a decode step over these sequences (``constrained``: some have a grammar).
 
         ``remaining`` (tokens each sequence may still emit, computed on demand) is given when the
-        batch is draining (nothing waits to join it): then it finishes with its slowest member, and
-        a width is judged by how fast that member advances, not by the batch's mean (``_drafts``)."""
+        batch is draining (nothing waits to join it): then sequences count in proportion to what
+        they have left (``_drafts``)."""
         if not seq_ids:
             return 1
         if not self.adaptive or self.max_width == 1:
@@ -218,9 +219,11 @@ class AdaptiveDraftPolicy:
         """Accepted drafts per sequence per verify step that the batch's progress is worth.
 
         Without ``remaining``: the batch mean (finished sequences are replaced, so throughput is
-        what counts). With it, the batch drains: its finish time is max_s rem_s / (1 + d_s) steps,
-        so the worth is the d that gives the longest-remaining member, max rem, the same finish
-        time (a copying member finishing early leaves a straggler and no gain)."""
+        what counts). With it, the batch drains and ends with its last member, so each sequence
+        counts in proportion to what it has left: a copying member about to finish adds little.
+        (This step's match length is not a sequence's future: judging the batch by its slowest
+        member at this step would decode plainly whenever any member has no match, which at
+        batch 8 is most steps of open text, and finish later than the mean does.)"""
         predicted = self._predictions(width)
         bias, cap = self.seq_bias, width - 1
         expected = []
@@ -232,8 +235,8 @@ class AdaptiveDraftPolicy:
             expected.append(d)
         if remaining is None:
             return sum(expected) / len(expected)
-        steps = max(r / (1.0 + d) for r, d in zip(remaining, expected))
-        return max(remaining) / steps - 1.0 if steps > 0 else 0.0
+        total = sum(remaining)
+        return sum(r * d for r, d in zip(remaining, expected)) / total if total > 0 else 0.0
 
     def expected_drafts(self, seq_id: str, match_length: int, width: int) -> float:
         """Accepted drafts expected from one verify step of ``seq_id`` at this match length and width."""

@@ -74,8 +74,9 @@ class NgramSpecWorker:
         device computes; a step's drafts see the trie as of the previous verify step (only windows
         ending in the newest tokens are missing, which a draft almost never needs). Plain steps do
         not index: at batch 32 on a GPU the Python insertion costs about as much as the whole
-        step, and speculation that is off must cost nothing. After a plain stretch only the last
-        ``max_catch_up`` tokens are indexed, so the catch-up stays one step's worth of work."""
+        step, and speculation that is off must cost nothing. After a plain stretch longer than
+        ``max_catch_up`` tokens only its positions among the last ``max_trie_depth`` are indexed,
+        so the catch-up stays one step's worth of work."""
         t = time.perf_counter()
         for seq in seqs:
             self.corpus.update(seq.seq_id, seq.token_ids, self._max_catch_up)
