@@ -44,8 +44,12 @@ def decode_seconds(outs: Sequence[Any]) -> float:
 
     (Total time minus the longest time to first token over-counts when admission work - prompt
     indexing for NGRAM - delays the first requests more than the last ones: the difference then
-    includes later prefill chunks.)"""
-    return max(o.metrics["finish_time"] for o in outs) - max(o.metrics["first_token_time"] for o in outs)
+    includes later prefill chunks.) It assumes every prefill ends before decoding starts, as it does
+    while the batch fits ``max_running_requests`` and the KV pool."""
+    done = [o.metrics for o in outs if "first_token_time" in o.metrics and "finish_time" in o.metrics]
+    if len(done) != len(outs):
+        raise ValueError(f"{len(outs) - len(done)} of {len(outs)} outputs have no first token or never finished")
+    return max(m["finish_time"] for m in done) - max(m["first_token_time"] for m in done)
 
 
 def machine() -> dict[str, Any]:
