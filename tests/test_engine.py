@@ -201,6 +201,19 @@ def test_preemption_under_a_tiny_pool() -> None:
     assert small.engine.blocks.allocator.num_free == small.engine.blocks.allocator.num_pages
 
 
+@pytest.mark.parametrize("speculative", [None, "ngram"])
+def test_a_request_outgrowing_the_pool_fails_and_frees_its_pages(speculative: str | None) -> None:
+    small = LLM(device="cpu", dtype="float32", kv_cache_tokens=64, page_size=16, speculative=speculative)
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    out = small.generate("Count from one to one hundred: one, two, three,", params)[0]
+    assert out.finish_reason == "error"
+    alloc = small.engine.blocks.allocator
+    alloc.check_integrity()
+    assert alloc.num_free == alloc.num_pages  # the failed sequence's pages were released
+    if small.engine.spec is not None:
+        assert not small.engine.spec.policy.seq_bias and not small.engine.spec.policy._lengths
+
+
 def _fields(p: SamplingParams) -> dict:  # type: ignore[type-arg]
     return {k: getattr(p, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "ignore_eos")}
 

@@ -234,6 +234,8 @@ class LLMEngine:
         batch = self.scheduler.schedule(self._decode_width)
         for seq in batch.failed:
             seq.finish("error", "the KV cache is too small for this request")
+        if batch.failed and self.spec is not None:
+            self.spec.on_finish(batch.failed)  # not in running any more: _retire will not see them
         if batch.prefill:
             self._run_prefill(batch.prefill)
         elif batch.decode:

@@ -109,6 +109,7 @@ class Scheduler:
                 batch.preempted.append(self._preempt(self.running.pop()))
             if not self.blocks.can_hold(seq, need):
                 self.running.pop()
+                self.blocks.release(seq)  # it leaves running here, so remove_finished never sees it
                 batch.failed.append(seq)
                 continue
             self.blocks.reserve(seq, need)
