@@ -240,11 +240,7 @@ class AdaptiveDraftPolicy:
 
     def expected_drafts(self, seq_id: str, match_length: int, width: int) -> float:
         """Accepted drafts expected from one verify step of ``seq_id`` at this match length and width."""
-        n = min(match_length, MAX_MATCH)
-        if n == 0:
-            return 0.0  # no anchor with a continuation: the tree is all padding
-        bias = self.seq_bias.get(seq_id)
-        return min(max(self._predictions(width)[n] + (0.0 if bias is None else bias.value), 0.0), width - 1)
+        return self._drafts([seq_id], [match_length], width, None)
 
     # ------------------------------------------------------------ learn
     def observe(
