@@ -223,6 +223,47 @@ def test_each_request_keeps_its_own_bias_at_the_same_match_length() -> None:
     assert policy.expected_drafts("new", 0, 8) == 0.0  # no match: a padding-only tree
 
 
+def test_a_width_that_accepts_all_its_drafts_makes_way_for_a_wider_one() -> None:
+    # Regression: acceptance was averaged per width, so a code edit accepting 3 of 3 drafts at
+    # D = 4 stayed at D = 4; one continuation rate per match length prices every width.
+    policy = AdaptiveDraftPolicy(max_width=16)
+    chosen = []
+    for step in range(60):
+        w = policy.choose(["code"], lambda: [4])
+        # The first steps (when every width is timed) accept 2 drafts; then the request copies and
+        # every draft is accepted: its verify steps end at the tree's last node.
+        accepted = min(2, w - 1) if step < 12 else w - 1
+        policy.observe(1, w, 0.05 if w == 1 else 0.05 + 0.001 * w, None if w == 1 else {"code": accepted})
+        chosen.append(w)
+    assert chosen[-20:].count(16) >= 16
+    assert policy.expected_drafts("code", 4, 16) > 10
+
+
+def test_a_run_ending_at_a_leaf_is_not_counted_as_a_rejection() -> None:
+    def learn(censored: set[str]) -> float:
+        policy = AdaptiveDraftPolicy(max_width=8)
+        for _ in range(5):  # 2 of 7 drafts accepted: the tree (a short chain) had no more
+            policy._lengths["s"] = 2
+            policy.observe(1, 8, 0.05, {"s": 2}, censored=censored)
+        return policy.expected_drafts("s", 2, 8)
+
+    assert learn({"s"}) > learn(set()) + 1
+
+
+def test_plain_steps_index_the_output_so_a_repetition_is_matched() -> None:
+    # Regression: only verify steps indexed outputs, so a request that started repeating itself
+    # while decoding plainly never found the repetition in the corpus and never speculated again.
+    # D = 1: every step is a plain decode step; the prompt is not indexed, so all n-grams are output.
+    spec = LLM(device="cpu", dtype="float32", kv_cache_tokens=2048, speculative="ngram", spec_adaptive=False,
+               num_draft_tokens=1, ngram_index_prompt=False)
+    out = spec.generate(GROUNDED[1], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    corpus = spec.engine.spec.corpus
+    # A step indexes the tokens committed before it: all but the last output token.
+    tokens = list(out.prompt_token_ids) + out.token_ids[:-1]
+    assert corpus.ngram_count(tuple(tokens[-4:])) >= 1
+    assert corpus.match_length(tokens[:-1], 4) >= 3  # the last 3 tokens were seen followed by the next
+
+
 def test_freed_pages_are_never_read(spec_llm: LLM, llm: LLM) -> None:
     """Poison every page as it is freed: a verify step must move accepted KV before trimming.
 

@@ -55,7 +55,7 @@ class EngineStats:
     verify_steps: int = 0  # sequence-steps verified with a draft tree
     verify_emitted: int = 0  # tokens those verify steps emitted, bonus included
     spec_steps: int = 0  # batched verify steps
-    draft_seconds: float = 0.0  # host drafting (corpus match + tree build)
+    draft_seconds: float = 0.0  # host drafting (corpus match + tree build) and corpus indexing
     grammar_seconds: float = 0.0  # host grammar masks (links + DFS), overlapped with the forward
     verify_seconds: float = 0.0  # whole verify steps
     forward_seconds: float = 0.0
@@ -286,6 +286,8 @@ class LLMEngine:
             list(range(len(seqs))),
         )
         logits = self.timed_forward(step)
+        if self.spec is not None:  # on a GPU this host work runs while the forward computes
+            self.spec.index_outputs(seqs)
         for seq in seqs:
             seq.num_cached += 1
         self._sample_and_commit(seqs, logits)

@@ -12,10 +12,15 @@ than a plain step at the same batch size. Three things decide it, each measured 
   is free of history and strongly predicts acceptance: with no match the draft tree is padding and
   accepts nothing (on the embedded model, open-ended text has no match on about half its steps);
   a 4-token match accepts 3-5 drafts at D = 8;
-- **acceptance given the match length**: a moving average of accepted drafts per verify step per
-  (D, match length) over all sequences, seeded with ``PRIOR_DRAFTS``, plus a per-sequence bias (how
-  many more drafts than predicted this request's text has been accepting: a code edit copies more
-  than a story at the same match length).
+- **acceptance given the match length**, modelled as a run: each draft on the path continues the
+  accepted run with probability p (per match length, over all sequences), so a tree of D nodes is
+  expected to accept ``p + p^2 + ... + p^(D-1)`` drafts. One p serves every width, so what a
+  width-4 step learns prices width 16. p is estimated as hits / (hits + stops) over recent verify
+  steps, where a step that ran out of tree (its path ended at a leaf, or the request cut it) is
+  censored: it counts its hits but no stop. (A per-width average could not see that a width
+  accepting all its drafts is too narrow: a code edit accepting 3 of 3 at D = 4 stayed at D = 4.)
+  A per-sequence bias (observed hits minus those predicted, per run trial, shrunk towards 0)
+  tells a copying code edit from a story at the same match length.
 
 Each step takes the width with the best expected tokens per second, and speculates only when that
 beats plain decoding by ``margin`` (timings are noisy). The match lengths are probed only when some
@@ -34,12 +39,24 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 MAX_MATCH = 4  # match lengths are probed up to this (longer ones are bucketed with it)
-# Accepted drafts per verify step by match length 0..MAX_MATCH before any are measured (the
-# embedded model on the benchmark workload at D = 8: 0, 0.7, 1.3, 2.2, 4.5 measured).
-PRIOR_DRAFTS = (0.0, 0.5, 1.0, 2.0, 3.0)
+# The chance that a draft continues the accepted run, by match length 0..MAX_MATCH, before any is
+# measured. The embedded model on the benchmark workload accepted 0.7, 1.3, 2.2, 4.5 drafts at
+# D = 8 for lengths 1-4 (p = 0.41, 0.57, 0.71, 0.89); the priors sit a little below.
+PRIOR_CONTINUE = (0.0, 0.35, 0.5, 0.65, 0.8)
+PRIOR_TRIALS = 4.0  # the prior's weight, in run trials (drafts tried)
+MAX_CONTINUE = 0.97  # p is capped: a few censored steps must not promise every width everything
+GLOBAL_DECAY = 0.8  # per verify step: the shared estimates follow the workload over ~5 steps
+SEQ_DECAY = 0.8  # per verify step of the sequence
+SEQ_SHRINK = 2.0  # pseudo-trials pulling a sequence's bias towards 0 (its first steps are noisy)
+
+
+def expected_run(p: float, width: int) -> float:
+    """Accepted drafts expected from a tree of ``width`` nodes when each continues with chance p."""
+    p = min(max(p, 0.0), MAX_CONTINUE)
+    return p * (1.0 - p ** (width - 1)) / (1.0 - p)
 
 
 Bucket = tuple[int, bool]  # (batch size rounded up to a power of two, whether a grammar constrains it)
@@ -52,12 +69,38 @@ def _bucket(batch_size: int, constrained: bool) -> Bucket:
 
 
 @dataclass
-class _Ema:
-    value: float
-    alpha: float = 0.3
+class _RunRate:
+    """Decayed counts of a run's continuations (hits) and rejections (stops): p = hits / trials."""
 
-    def update(self, x: float) -> None:
-        self.value = (1 - self.alpha) * self.value + self.alpha * x
+    hits: float
+    stops: float
+
+    def update(self, hits: float, stops: float, decay: float) -> None:
+        self.hits = decay * self.hits + hits
+        self.stops = decay * self.stops + stops
+
+    @property
+    def p(self) -> float:
+        trials = self.hits + self.stops
+        return self.hits / trials if trials > 0 else 0.0
+
+
+@dataclass
+class _SeqBias:
+    """A sequence's hits beyond those its steps' match lengths predicted, per trial (decayed sums)."""
+
+    hits: float = 0.0
+    predicted: float = 0.0
+    trials: float = 0.0
+
+    def update(self, hits: float, predicted: float, trials: float) -> None:
+        self.hits = SEQ_DECAY * self.hits + hits
+        self.predicted = SEQ_DECAY * self.predicted + predicted
+        self.trials = SEQ_DECAY * self.trials + trials
+
+    @property
+    def value(self) -> float:
+        return (self.hits - self.predicted) / (self.trials + SEQ_SHRINK)
 
 
 @dataclass
@@ -88,8 +131,8 @@ class AdaptiveDraftPolicy:
     baseline_every: int = 8  # plain steps are re-measured this often while speculating
     margin: float = 1.15  # speculate only when expected this much faster than plain
     step_time: dict[tuple[Bucket, int], _Recent] = field(default_factory=dict)  # (bucket, width) -> s / step
-    accept: dict[tuple[int, int], _Ema] = field(default_factory=dict)  # (width, match length) -> drafts
-    seq_bias: dict[str, _Ema] = field(default_factory=dict)  # seq id -> drafts accepted beyond prediction
+    accept: list[_RunRate] = field(init=False)  # match length -> run continuation estimate
+    seq_bias: dict[str, _SeqBias] = field(default_factory=dict)  # seq id -> continuation beyond prediction
     _lengths: dict[str, int] = field(default_factory=dict)  # seq id -> match length at its last probe
     _steps: dict[Bucket, int] = field(default_factory=dict)  # bucket -> decode steps observed
     _last: dict[tuple[Bucket, int], int] = field(default_factory=dict)  # (bucket, width) -> step it last ran
@@ -98,9 +141,9 @@ class AdaptiveDraftPolicy:
 
     # The policy runs on every decode step, so what it reads often is precomputed:
     widths: list[int] = field(init=False)  # 1 and the draft widths it may pick
-    _table: dict[int, list[float]] = field(default_factory=dict)  # width -> predicted drafts by match length
 
     def __post_init__(self) -> None:
+        self.accept = [_RunRate(PRIOR_TRIALS * p, PRIOR_TRIALS * (1 - p)) for p in PRIOR_CONTINUE]
         out = {1, self.max_width}
         w = self.max_width // 2
         while w >= 4:
@@ -138,7 +181,8 @@ class AdaptiveDraftPolicy:
         exploring = now >= self._explore_at.get(b, 0)
         if not exploring:
             bias = max((self.seq_bias[s].value for s in seq_ids if s in self.seq_bias), default=0.0)
-            if not any(self._rate(b, w, self._best_case(w) + max(bias, 0.0)) > self.margin * plain
+            best_p = max(r.p for r in self.accept) + max(bias, 0.0)
+            if not any(self._rate(b, w, expected_run(best_p, w)) > self.margin * plain
                        for w in self.widths[1:]):
                 return 1  # no width could win even at the best match length: skip the probe
         lengths = self._probe(seq_ids, match_lengths)
@@ -188,21 +232,6 @@ class AdaptiveDraftPolicy:
         ratio = (self.step_cost(bucket, width) or 0.0) / (self.step_cost(bucket, 1) or float("inf"))
         return max(self.explore_every, math.ceil((ratio - 1.0) / self.explore_overhead))
 
-    def _best_case(self, width: int) -> float:
-        """The most drafts any match length is expected to accept at this width (before the bias)."""
-        return max(self._predictions(width))
-
-    def _predictions(self, width: int) -> list[float]:
-        """Accepted drafts predicted at this width for match lengths 0..MAX_MATCH (cached until learned)."""
-        table = self._table.get(width)
-        if table is None:
-            table = [0.0]
-            for n in range(1, MAX_MATCH + 1):
-                ema = self.accept.get((width, n))
-                table.append(min(PRIOR_DRAFTS[n], width - 1) if ema is None else ema.value)
-            self._table[width] = table
-        return table
-
     def _probe(self, seq_ids: Sequence[str], match_lengths: MatchLengths) -> Sequence[int]:
         lengths = match_lengths()
         self._lengths.update(zip(seq_ids, lengths))
@@ -224,14 +253,13 @@ class AdaptiveDraftPolicy:
         (This step's match length is not a sequence's future: judging the batch by its slowest
         member at this step would decode plainly whenever any member has no match, which at
         batch 8 is most steps of open text, and finish later than the mean does.)"""
-        predicted = self._predictions(width)
-        bias, cap = self.seq_bias, width - 1
+        bias = self.seq_bias
         expected = []
         for seq_id, n in zip(seq_ids, lengths):
             d = 0.0  # no match: a padding-only tree accepts nothing
             if n:
-                ema = bias.get(seq_id)
-                d = min(max(predicted[min(n, MAX_MATCH)] + (0.0 if ema is None else ema.value), 0.0), cap)
+                own = bias.get(seq_id)
+                d = expected_run(self.accept[min(n, MAX_MATCH)].p + (0.0 if own is None else own.value), width)
             expected.append(d)
         if remaining is None:
             return sum(expected) / len(expected)
@@ -250,8 +278,13 @@ class AdaptiveDraftPolicy:
         seconds: float,
         drafts: Mapping[str, int] | None = None,
         constrained: bool = False,
+        censored: Collection[str] = (),
     ) -> None:
-        """A decode step ran: its time, and for a verify step the drafts each sequence accepted."""
+        """A decode step ran: its time, and for a verify step the drafts each sequence accepted.
+
+        ``censored`` names the sequences whose accepted path ended at a leaf of its tree or was
+        cut by the request (EOS, stop, max_tokens): their run did not stop at a rejection. A
+        sequence accepting all ``width - 1`` drafts is censored whether named or not."""
         b = _bucket(batch_size, constrained)
         now = self._steps.get(b, 0)
         self._steps[b] = now + 1
@@ -260,15 +293,21 @@ class AdaptiveDraftPolicy:
         self.step_time.setdefault((b, width), _Recent()).update(seconds * b[0] / max(batch_size, 1))
         if width == 1 or not drafts:
             return
+        hits = [0.0] * (MAX_MATCH + 1)
+        stops = [0.0] * (MAX_MATCH + 1)
         for seq_id, accepted in drafts.items():
             n = min(self._lengths.get(seq_id, 0), MAX_MATCH)
             if n == 0:
                 continue  # nothing to learn: a padding-only tree
-            ema = self.accept.setdefault((width, n), _Ema(min(PRIOR_DRAFTS[n], width - 1)))
-            predicted = ema.value
-            ema.update(float(accepted))
-            self.seq_bias.setdefault(seq_id, _Ema(0.0)).update(accepted - predicted)
-        self._table.pop(width, None)
+            stopped = 0.0 if accepted >= width - 1 or seq_id in censored else 1.0
+            hits[n] += accepted
+            stops[n] += stopped
+            p = self.accept[n].p  # before this step: what it predicted
+            self.seq_bias.setdefault(seq_id, _SeqBias()).update(accepted, p * (accepted + stopped),
+                                                                accepted + stopped)
+        for n in range(1, MAX_MATCH + 1):
+            if hits[n] or stops[n]:
+                self.accept[n].update(hits[n], stops[n], GLOBAL_DECAY)
         if self.adaptive:
             timed = self.step_cost(b, 1) is not None
             self._explore_at[b] = now + 1 + (self.explore_interval(b, width) if timed else self.explore_every)

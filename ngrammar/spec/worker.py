@@ -54,6 +54,7 @@ class NgramSpecWorker:
         self.readback_links = False  # benchmark switch: the old path that reads links back first
         self.sync_debug = False  # GPU check: drafting -> verify launch runs under sync debug "error"
         self._last_drafts: dict[str, int] = {}  # seq id -> drafts it accepted in the last verify step
+        self._censored: set[str] = set()  # ... of those, whose run ended at a leaf or was cut, not rejected
         self._constrained = False  # whether the last batch the policy chose for had a grammar
         # Past this many tokens a catch-up indexes only the last max_trie_depth positions, which
         # costs ~depth^2/2 window inserts instead of depth per token (at batch 32 on a GPU, the first
@@ -68,15 +69,16 @@ class NgramSpecWorker:
             self.corpus.index_prompt(seq.seq_id, seq.prompt_token_ids)
 
     def index_outputs(self, seqs: list[Sequence]) -> None:
-        """Insert the windows ending at each sequence's tokens committed since its last verify step.
+        """Insert the windows ending at each sequence's tokens committed since the last step.
 
-        Called right after a verify forward is launched, so on a GPU the insertion runs while the
-        device computes; a step's drafts see the trie as of the previous verify step (only windows
-        ending in the newest tokens are missing, which a draft almost never needs). Plain steps do
-        not index: at batch 32 on a GPU the Python insertion costs about as much as the whole
-        step, and speculation that is off must cost nothing. After a plain stretch longer than
-        ``max_catch_up`` tokens only its positions among the last ``max_trie_depth`` are indexed,
-        so the catch-up stays one step's worth of work."""
+        Called right after a decode or verify forward is launched, so on a GPU the insertion runs
+        while the device computes; a step's drafts see the trie as of the previous step (only
+        windows ending in the newest tokens are missing, which a draft almost never needs). Plain
+        steps index too: a request that starts repeating itself while decoding plainly must find
+        its own repetition in the corpus, or its match length stays 0 and it never speculates
+        again. After a stretch longer than ``max_catch_up`` tokens went unindexed (a request's
+        first step after prefill) only its positions among the last ``max_trie_depth`` are
+        indexed, so a catch-up stays one step's worth of work."""
         t = time.perf_counter()
         for seq in seqs:
             self.corpus.update(seq.seq_id, seq.token_ids, self._max_catch_up)
@@ -100,7 +102,7 @@ class NgramSpecWorker:
 
     def observe_step(self, batch_size: int, width: int, seconds: float) -> None:
         drafts = self._last_drafts if width > 1 else None
-        self.policy.observe(batch_size, width, seconds, drafts, self._constrained)
+        self.policy.observe(batch_size, width, seconds, drafts, self._constrained, self._censored)
 
     # --------------------------------------------------------------- step
     def run_verify(self, seqs: list[Sequence], width: int) -> None:
@@ -131,7 +133,7 @@ class NgramSpecWorker:
             result = self._accept(seqs, candidates, meta_mask, logits, width, greedy)
         lp = eng.logprob_tensors(seqs, logits, result.accept_index, result.accept_tokens)
         host = runner.to_host(result.accept_tokens, result.accept_len, result.accept_nodes, *lp)
-        self._commit(seqs, width, host)
+        self._commit(seqs, tree, host)
         eng.stats.spec_steps += 1
         eng.stats.verify_seconds += time.perf_counter() - t0
 
@@ -204,16 +206,26 @@ class NgramSpecWorker:
             candidates, mask, probs, coins, final, c.threshold_single, c.threshold_acc
         )
 
-    def _commit(self, seqs: list[Sequence], width: int, host: list[torch.Tensor]) -> None:
+    def _commit(self, seqs: list[Sequence], tree: DraftTree, host: list[torch.Tensor]) -> None:
         eng = self.engine
+        width = tree.draft_token_num
         tokens, lens, nodes = host[0].tolist(), host[1].tolist(), host[2].tolist()
         logprobs = eng.unpack_logprobs(seqs, host[3:], lens)
+        # has_child[b, i]: node i has a child in its tree; a run ending at a childless node did
+        # not stop at a rejection (the policy must not count it as one).
+        parents = tree.parents()
+        has_child = np.zeros((len(seqs), width + 1), dtype=bool)
+        has_child[np.arange(len(seqs))[:, None], parents + 1] = True
+        has_child = has_child[:, 1:]
         src, dst = [], []
         emitted = 0
         self._last_drafts = {}
+        self._censored = set()
         for b, seq in enumerate(seqs):
             start = seq.num_cached
             kept = seq.append_tokens(tokens[b][: lens[b]], None if logprobs is None else logprobs[b])
+            if kept < lens[b] or not has_child[b, nodes[b][lens[b] - 1]]:
+                self._censored.add(seq.seq_id)
             # Keep KV of the root and the first kept-1 accepted drafts; the last kept token is the next root.
             for j in range(1, kept):
                 if nodes[b][j] != j:
