@@ -167,20 +167,25 @@ def test_losing_widths_are_retried_less_often_the_more_a_retry_costs() -> None:
     assert 1 <= dear_retries <= 3
 
 
-def test_a_draining_batch_weighs_each_member_by_what_it_has_left() -> None:
+def test_a_draining_batch_speculates_for_its_critical_members_only() -> None:
     policy = AdaptiveDraftPolicy(max_width=8)
     ids = ["copy", "prose"]
     for _ in range(6):  # time plain (0.05 s) and verify steps (0.06 s)
         w = policy.choose(ids, lambda: [4, 4])
         policy.observe(2, w, 0.05 if w == 1 else 0.06, None if w == 1 else {"copy": 3, "prose": 3})
     lengths = lambda: [4, 0]  # noqa: E731 - "prose" has no match: its tree is padding
-    # More requests waiting: finished ones are replaced, so the mean (1.5 drafts) pays for 1.2x.
+    for _ in range(5):  # "prose" keeps finding no match: its outlook falls
+        policy._probe(ids, lengths)
+    # More requests waiting: finished ones are replaced, so the mean (drafts of "copy" / 2) pays.
     assert policy.choose(ids, lengths) > 1
-    # Draining with equal budgets: the same mean.
-    assert policy.choose(ids, lengths, remaining=lambda: [50, 50]) > 1
-    # "prose" has ten times as much left: the batch ends with it, and it gains nothing now.
+    # Draining with equal budgets: "prose" is projected to need the most steps and gains nothing
+    # from a verify step, which would only make the batch's last member slower.
+    assert policy.choose(ids, lengths, remaining=lambda: [50, 50]) == 1
     assert policy.choose(ids, lengths, remaining=lambda: [20, 200]) == 1
+    # "copy" has ten times as much left: even copying it needs the most steps, so it decides.
     assert policy.choose(ids, lengths, remaining=lambda: [200, 20]) > 1
+    # Both critical and both matching: speculate.
+    assert policy.choose(ids, lambda: [4, 4], remaining=lambda: [50, 50]) > 1
 
 
 def test_a_new_batch_bucket_borrows_the_verify_cost_ratio_of_a_timed_one() -> None:

@@ -51,6 +51,8 @@ MAX_CONTINUE = 0.97  # p is capped: a few censored steps must not promise every 
 GLOBAL_DECAY = 0.8  # per verify step: the shared estimates follow the workload over ~5 steps
 SEQ_DECAY = 0.8  # per verify step of the sequence
 SEQ_SHRINK = 2.0  # pseudo-trials pulling a sequence's bias towards 0 (its first steps are noisy)
+OUTLOOK_ALPHA = 0.2  # per probe: a sequence's outlook follows its match lengths over ~5 steps
+CRITICAL_SHARE = 0.9  # a draining batch's critical members: projected to need this share of the most steps
 
 
 def expected_run(p: float, width: int) -> float:
@@ -134,6 +136,7 @@ class AdaptiveDraftPolicy:
     accept: list[_RunRate] = field(init=False)  # match length -> run continuation estimate
     seq_bias: dict[str, _SeqBias] = field(default_factory=dict)  # seq id -> continuation beyond prediction
     _lengths: dict[str, int] = field(default_factory=dict)  # seq id -> match length at its last probe
+    _outlook: dict[str, float] = field(default_factory=dict)  # seq id -> drafts per step it tends to offer
     _steps: dict[Bucket, int] = field(default_factory=dict)  # bucket -> decode steps observed
     _last: dict[tuple[Bucket, int], int] = field(default_factory=dict)  # (bucket, width) -> step it last ran
     _probe_at: dict[Bucket, int] = field(default_factory=dict)  # bucket -> first step a probe may run again
@@ -162,8 +165,8 @@ class AdaptiveDraftPolicy:
         """The draft width for a decode step over these sequences (``constrained``: some have a grammar).
 
         ``remaining`` (tokens each sequence may still emit, computed on demand) is given when the
-        batch is draining (nothing waits to join it): then sequences count in proportion to what
-        they have left (``_drafts``)."""
+        batch is draining (nothing waits to join it): then only the members on its critical path
+        count (``_drafts``)."""
         if not seq_ids:
             return 1
         if not self.adaptive or self.max_width == 1:
@@ -235,6 +238,10 @@ class AdaptiveDraftPolicy:
     def _probe(self, seq_ids: Sequence[str], match_lengths: MatchLengths) -> Sequence[int]:
         lengths = match_lengths()
         self._lengths.update(zip(seq_ids, lengths))
+        outlook, widest = self._outlook, self.max_width
+        for seq_id, d in zip(seq_ids, self._expected(seq_ids, lengths, widest)):
+            old = outlook.get(seq_id)
+            outlook[seq_id] = d if old is None else old + OUTLOOK_ALPHA * (d - old)
         return lengths
 
     def _rate(self, bucket: Bucket, width: int, drafts: float) -> float:
@@ -242,17 +249,8 @@ class AdaptiveDraftPolicy:
         t = self.step_cost(bucket, width) or float("inf")
         return (1.0 + min(max(drafts, 0.0), width - 1)) / t
 
-    def _drafts(
-        self, seq_ids: Sequence[str], lengths: Sequence[int], width: int, remaining: Sequence[int] | None
-    ) -> float:
-        """Accepted drafts per sequence per verify step that the batch's progress is worth.
-
-        Without ``remaining``: the batch mean (finished sequences are replaced, so throughput is
-        what counts). With it, the batch drains and ends with its last member, so each sequence
-        counts in proportion to what it has left: a copying member about to finish adds little.
-        (This step's match length is not a sequence's future: judging the batch by its slowest
-        member at this step would decode plainly whenever any member has no match, which at
-        batch 8 is most steps of open text, and finish later than the mean does.)"""
+    def _expected(self, seq_ids: Sequence[str], lengths: Sequence[int], width: int) -> list[float]:
+        """Accepted drafts expected from one verify step of each sequence at its match length."""
         bias = self.seq_bias
         expected = []
         for seq_id, n in zip(seq_ids, lengths):
@@ -261,10 +259,28 @@ class AdaptiveDraftPolicy:
                 own = bias.get(seq_id)
                 d = expected_run(self.accept[min(n, MAX_MATCH)].p + (0.0 if own is None else own.value), width)
             expected.append(d)
+        return expected
+
+    def _drafts(
+        self, seq_ids: Sequence[str], lengths: Sequence[int], width: int, remaining: Sequence[int] | None
+    ) -> float:
+        """Accepted drafts per sequence per verify step that the batch's progress is worth.
+
+        Without ``remaining``: the batch mean (finished sequences are replaced, so throughput is
+        what counts). With it, the batch drains: it ends with its last member, and a step costs
+        about the same whoever is in it, so only its critical members count - those projected to
+        need the most steps (tokens left / (1 + the drafts their recent match lengths offer)) -
+        and the step is worth the least any of them gains. Speculating for copying members while
+        a member that matches little still has as far to go only makes every step dearer: that
+        member finishes later, and the batch with it (on the H200 at batch 8, fixed-length code
+        edits ran at 0.91x plain with the remaining-weighted mean)."""
+        expected = self._expected(seq_ids, lengths, width)
         if remaining is None:
             return sum(expected) / len(expected)
-        total = sum(remaining)
-        return sum(r * d for r, d in zip(remaining, expected)) / total if total > 0 else 0.0
+        outlook = self._outlook
+        projected = [r / (1.0 + outlook.get(s, 0.0)) for s, r in zip(seq_ids, remaining)]
+        cut = CRITICAL_SHARE * max(projected)
+        return min(d for d, steps in zip(expected, projected) if steps >= cut)
 
     def expected_drafts(self, seq_id: str, match_length: int, width: int) -> float:
         """Accepted drafts expected from one verify step of ``seq_id`` at this match length and width."""
@@ -317,3 +333,4 @@ class AdaptiveDraftPolicy:
         for seq_id in seq_ids:
             self.seq_bias.pop(seq_id, None)
             self._lengths.pop(seq_id, None)
+            self._outlook.pop(seq_id, None)
