@@ -269,6 +269,22 @@ def test_plain_steps_index_the_output_so_a_repetition_is_matched() -> None:
     assert corpus.match_length(tokens[:-1], 4) >= 3  # the last 3 tokens were seen followed by the next
 
 
+def test_plain_steps_skip_indexing_where_it_would_cost_a_share_of_the_step() -> None:
+    spec = LLM(device="cpu", dtype="float32", kv_cache_tokens=2048, speculative="ngram", spec_adaptive=False,
+               num_draft_tokens=1)
+    worker = spec.engine.spec
+    calls = []
+    index = worker.index_outputs
+    worker.index_outputs = lambda seqs: (calls.append(len(seqs)), index(seqs))  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    spec.generate(GROUNDED[1], params)
+    assert len(calls) == 11  # cheap next to a CPU step: every decode step indexes
+    calls.clear()
+    worker._index_cost = 10.0  # seconds per token: a host far slower than the step
+    spec.generate(GROUNDED[1], params)
+    assert calls == []  # the plain step cost is known by now: no step indexes
+
+
 def test_freed_pages_are_never_read(spec_llm: LLM, llm: LLM) -> None:
     """Poison every page as it is freed: a verify step must move accepted KV before trimming.
 

@@ -287,7 +287,7 @@ class LLMEngine:
         )
         logits = self.timed_forward(step)
         if self.spec is not None:  # on a GPU this host work runs while the forward computes
-            self.spec.index_outputs(seqs)
+            self.spec.index_plain_step(seqs)
         for seq in seqs:
             seq.num_cached += 1
         self._sample_and_commit(seqs, logits)

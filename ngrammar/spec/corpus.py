@@ -578,6 +578,11 @@ class NgramCorpus:
             self._insert_cursors[req_id] = cursor
         self._index(cursor, tokens)
 
+    def indexed_length(self, req_id: Hashable) -> int:
+        """How much of ``req_id``'s history is indexed (0 for a request not seen)."""
+        cursor = self._insert_cursors.get(req_id)
+        return 0 if cursor is None else cursor.length
+
     def match_length(self, context: Sequence[int], max_len: int) -> int:
         """The longest n <= max_len such that the context's last n tokens were indexed followed by
         something (so a draft from that suffix has real nodes); 0 when even the last token was not.

@@ -64,7 +64,7 @@ def expected_run(p: float, width: int) -> float:
 Bucket = tuple[int, bool]  # (batch size rounded up to a power of two, whether a grammar constrains it)
 
 
-def _bucket(batch_size: int, constrained: bool) -> Bucket:
+def bucket_of(batch_size: int, constrained: bool) -> Bucket:
     # A constrained verify step also builds a grammar bitmask for every tree node on the host, so
     # it costs more than an unconstrained one of the same shape: timed apart.
     return 1 << max(batch_size - 1, 0).bit_length(), constrained
@@ -171,7 +171,7 @@ class AdaptiveDraftPolicy:
             return 1
         if not self.adaptive or self.max_width == 1:
             return self.max_width
-        b = _bucket(len(seq_ids), constrained)
+        b = bucket_of(len(seq_ids), constrained)
         now = self._steps.get(b, 0)
         for w in self.widths:  # plain first, then each width with no cost known or borrowable, twice
             if self.step_cost(b, w) is None:
@@ -301,7 +301,7 @@ class AdaptiveDraftPolicy:
         ``censored`` names the sequences whose accepted path ended at a leaf of its tree or was
         cut by the request (EOS, stop, max_tokens): their run did not stop at a rejection. A
         sequence accepting all ``width - 1`` drafts is censored whether named or not."""
-        b = _bucket(batch_size, constrained)
+        b = bucket_of(batch_size, constrained)
         now = self._steps.get(b, 0)
         self._steps[b] = now + 1
         self._last[(b, width)] = now
