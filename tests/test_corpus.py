@@ -338,7 +338,7 @@ def test_numpy_histories_work_like_lists() -> None:
 
 streams = st.lists(st.integers(1, 4), min_size=1, max_size=60)
 ops = st.lists(
-    st.tuples(st.sampled_from(["append", "get", "rewind", "erase"]), st.integers(0, 2), st.integers(1, 6)),
+    st.tuples(st.sampled_from(["append", "grow", "get", "rewind", "erase"]), st.integers(0, 2), st.integers(1, 6)),
     min_size=1,
     max_size=40,
 )
@@ -368,6 +368,8 @@ def test_incremental_matches_from_scratch(
         if op == "append":
             history += [int(t) for t in rng.integers(1, 5, size=amount)]
             corpus.update(req, history)
+        elif op == "grow":  # tokens not indexed yet (the engine indexes after the next launch)
+            history += [int(t) for t in rng.integers(1, 5, size=amount)]
         elif op == "rewind":
             del history[max(1, len(history) - amount) :]
             history += [int(t) for t in rng.integers(1, 5, size=rng.integers(0, amount + 1))]
@@ -384,6 +386,25 @@ def test_incremental_matches_from_scratch(
     trie = dict(corpus.ngrams())
     assert len(trie) == corpus.num_nodes <= capacity
     assert set(trie) <= seen, "the trie holds an n-gram no history contains"
+
+
+def test_a_match_starts_from_the_insert_cursor_a_step_behind() -> None:
+    # The engine indexes a step's history after launching it, so at the next draft the insert
+    # cursor lags the newest token: the match advances it by that token, not rebuilding 18.
+    corpus = NgramCorpus(max_trie_depth=18)
+    history = [int(t) for t in np.random.default_rng(0).integers(1, 50, size=200)]
+    corpus.index_prompt("r", history)
+    advanced: list[int] = []
+    advance = corpus._advance_match
+    with mock.patch.object(corpus, "_advance_match",
+                           side_effect=lambda nodes, appended: advanced.append(len(appended)) or advance(nodes, appended)):
+        for token in (3, 7, 3):
+            history.append(token)
+            corpus.batch_get(["r"], [history])
+            corpus.update("r", history)
+    assert advanced == [1, 1, 1]
+    fresh = corpus.batch_get(["s"], [history])
+    assert np.array_equal(corpus.batch_get(["r"], [history]).mask, fresh.mask)
 
 
 @settings(max_examples=40, deadline=None)

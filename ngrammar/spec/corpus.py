@@ -692,17 +692,15 @@ class NgramCorpus:
 
     def _match(self, req_id: Hashable, context: Sequence[int]) -> list[int]:
         """The nodes of the context's suffixes (see _Cursor), advancing or rebuilding its match cursor."""
+        cursor = self._match_cursors.get(req_id)
         indexed = self._insert_cursors.get(req_id)
         if indexed is not None and self._holds_match(indexed, context):
-            # The usual step: the request's history was just indexed, so its insert cursor already
-            # holds the match.
-            cursor = self._match_cursors.get(req_id)
-            if cursor is None:
-                cursor = self._match_cursors[req_id] = _Cursor(length=0, tail=[])
-            cursor.length, cursor.tail, cursor.nodes = indexed.length, indexed.tail, indexed.nodes
-            cursor.creations, cursor.evictions = indexed.creations, indexed.evictions
-            return cursor.nodes
-        cursor = self._match_cursors.get(req_id)
+            # The usual step: the request's history was indexed up to the step in flight (or all of
+            # it), so its insert cursor holds the match of all but the last few tokens.
+            if cursor is None or not _extends(cursor, context) or cursor.length <= indexed.length:
+                cursor = self._match_cursors[req_id] = _Cursor(
+                    indexed.length, indexed.tail, indexed.nodes, indexed.creations, indexed.evictions
+                )
         if (
             cursor is None
             or not _extends(cursor, context)
@@ -711,17 +709,19 @@ class NgramCorpus:
         ):
             cursor = self._fresh_cursor(context)
             self._match_cursors[req_id] = cursor
-        self._record(cursor, self._advance_match(cursor.nodes, context[cursor.length :]), context)
+        if cursor.length != len(context):
+            self._record(cursor, self._advance_match(cursor.nodes, context[cursor.length :]), context)
         return cursor.nodes
 
     def _holds_match(self, indexed: _Cursor, context: Sequence[int]) -> bool:
-        """Whether an insert cursor's nodes are exactly the context's fresh match: it consumed this
-        very history, indexed every suffix (no window skipped: _ABSENT there means skipped, not
-        missing) and nothing was evicted since, so each node still spells its suffix."""
+        """Whether an insert cursor's nodes are exactly the fresh match of a prefix of the context
+        at most max_trie_depth tokens short: it consumed that prefix, indexed every suffix (no
+        window skipped: _ABSENT there means skipped, not missing) and nothing was evicted since,
+        so each node still spells its suffix."""
         return (
-            indexed.length == len(context)
+            0 <= len(context) - indexed.length <= self.max_trie_depth
             and indexed.evictions == self._trie.evictions
-            and len(indexed.nodes) == min(len(context), self.max_trie_depth)
+            and len(indexed.nodes) == min(indexed.length, self.max_trie_depth)
             and _ABSENT not in indexed.nodes
             and _extends(indexed, context)
         )
