@@ -141,6 +141,9 @@ class AdaptiveDraftPolicy:
     _last: dict[tuple[Bucket, int], int] = field(default_factory=dict)  # (bucket, width) -> step it last ran
     _probe_at: dict[Bucket, int] = field(default_factory=dict)  # bucket -> first step a probe may run again
     _explore_at: dict[Bucket, int] = field(default_factory=dict)  # bucket -> first step exploring may run
+    # Read several times per step, changed only by observe (which clears them):
+    _costs: dict[tuple[Bucket, int], float | None] = field(default_factory=dict)  # step_cost results
+    _best_p: float | None = None  # the highest continuation rate over match lengths
 
     # The policy runs on every decode step, so what it reads often is precomputed:
     widths: list[int] = field(init=False)  # 1 and the draft widths it may pick
@@ -184,7 +187,9 @@ class AdaptiveDraftPolicy:
         exploring = now >= self._explore_at.get(b, 0)
         if not exploring:
             bias = max((self.seq_bias[s].value for s in seq_ids if s in self.seq_bias), default=0.0)
-            best_p = max(r.p for r in self.accept) + max(bias, 0.0)
+            if self._best_p is None:
+                self._best_p = max(r.p for r in self.accept)
+            best_p = self._best_p + max(bias, 0.0)
             if not any(self._rate(b, w, expected_run(best_p, w)) > self.margin * plain
                        for w in self.widths[1:]):
                 return 1  # no width could win even at the best match length: skip the probe
@@ -213,6 +218,13 @@ class AdaptiveDraftPolicy:
         drains passes through every smaller bucket; timing verify steps afresh in each would cost
         several wasted verify steps per bucket. Only larger buckets lend their ratio: it grows
         with the batch (host drafting on a GPU, compute on a CPU), so theirs over-estimates."""
+        key = (bucket, width)
+        if key in self._costs:
+            return self._costs[key]
+        cost = self._costs[key] = self._step_cost(bucket, width)
+        return cost
+
+    def _step_cost(self, bucket: Bucket, width: int) -> float | None:
         rec = self.step_time.get((bucket, width))
         if rec is not None and len(rec.samples) >= 2:
             return rec.value
@@ -307,6 +319,7 @@ class AdaptiveDraftPolicy:
         self._last[(b, width)] = now
         # Step time grows ~linearly with batch size inside a bucket: normalize to the bucket size.
         self.step_time.setdefault((b, width), _Recent()).update(seconds * b[0] / max(batch_size, 1))
+        self._costs.clear()
         if width == 1 or not drafts:
             return
         hits = [0.0] * (MAX_MATCH + 1)
@@ -324,6 +337,7 @@ class AdaptiveDraftPolicy:
         for n in range(1, MAX_MATCH + 1):
             if hits[n] or stops[n]:
                 self.accept[n].update(hits[n], stops[n], GLOBAL_DECAY)
+        self._best_p = None
         if self.adaptive:
             timed = self.step_cost(b, 1) is not None
             self._explore_at[b] = now + 1 + (self.explore_interval(b, width) if timed else self.explore_every)
