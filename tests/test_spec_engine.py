@@ -255,6 +255,17 @@ def test_a_run_ending_at_a_leaf_is_not_counted_as_a_rejection() -> None:
     assert learn({"s"}) > learn(set()) + 1
 
 
+def test_a_shallow_tree_is_not_priced_as_a_chain() -> None:
+    # A BFS tree from a short match is wide: its runs end at leaves (censored), so p alone would
+    # promise a width-16 tree a 15-draft run. The learned depth caps the run.
+    policy = AdaptiveDraftPolicy(max_width=16)
+    for _ in range(10):
+        policy._lengths["s"] = 1
+        policy.observe(1, 16, 0.05, {"s": 1}, censored={"s"}, depths={"s": 2})
+    assert policy.expected_drafts("s", 1, 16) <= 2.0
+    assert policy.expected_drafts("s", 1, 4) > 1.5  # width 4 has no depth learned: a chain of 3
+
+
 def test_plain_steps_index_the_output_so_a_repetition_is_matched() -> None:
     # Regression: only verify steps indexed outputs, so a request that started repeating itself
     # while decoding plainly never found the repetition in the corpus and never speculated again.
@@ -283,6 +294,9 @@ def test_plain_steps_skip_indexing_where_it_would_cost_a_share_of_the_step() -> 
     worker._index_cost = 10.0  # seconds per token: a host far slower than the step
     spec.generate(GROUNDED[1], params)
     assert calls == []  # the plain step cost is known by now: no step indexes
+    # ... until PLAIN_INDEX_RETRY skipped steps re-measure it: cheap after all, so steps index again.
+    spec.generate(GROUNDED[1], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    assert len(calls) >= 2 and worker._index_cost < 1.0
 
 
 def test_freed_pages_are_never_read(spec_llm: LLM, llm: LLM) -> None:

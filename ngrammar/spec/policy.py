@@ -13,11 +13,12 @@ than a plain step at the same batch size. Three things decide it, each measured 
   accepts nothing (on the embedded model, open-ended text has no match on about half its steps);
   a 4-token match accepts 3-5 drafts at D = 8;
 - **acceptance given the match length**, modelled as a run: each draft on the path continues the
-  accepted run with probability p (per match length, over all sequences), so a tree of D nodes is
-  expected to accept ``p + p^2 + ... + p^(D-1)`` drafts. One p serves every width, so what a
-  width-4 step learns prices width 16. p is estimated as hits / (hits + stops) over recent verify
-  steps, where a step that ran out of tree (its path ended at a leaf, or the request cut it) is
-  censored: it counts its hits but no stop. (A per-width average could not see that a width
+  accepted run with probability p (per match length, over all sequences), so a tree of D nodes and
+  L levels below its root is expected to accept ``p + p^2 + ... + p^min(D-1, L)`` drafts (L is
+  learned per (D, match length): a BFS tree from a short match is wide, not deep). One p serves
+  every width, so what a width-4 step learns prices width 16. p is estimated as hits / (hits +
+  stops) over recent verify steps, where a step that ran out of tree (its path ended at a leaf)
+  is censored: it counts its hits but no stop. (A per-width average could not see that a width
   accepting all its drafts is too narrow: a code edit accepting 3 of 3 at D = 4 stayed at D = 4.)
   A per-sequence bias (observed hits minus those predicted, per run trial, shrunk towards 0)
   tells a copying code edit from a story at the same match length.
@@ -55,10 +56,12 @@ OUTLOOK_ALPHA = 0.2  # per probe: a sequence's outlook follows its match lengths
 CRITICAL_SHARE = 0.9  # a draining batch's critical members: projected to need this share of the most steps
 
 
-def expected_run(p: float, width: int) -> float:
-    """Accepted drafts expected from a tree of ``width`` nodes when each continues with chance p."""
+def expected_run(p: float, width: int, depth: float | None = None) -> float:
+    """Accepted drafts expected from a tree of ``width`` nodes and ``depth`` levels below its root
+    (a chain when None) when each level's draft continues the run with chance p."""
     p = min(max(p, 0.0), MAX_CONTINUE)
-    return p * (1.0 - p ** (width - 1)) / (1.0 - p)
+    levels = width - 1 if depth is None else min(width - 1, max(depth, 0.0))
+    return p * (1.0 - p**levels) / (1.0 - p)
 
 
 Bucket = tuple[int, bool]  # (batch size rounded up to a power of two, whether a grammar constrains it)
@@ -106,6 +109,15 @@ class _SeqBias:
 
 
 @dataclass
+class _Ema:
+    value: float
+    alpha: float = 0.3
+
+    def update(self, x: float) -> None:
+        self.value += self.alpha * (x - self.value)
+
+
+@dataclass
 class _Recent:
     """The lower median of the last ``size`` samples: robust to isolated slow steps."""
 
@@ -137,6 +149,7 @@ class AdaptiveDraftPolicy:
     seq_bias: dict[str, _SeqBias] = field(default_factory=dict)  # seq id -> continuation beyond prediction
     _lengths: dict[str, int] = field(default_factory=dict)  # seq id -> match length at its last probe
     _outlook: dict[str, float] = field(default_factory=dict)  # seq id -> drafts per step it tends to offer
+    _depth: dict[tuple[int, int], _Ema] = field(default_factory=dict)  # (width, match length) -> tree depth
     _steps: dict[Bucket, int] = field(default_factory=dict)  # bucket -> decode steps observed
     _last: dict[tuple[Bucket, int], int] = field(default_factory=dict)  # (bucket, width) -> step it last ran
     _probe_at: dict[Bucket, int] = field(default_factory=dict)  # bucket -> first step a probe may run again
@@ -263,13 +276,16 @@ class AdaptiveDraftPolicy:
 
     def _expected(self, seq_ids: Sequence[str], lengths: Sequence[int], width: int) -> list[float]:
         """Accepted drafts expected from one verify step of each sequence at its match length."""
-        bias = self.seq_bias
+        bias, depth = self.seq_bias, self._depth
         expected = []
         for seq_id, n in zip(seq_ids, lengths):
             d = 0.0  # no match: a padding-only tree accepts nothing
             if n:
+                n = min(n, MAX_MATCH)
                 own = bias.get(seq_id)
-                d = expected_run(self.accept[min(n, MAX_MATCH)].p + (0.0 if own is None else own.value), width)
+                levels = depth.get((width, n))  # a BFS tree from a short match is wide, not deep
+                d = expected_run(self.accept[n].p + (0.0 if own is None else own.value), width,
+                                 None if levels is None else levels.value)
             expected.append(d)
         return expected
 
@@ -307,12 +323,14 @@ class AdaptiveDraftPolicy:
         drafts: Mapping[str, int] | None = None,
         constrained: bool = False,
         censored: Collection[str] = (),
+        depths: Mapping[str, int] | None = None,
     ) -> None:
         """A decode step ran: its time, and for a verify step the drafts each sequence accepted.
 
-        ``censored`` names the sequences whose accepted path ended at a leaf of its tree or was
-        cut by the request (EOS, stop, max_tokens): their run did not stop at a rejection. A
-        sequence accepting all ``width - 1`` drafts is censored whether named or not."""
+        ``censored`` names the sequences whose accepted path ended at a leaf of its tree: their
+        run did not stop at a rejection. A sequence accepting all ``width - 1`` drafts is
+        censored whether named or not. ``depths``: how many levels each sequence's tree had
+        below its root (a run can be no longer; unknown means a chain)."""
         b = bucket_of(batch_size, constrained)
         now = self._steps.get(b, 0)
         self._steps[b] = now + 1
@@ -329,6 +347,12 @@ class AdaptiveDraftPolicy:
             if n == 0:
                 continue  # nothing to learn: a padding-only tree
             stopped = 0.0 if accepted >= width - 1 or seq_id in censored else 1.0
+            if depths is not None and seq_id in depths:
+                ema = self._depth.get((width, n))
+                if ema is None:
+                    self._depth[(width, n)] = _Ema(float(depths[seq_id]))
+                else:
+                    ema.update(depths[seq_id])
             hits[n] += accepted
             stops[n] += stopped
             p = self.accept[n].p  # before this step: what it predicted

@@ -37,8 +37,10 @@ from ngrammar.spec.verify import (
 if TYPE_CHECKING:
     from ngrammar.engine.engine import LLMEngine
 
-# Plain steps index their tokens only while that costs at most this share of a plain step.
+# Plain steps index their tokens only while that costs at most this share of a plain step; one in
+# PLAIN_INDEX_RETRY skipped steps indexes anyway, re-measuring the cost.
 PLAIN_INDEX_SHARE = 0.03
+PLAIN_INDEX_RETRY = 32
 
 
 class NgramSpecWorker:
@@ -57,13 +59,15 @@ class NgramSpecWorker:
         self.readback_links = False  # benchmark switch: the old path that reads links back first
         self.sync_debug = False  # GPU check: drafting -> verify launch runs under sync debug "error"
         self._last_drafts: dict[str, int] = {}  # seq id -> drafts it accepted in the last verify step
-        self._censored: set[str] = set()  # ... of those, whose run ended at a leaf or was cut, not rejected
+        self._censored: set[str] = set()  # ... of those, whose run ended at a leaf of its tree
+        self._tree_depths: dict[str, int] = {}  # ... and how deep each one's draft tree was
         self._constrained = False  # whether the last batch the policy chose for had a grammar
         # Past this many tokens a catch-up indexes only the last max_trie_depth positions, which
         # costs ~depth^2/2 window inserts instead of depth per token (at batch 32 on a GPU, the first
         # verify step after a plain stretch spent 6 ms here with a limit of 2 * depth).
         self._max_catch_up = config.max_trie_depth // 2
         self._index_cost: float | None = None  # seconds per token indexed (moving average)
+        self._plain_skips = 0  # plain steps that skipped indexing since the last one that indexed
         # Captured by the CUDA-graph runner next to each verify graph (greedy batches use it).
         self.graph_acceptor = verify_tree_greedy_from_logits
 
@@ -90,9 +94,11 @@ class NgramSpecWorker:
         seconds = time.perf_counter() - t
         self.engine.stats.draft_seconds += seconds
         if tokens > 0:
+            # Indexing time only spikes upwards (a page fault, a GC pause): follow a cheaper
+            # sample at once, a dearer one slowly.
             per_token = seconds / tokens
             old = self._index_cost
-            self._index_cost = per_token if old is None else old + 0.2 * (per_token - old)
+            self._index_cost = per_token if old is None or per_token < old else old + 0.2 * (per_token - old)
 
     def index_plain_step(self, seqs: list[Sequence]) -> None:
         """Index a plain step's batch (its forward just launched) when that is cheap next to the step.
@@ -102,12 +108,19 @@ class NgramSpecWorker:
         is host Python, and on a GPU at batch 32 a plain step is host-bound already: indexing 32
         tokens made it 12% slower (2.37 vs 2.11 ms on the H200, no verify step taken). So plain
         steps index only while the measured cost stays under ``PLAIN_INDEX_SHARE`` of the step;
-        otherwise the next verify step catches up (bounded by ``max_catch_up``)."""
+        otherwise the next verify step catches up (bounded by ``max_catch_up``). Every
+        ``PLAIN_INDEX_RETRY`` skipped steps one indexes anyway, so that one inflated measurement
+        cannot switch plain-step indexing off for good (a batch that never verifies would never
+        re-measure it)."""
         bucket = bucket_of(len(seqs), self._constrained)
         plain = self.policy.step_cost(bucket, 1)  # normalized to the bucket's size
         cost = self._index_cost
-        if plain is None or cost is None or cost * bucket[0] <= PLAIN_INDEX_SHARE * plain:
+        cheap = plain is None or cost is None or cost * bucket[0] <= PLAIN_INDEX_SHARE * plain
+        if cheap or self._plain_skips >= PLAIN_INDEX_RETRY:
+            self._plain_skips = 0
             self.index_outputs(seqs)
+        else:
+            self._plain_skips += 1
 
     def on_finish(self, seqs: list[Sequence]) -> None:
         ids = [s.seq_id for s in seqs]
@@ -127,7 +140,8 @@ class NgramSpecWorker:
 
     def observe_step(self, batch_size: int, width: int, seconds: float) -> None:
         drafts = self._last_drafts if width > 1 else None
-        self.policy.observe(batch_size, width, seconds, drafts, self._constrained, self._censored)
+        self.policy.observe(batch_size, width, seconds, drafts, self._constrained, self._censored,
+                            self._tree_depths)
 
     # --------------------------------------------------------------- step
     def run_verify(self, seqs: list[Sequence], width: int) -> None:
@@ -242,15 +256,17 @@ class NgramSpecWorker:
         has_child = np.zeros((len(seqs), width + 1), dtype=bool)
         has_child[np.arange(len(seqs))[:, None], parents + 1] = True
         has_child = has_child[:, 1:]
+        depths = tree.depths().max(axis=1).tolist()
         src, dst = [], []
         emitted = 0
-        self._last_drafts = {}
-        self._censored = set()
+        # What the policy learns is the model's agreement with the drafts (lens - 1 accepted),
+        # not what the request kept of it (EOS, a stop string or max_tokens may cut the run).
+        self._last_drafts = {seq.seq_id: lens[b] - 1 for b, seq in enumerate(seqs)}
+        self._censored = {seq.seq_id for b, seq in enumerate(seqs) if not has_child[b, nodes[b][lens[b] - 1]]}
+        self._tree_depths = {seq.seq_id: depths[b] for b, seq in enumerate(seqs)}
         for b, seq in enumerate(seqs):
             start = seq.num_cached
             kept = seq.append_tokens(tokens[b][: lens[b]], None if logprobs is None else logprobs[b])
-            if kept < lens[b] or not has_child[b, nodes[b][lens[b] - 1]]:
-                self._censored.add(seq.seq_id)
             # Keep KV of the root and the first kept-1 accepted drafts; the last kept token is the next root.
             for j in range(1, kept):
                 if nodes[b][j] != j:
@@ -260,7 +276,6 @@ class NgramSpecWorker:
             seq.spec_verify_steps += 1
             seq.spec_accepted_tokens += kept
             seq.spec_draft_tokens += width - 1
-            self._last_drafts[seq.seq_id] = max(kept - 1, 0)
             emitted += kept
         eng.runner.move_kv(src, dst)
         for seq in seqs:  # after the move: a rejected draft's page may hold an accepted node's KV
