@@ -287,16 +287,18 @@ def test_plain_steps_skip_indexing_where_it_would_cost_a_share_of_the_step() -> 
     calls = []
     index = worker.index_outputs
     worker.index_outputs = lambda seqs: (calls.append(len(seqs)), index(seqs))  # type: ignore[method-assign]
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    spec.generate(GROUNDED[1], params)
-    assert len(calls) == 11  # cheap next to a CPU step: every decode step indexes
+    prompts = [GROUNDED[1], GROUNDED[2]]
+    spec.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert calls == [2] * 11  # cheap next to a CPU step: every decode step indexes
     calls.clear()
     worker._index_cost = 10.0  # seconds per token: a host far slower than the step
-    spec.generate(GROUNDED[1], params)
+    spec.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert calls == []  # the plain step cost is known by now: no step indexes
-    # ... until PLAIN_INDEX_RETRY skipped steps re-measure it: cheap after all, so steps index again.
-    spec.generate(GROUNDED[1], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
-    assert len(calls) >= 2 and worker._index_cost < 1.0
+    # ... until PLAIN_INDEX_RETRY skipped steps re-measure it on one sequence: cheap after all, so
+    # the steps after that index the whole batch again.
+    spec.generate(prompts, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    assert calls[0] == 1 and calls[1:] and set(calls[1:]) == {2}
+    assert worker._index_cost < 1.0
 
 
 def test_freed_pages_are_never_read(spec_llm: LLM, llm: LLM) -> None:
