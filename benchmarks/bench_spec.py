@@ -71,13 +71,10 @@ def run_spec_benchmark(plain: LLM, spec: LLM, batch_sizes: Sequence[int] = (1, 8
             s: list[RunFigures] = []
             ratios = []
             for r in range(repeats):
+                sides = [(plain, p), (spec, s)]
                 for b in batches:
-                    if r % 2:
-                        s.append(measure(spec, b, max_tokens))
-                        p.append(measure(plain, b, max_tokens))
-                    else:
-                        p.append(measure(plain, b, max_tokens))
-                        s.append(measure(spec, b, max_tokens))
+                    for llm, figures in sides[::-1] if r % 2 else sides:
+                        figures.append(measure(llm, b, max_tokens))
                     ratios.append(s[-1].tok_s / p[-1].tok_s)
             p_rate = statistics.median(r.tok_s for r in p)
             s_rate = statistics.median(r.tok_s for r in s)

@@ -347,12 +347,8 @@ class AdaptiveDraftPolicy:
             if n == 0:
                 continue  # nothing to learn: a padding-only tree
             stopped = 0.0 if accepted >= width - 1 or seq_id in censored else 1.0
-            if depths is not None and seq_id in depths:
-                ema = self._depth.get((width, n))
-                if ema is None:
-                    self._depth[(width, n)] = _Ema(float(depths[seq_id]))
-                else:
-                    ema.update(depths[seq_id])
+            if depths is not None and seq_id in depths:  # a new entry starts at its first sample
+                self._depth.setdefault((width, n), _Ema(float(depths[seq_id]))).update(depths[seq_id])
             hits[n] += accepted
             stops[n] += stopped
             p = self.accept[n].p  # before this step: what it predicted

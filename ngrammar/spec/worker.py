@@ -151,7 +151,8 @@ class NgramSpecWorker:
         with self._no_sync_region():
             tree = self.corpus.batch_get([s.seq_id for s in seqs], [s.token_ids for s in seqs], width)
             eng.stats.draft_seconds += time.perf_counter() - t0
-            step = self._step_input(seqs, tree)
+            depths = tree.depths()  # [B, D] host: the mask is host data, no device read
+            step = self._step_input(seqs, tree, depths)
             greedy = all(s.params.greedy for s in seqs)
             # Greedy verify steps served by a CUDA graph accept from its static buffers (one replay);
             # everything else copies the drafts and mask in for the eager acceptance.
@@ -173,7 +174,7 @@ class NgramSpecWorker:
             result = self._accept(seqs, candidates, meta_mask, logits, width, greedy)
         lp = eng.logprob_tensors(seqs, logits, result.accept_index, result.accept_tokens)
         host = runner.to_host(result.accept_tokens, result.accept_len, result.accept_nodes, *lp)
-        self._commit(seqs, tree, host)
+        self._commit(seqs, tree, depths, host)
         eng.stats.spec_steps += 1
         eng.stats.verify_seconds += time.perf_counter() - t0
 
@@ -189,10 +190,9 @@ class NgramSpecWorker:
             if armed:
                 torch.cuda.set_sync_debug_mode("default")
 
-    def _step_input(self, seqs: list[Sequence], tree: DraftTree) -> StepInput:
+    def _step_input(self, seqs: list[Sequence], tree: DraftTree, depths: np.ndarray) -> StepInput:
         d = tree.draft_token_num
         tokens = tree.tokens.reshape(len(seqs), d)
-        depths = tree.depths()  # [B, D] host: the mask is host data, no device read
         starts = [s.num_cached for s in seqs]
         positions = (np.asarray(starts)[:, None] + depths).tolist()
         return StepInput(
@@ -246,7 +246,8 @@ class NgramSpecWorker:
             candidates, mask, probs, coins, final, c.threshold_single, c.threshold_acc
         )
 
-    def _commit(self, seqs: list[Sequence], tree: DraftTree, host: list[torch.Tensor]) -> None:
+    def _commit(self, seqs: list[Sequence], tree: DraftTree, depths: np.ndarray, host: list[torch.Tensor]) -> None:
+        """Append each sequence's accepted run; ``depths`` [B, D]: each tree node's depth."""
         eng = self.engine
         width = tree.draft_token_num
         tokens, lens, nodes = host[0].tolist(), host[1].tolist(), host[2].tolist()
@@ -257,14 +258,14 @@ class NgramSpecWorker:
         has_child = np.zeros((len(seqs), width + 1), dtype=bool)
         has_child[np.arange(len(seqs))[:, None], parents + 1] = True
         has_child = has_child[:, 1:]
-        depths = tree.depths().max(axis=1).tolist()
+        tree_depths = depths.max(axis=1).tolist()
         src, dst = [], []
         emitted = 0
         # What the policy learns is the model's agreement with the drafts (lens - 1 accepted),
         # not what the request kept of it (EOS, a stop string or max_tokens may cut the run).
         self._last_drafts = {seq.seq_id: lens[b] - 1 for b, seq in enumerate(seqs)}
         self._censored = {seq.seq_id for b, seq in enumerate(seqs) if not has_child[b, nodes[b][lens[b] - 1]]}
-        self._tree_depths = {seq.seq_id: depths[b] for b, seq in enumerate(seqs)}
+        self._tree_depths = {seq.seq_id: tree_depths[b] for b, seq in enumerate(seqs)}
         for b, seq in enumerate(seqs):
             start = seq.num_cached
             kept = seq.append_tokens(tokens[b][: lens[b]], None if logprobs is None else logprobs[b])
