@@ -118,6 +118,18 @@ def test_mask_layouts_and_dtypes(dtype: type, flat: bool) -> None:
     assert torch.equal(dev_next_token, next_token) and torch.equal(dev_next_sibling, next_sibling)
 
 
+def test_parents_kept_by_from_parents_equal_those_read_from_the_mask() -> None:
+    rng = np.random.default_rng(99)
+    for _ in range(300):
+        bs, d = int(rng.integers(1, 9)), int(rng.integers(1, 33))
+        parents = np.stack([random_parents(rng, d, TREE_KINDS[int(rng.integers(len(TREE_KINDS)))]) for _ in range(bs)])
+        parents[:, 0] = rng.integers(-1, 5, size=bs)  # whatever a builder left at the root
+        tree = DraftTree.from_parents(np.zeros(bs * d, dtype=np.int64), parents)
+        from_mask = DraftTree(tree.tokens, tree.mask, bs, d)  # no parents given: read from the mask
+        assert tree.parents().tolist() == from_mask.parents().tolist()
+        assert from_mask.parents()[:, 0].tolist() == [-1] * bs
+
+
 def test_mask_from_parents_is_ancestor_or_self() -> None:
     parents = np.array([[-1, 0, 0, 1, 2, 3, 0, 0]])
     mask = mask_from_parents(parents)[0]

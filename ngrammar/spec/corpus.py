@@ -592,13 +592,19 @@ class NgramCorpus:
         goes up from 1 and stops at the first miss: O(n^2) lookups for a short n. (An eviction can
         break the nesting; then the scan only under-reports.)"""
         trie = self._trie
-        child, children = trie.child, trie.children
+        children, token_ = trie.children, trie.token
         size, n = len(context), 0
         while n < max_len and n < size:
             node = _ROOT
-            for token in context[size - n - 1 :]:
-                node = child(node, int(token))
-            if node == _ABSENT or not children[node]:
+            for token in context[size - n - 1 :]:  # ``_Trie.child`` inlined: this runs every step
+                kids = children[node]
+                if kids.__class__ is int:
+                    node = kids if token_[kids] == token else _ABSENT
+                else:
+                    node = kids.get(token, _ABSENT)
+                if node == _ABSENT:
+                    return n
+            if not children[node]:
                 break
             n += 1
         return n

@@ -73,6 +73,12 @@ def bucket_of(batch_size: int, constrained: bool) -> Bucket:
     return 1 << max(batch_size - 1, 0).bit_length(), constrained
 
 
+def _rate(cost: float | None, width: int, drafts: float) -> float:
+    """Expected tokens per second per sequence of a step costing ``cost`` seconds (per bucket
+    slot) at this width, given its mean accepted drafts."""
+    return (1.0 + min(max(drafts, 0.0), width - 1)) / (cost or float("inf"))
+
+
 @dataclass
 class _RunRate:
     """Decayed counts of a run's continuations (hits) and rejections (stops): p = hits / trials."""
@@ -155,8 +161,10 @@ class AdaptiveDraftPolicy:
     _probe_at: dict[Bucket, int] = field(default_factory=dict)  # bucket -> first step a probe may run again
     _explore_at: dict[Bucket, int] = field(default_factory=dict)  # bucket -> first step exploring may run
     # Read several times per step, changed only by observe (which clears them):
-    _costs: dict[tuple[Bucket, int], float | None] = field(default_factory=dict)  # step_cost results
+    _costs: dict[Bucket, dict[int, float | None]] = field(default_factory=dict)  # step_cost results
     _best_p: float | None = None  # the highest continuation rate over match lengths
+    _rates: list[float] | None = None  # match length -> continuation rate
+    _depth_levels: dict[int, list[float]] | None = None  # width -> match length -> run levels
 
     # The policy runs on every decode step, so what it reads often is precomputed:
     widths: list[int] = field(init=False)  # 1 and the draft widths it may pick
@@ -189,31 +197,32 @@ class AdaptiveDraftPolicy:
             return self.max_width
         b = bucket_of(len(seq_ids), constrained)
         now = self._steps.get(b, 0)
+        costs = self._bucket_costs(b)
         for w in self.widths:  # plain first, then each width with no cost known or borrowable, twice
-            if self.step_cost(b, w) is None:
+            if costs[w] is None:
                 if w > 1:
                     self._probe(seq_ids, match_lengths)
                 return w
         if now < self._probe_at.get(b, 0):
             return 1
-        plain = self._rate(b, 1, 0.0)
+        bar = self.margin / costs[1]  # a width must beat plain's tokens per second by the margin
         exploring = now >= self._explore_at.get(b, 0)
         if not exploring:
             bias = max((self.seq_bias[s].value for s in seq_ids if s in self.seq_bias), default=0.0)
             if self._best_p is None:
                 self._best_p = max(r.p for r in self.accept)
             best_p = self._best_p + max(bias, 0.0)
-            if not any(self._rate(b, w, expected_run(best_p, w)) > self.margin * plain
-                       for w in self.widths[1:]):
+            if not any(_rate(costs[w], w, expected_run(best_p, w)) > bar for w in self.widths[1:]):
                 return 1  # no width could win even at the best match length: skip the probe
-        lengths = self._probe(seq_ids, match_lengths)
-        if not any(lengths):  # every tree would be padding: nothing to gain, nothing to explore
+        lengths, expected = self._probe(seq_ids, match_lengths)
+        if expected is None:  # every tree would be padding: nothing to gain, nothing to explore
             self._probe_at[b] = now + b[0] // 4
             return 1
         rem = None if remaining is None else remaining()
-        rates = {w: self._rate(b, w, self._drafts(seq_ids, lengths, w, rem)) for w in self.widths[1:]}
+        critical = None if rem is None else self._critical(seq_ids, rem)
+        rates = {w: _rate(costs[w], w, self._drafts(expected[w], critical)) for w in self.widths[1:]}
         best = max(rates, key=rates.__getitem__)
-        if rates[best] > self.margin * plain:
+        if rates[best] > bar:
             if now - self._last.get((b, 1), 0) >= self.baseline_every:
                 return 1  # refresh the plain cost while speculating
             return best
@@ -231,11 +240,14 @@ class AdaptiveDraftPolicy:
         drains passes through every smaller bucket; timing verify steps afresh in each would cost
         several wasted verify steps per bucket. Only larger buckets lend their ratio: it grows
         with the batch (host drafting on a GPU, compute on a CPU), so theirs over-estimates."""
-        key = (bucket, width)
-        if key in self._costs:
-            return self._costs[key]
-        cost = self._costs[key] = self._step_cost(bucket, width)
-        return cost
+        return self._bucket_costs(bucket)[width]
+
+    def _bucket_costs(self, bucket: Bucket) -> dict[int, float | None]:
+        """width -> ``step_cost`` for every width the policy may pick (cached until the next observe)."""
+        costs = self._costs.get(bucket)
+        if costs is None:
+            costs = self._costs[bucket] = {w: self._step_cost(bucket, w) for w in self.widths}
+        return costs
 
     def _step_cost(self, bucket: Bucket, width: int) -> float | None:
         rec = self.step_time.get((bucket, width))
@@ -260,59 +272,87 @@ class AdaptiveDraftPolicy:
         ratio = (self.step_cost(bucket, width) or 0.0) / (self.step_cost(bucket, 1) or float("inf"))
         return max(self.explore_every, math.ceil((ratio - 1.0) / self.explore_overhead))
 
-    def _probe(self, seq_ids: Sequence[str], match_lengths: MatchLengths) -> Sequence[int]:
+    def _probe(
+        self, seq_ids: Sequence[str], match_lengths: MatchLengths
+    ) -> tuple[Sequence[int], dict[int, list[float]] | None]:
+        """The batch's match lengths, and the drafts each member is expected to accept per width
+        (None when no member has a match); updates each member's outlook."""
         lengths = match_lengths()
         self._lengths.update(zip(seq_ids, lengths))
-        outlook, widest = self._outlook, self.max_width
-        for seq_id, d in zip(seq_ids, self._expected(seq_ids, lengths, widest)):
+        expected = self._expected(seq_ids, lengths) if any(lengths) else None
+        widest = None if expected is None else expected[self.max_width]
+        outlook = self._outlook
+        for i, seq_id in enumerate(seq_ids):
+            d = 0.0 if widest is None else widest[i]
             old = outlook.get(seq_id)
             outlook[seq_id] = d if old is None else old + OUTLOOK_ALPHA * (d - old)
-        return lengths
+        return lengths, expected
 
-    def _rate(self, bucket: Bucket, width: int, drafts: float) -> float:
-        """Expected tokens per second per sequence at this width, given mean accepted drafts."""
-        t = self.step_cost(bucket, width) or float("inf")
-        return (1.0 + min(max(drafts, 0.0), width - 1)) / t
+    def _expected(self, seq_ids: Sequence[str], lengths: Sequence[int]) -> dict[int, list[float]]:
+        """width -> accepted drafts expected from one verify step of each sequence at its match
+        length (``expected_run`` of its continuation rate, inlined: this runs on most decode steps
+        for every member of the batch, over every width)."""
+        rates, levels, bias = self._continuation(), self._levels(), self.seq_bias
+        widths = self.widths[1:]
+        out = {w: [0.0] * len(seq_ids) for w in widths}
+        columns = [(out[w], levels[w]) for w in widths]
+        for i, (seq_id, n) in enumerate(zip(seq_ids, lengths)):
+            if not n:
+                continue  # no match: a padding-only tree accepts nothing
+            n = min(n, MAX_MATCH)
+            own = bias.get(seq_id)
+            p = min(max(rates[n] + (0.0 if own is None else own.value), 0.0), MAX_CONTINUE)
+            if p <= 0.0:
+                continue
+            for column, depth in columns:
+                column[i] = p * (1.0 - p ** depth[n]) / (1.0 - p)
+        return out
 
-    def _expected(self, seq_ids: Sequence[str], lengths: Sequence[int], width: int) -> list[float]:
-        """Accepted drafts expected from one verify step of each sequence at its match length."""
-        bias, depth = self.seq_bias, self._depth
-        expected = []
-        for seq_id, n in zip(seq_ids, lengths):
-            d = 0.0  # no match: a padding-only tree accepts nothing
-            if n:
-                n = min(n, MAX_MATCH)
-                own = bias.get(seq_id)
-                levels = depth.get((width, n))  # a BFS tree from a short match is wide, not deep
-                d = expected_run(self.accept[n].p + (0.0 if own is None else own.value), width,
-                                 None if levels is None else levels.value)
-            expected.append(d)
-        return expected
+    def _continuation(self) -> list[float]:
+        """Each match length's continuation rate (cached until the next observe)."""
+        if self._rates is None:
+            self._rates = [r.p for r in self.accept]
+        return self._rates
 
-    def _drafts(
-        self, seq_ids: Sequence[str], lengths: Sequence[int], width: int, remaining: Sequence[int] | None
-    ) -> float:
-        """Accepted drafts per sequence per verify step that the batch's progress is worth.
+    def _levels(self) -> dict[int, list[float]]:
+        """width -> match length -> levels a run may take: D - 1, or fewer where the trees of
+        that width and match length were learned to be shallower (cached until the next observe)."""
+        if self._depth_levels is None:
+            depth = self._depth
+            self._depth_levels = {
+                w: [float(w - 1) if (w, n) not in depth else min(w - 1.0, max(depth[(w, n)].value, 0.0))
+                    for n in range(MAX_MATCH + 1)]
+                for w in self.widths[1:]
+            }
+        return self._depth_levels
 
-        Without ``remaining``: the batch mean (finished sequences are replaced, so throughput is
-        what counts). With it, the batch drains: it ends with its last member, and a step costs
-        about the same whoever is in it, so only its critical members count - those projected to
-        need the most steps (tokens left / (1 + the drafts their recent match lengths offer)) -
-        and the step is worth the least any of them gains. Speculating for copying members while
-        a member that matches little still has as far to go only makes every step dearer: that
-        member finishes later, and the batch with it (on the H200 at batch 8, fixed-length code
-        edits ran at 0.91x plain with the remaining-weighted mean)."""
-        expected = self._expected(seq_ids, lengths, width)
-        if remaining is None:
-            return sum(expected) / len(expected)
+    def _critical(self, seq_ids: Sequence[str], remaining: Sequence[int]) -> list[int]:
+        """A draining batch's critical members (indices): those projected to need at least
+        ``CRITICAL_SHARE`` of the most steps (tokens left / (1 + the drafts their recent match
+        lengths offer))."""
         outlook = self._outlook
         projected = [r / (1.0 + outlook.get(s, 0.0)) for s, r in zip(seq_ids, remaining)]
         cut = CRITICAL_SHARE * max(projected)
-        return min(d for d, steps in zip(expected, projected) if steps >= cut)
+        return [i for i, steps in enumerate(projected) if steps >= cut]
+
+    @staticmethod
+    def _drafts(expected: list[float], critical: list[int] | None) -> float:
+        """Accepted drafts per sequence per verify step that the batch's progress is worth.
+
+        Without ``critical``: the batch mean (finished sequences are replaced, so throughput is
+        what counts). With it, the batch drains: it ends with its last member, and a step costs
+        about the same whoever is in it, so only its critical members count, and the step is
+        worth the least any of them gains. Speculating for copying members while a member that
+        matches little still has as far to go only makes every step dearer: that member finishes
+        later, and the batch with it (on the H200 at batch 8, fixed-length code edits ran at
+        0.91x plain with the remaining-weighted mean)."""
+        if critical is None:
+            return sum(expected) / len(expected)
+        return min(expected[i] for i in critical)
 
     def expected_drafts(self, seq_id: str, match_length: int, width: int) -> float:
         """Accepted drafts expected from one verify step of ``seq_id`` at this match length and width."""
-        return self._drafts([seq_id], [match_length], width, None)
+        return self._drafts(self._expected([seq_id], [match_length])[width], None)
 
     # ------------------------------------------------------------ learn
     def observe(
@@ -357,7 +397,7 @@ class AdaptiveDraftPolicy:
         for n in range(1, MAX_MATCH + 1):
             if hits[n] or stops[n]:
                 self.accept[n].update(hits[n], stops[n], GLOBAL_DECAY)
-        self._best_p = None
+        self._best_p = self._rates = self._depth_levels = None
         if self.adaptive:
             timed = self.step_cost(b, 1) is not None
             self._explore_at[b] = now + 1 + (self.explore_interval(b, width) if timed else self.explore_every)

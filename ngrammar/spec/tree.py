@@ -23,7 +23,7 @@ use the same formulas so they agree on every mask, valid or not.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Sequence
 
@@ -39,6 +39,9 @@ class DraftTree:
     mask: np.ndarray  # [bs, D, D] bool: ancestor-or-self mask
     bs: int
     draft_token_num: int  # D, root included
+    # [bs, D] int64 parent indices when the builder knew them (``from_parents``); else derived from
+    # the mask on demand. Either way they agree: the mask is built from them.
+    parent_index: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         d = self.draft_token_num
@@ -51,7 +54,10 @@ class DraftTree:
     def from_parents(cls, tokens: np.ndarray, parents: np.ndarray) -> DraftTree:
         """Build a tree batch from node tokens [bs*D] and parent indices [bs, D] (-1 at the root)."""
         bs, d = parents.shape
-        return cls(np.asarray(tokens, dtype=np.int64), mask_from_parents(parents), bs, d)
+        parents = np.array(parents, dtype=np.int64)  # a copy: the tree keeps it
+        if d:
+            parents[:, 0] = -1  # the root's entry is ignored by the mask, so it reads as the mask does
+        return cls(np.asarray(tokens, dtype=np.int64), mask_from_parents(parents), bs, d, parents)
 
     def tokens_2d(self) -> np.ndarray:
         """[bs, D] view of the node tokens."""
@@ -67,6 +73,8 @@ class DraftTree:
 
     def parents(self) -> np.ndarray:
         """[bs, D] int64: parent of each node, -1 at the root."""
+        if self.parent_index is not None:
+            return self.parent_index
         return _parents_np(self.mask)
 
 
