@@ -115,7 +115,39 @@ def _grammar_variants(plain: LLM, spec: LLM, bs: int, max_tokens: int, repeats: 
     finally:
         worker.sync_debug = False
         worker.readback_links = False
+    out["equal_work"] = grammar_equal_work(spec, prompts, max_tokens, repeats)
     return out
+
+
+def grammar_equal_work(spec: LLM, prompts: list[Any], max_tokens: int, repeats: int) -> dict[str, Any]:
+    """NGRAM with and without a grammar on the same work: the grammar is "any JSON object", which
+    the model's own greedy output for these prompts satisfies, so both sides emit the same tokens
+    (checked: ``identical``) and differ only by the grammar's cost. The unconstrained side stops
+    where the grammar ended each request. (The schema variants above compare runs that emit
+    different text: a schema reshapes the output and ends it where the JSON ends.)"""
+    constrained = SamplingParams(max_tokens=max_tokens, temperature=0, json_object=True)
+    _, first = _run(spec, prompts, constrained)  # fixes each request's length (greedy: every run)
+    eos = set(spec.engine.model_config.eos_token_ids)
+
+    def text_tokens(ids: list[int]) -> list[int]:  # where the JSON ended, the grammar's run ends with EOS
+        return ids[:-1] if ids and ids[-1] in eos else ids
+
+    free = [SamplingParams(max_tokens=max(len(text_tokens(o.token_ids)), 1), temperature=0, ignore_eos=True)
+            for o in first]
+    pairs = []
+    for i in range(repeats):  # interleaved, alternating which side goes first
+        order = [("grammar", constrained), ("free", free)]
+        runs = dict((label, _run(spec, prompts, params)) for label, params in (order if i % 2 else order[::-1]))
+        pairs.append((runs["grammar"], runs["free"]))
+    same = [text_tokens(a.token_ids) == b.token_ids for a, b in zip(pairs[-1][0][1], pairs[-1][1][1])]
+    return {
+        "ngram+json_object_tok_s": statistics.median(g[0] for g, _ in pairs),
+        "ngram_tok_s": statistics.median(f[0] for _, f in pairs),
+        "ratio": statistics.median(g[0] / f[0] for g, f in pairs),
+        "accept_len": {"grammar": _accept(pairs[-1][0][1]), "free": _accept(pairs[-1][1][1])},
+        "identical": sum(same) / len(same),
+        "tokens": sum(len(o.token_ids) for o in first),
+    }
 
 
 def bench_transformers(plain: LLM, llm_model: str | None, max_tokens: int) -> dict[str, Any]:
@@ -256,8 +288,15 @@ def summarize(log: dict[str, Any]) -> None:
     for key, v in small.items():
         if key.endswith("/json") and "error" not in v:
             for label, fig in v.items():
-                if isinstance(fig, dict):
+                if isinstance(fig, dict) and "tok_s" in fig:
                     rows.append([key, label, fig["tok_s"], fig["accept_len"]])
+            eq = v.get("equal_work")
+            if eq:
+                acc = eq["accept_len"]
+                rows.append([key, f"equal work: ngram (same tokens {eq['identical']:.0%})", eq["ngram_tok_s"],
+                             acc["free"]])
+                rows.append([key, f"equal work: ngram+json_object (x{eq['ratio']:.2f})",
+                             eq["ngram+json_object_tok_s"], acc["grammar"]])
         elif isinstance(v, dict) and "plain_tok_s" in v:
             rows.append([key, "plain", v["plain_tok_s"], 1.0])
             ratio = v.get("ratio", v["ngram_tok_s"] / v["plain_tok_s"])  # median of paired runs when logged
