@@ -17,6 +17,7 @@ from ngrammar.grammar import (
     GrammarBackend,
     GrammarError,
     GrammarMatcher,
+    GrammarRejectedError,
     GrammarSpec,
     allocate_bitmask,
     apply_bitmask,
@@ -485,3 +486,41 @@ def test_native_traversal_gate() -> None:
     assert native_traverse_available()  # xgrammar 0.2.9 in this environment
     assert _version_tuple("0.2.9") == (0, 2, 9) and _version_tuple("0.3.0rc1") == (0, 3, 0)
     assert _version_tuple("0.2.8") < (0, 2, 9) <= _version_tuple("0.10")
+
+
+# ------------------------------------------------------- deferred tokens
+
+
+def test_deferred_tokens_give_the_same_state_as_accepted_ones(backend: GrammarBackend, tokenizer: Tokenizer) -> None:
+    compiled = backend.compile(schema(CITY_SCHEMA))
+    ids = tokenizer.encode('{"name": "Rome", "population": 2800000}')
+    now, later = backend.new_matcher(compiled), backend.new_matcher(compiled)
+    for i, token in enumerate(ids):
+        assert now.accept_token(token)
+        later.accept_masked(token)
+        if i % 3 == 2:  # settle now and then, as the engine does once per step
+            assert later.settle() is None
+        a, b = allocate_bitmask(1, VOCAB), allocate_bitmask(1, VOCAB)
+        now.fill_bitmask(a, 0)
+        later.fill_bitmask(b, 0)  # reads the state: settles first
+        assert torch.equal(a, b)
+    later.accept_masked(EOS)
+    assert later.is_terminated()  # told without settling: only a stop token terminates
+    assert later.settle() is None and later.is_terminated()
+    assert not now.is_terminated()
+
+
+def test_settle_reports_the_first_rejected_token(backend: GrammarBackend, tokenizer: Tokenizer) -> None:
+    digits = [tokenizer.encode(c)[0] for c in "123"]
+    letter = tokenizer.encode("a")[0]
+    matcher = backend.new_matcher(backend.compile(regex(r"^\d{3}$")))
+    for token in (digits[0], letter, digits[1]):
+        matcher.accept_masked(token)
+    assert not matcher.is_terminated()
+    assert matcher.settle() == letter  # the digit before it was accepted, the one after dropped
+    assert matcher.commit(digits[1:] + [EOS]) == (3, False)
+
+    matcher = backend.new_matcher(backend.compile(regex(r"^\d{3}$")))
+    matcher.accept_masked(letter)
+    with pytest.raises(GrammarRejectedError, match=f"rejected committed token {letter}"):
+        matcher.fill_bitmask(allocate_bitmask(1, VOCAB), 0)

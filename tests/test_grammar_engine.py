@@ -165,3 +165,23 @@ def _split_steps(events: list[str]) -> list[list[str]]:
             steps.append(current)
             current = []
     return steps
+
+
+def test_a_grammar_rejecting_a_committed_token_fails_only_its_request(llm: LLM) -> None:
+    """Plain steps hand sampled tokens to the grammar after the next launch; should one be rejected
+    there (an engine bug: it was drawn under that grammar's mask), its request ends with an error
+    and the rest of the batch carries on."""
+    eng = llm.engine
+    bad = eng.add_request(CITY_PROMPT, SamplingParams(max_tokens=16, temperature=0, json_schema=CITY_SCHEMA))
+    good = eng.add_request(CITY_PROMPT, SamplingParams(max_tokens=16, temperature=0, json_schema=CITY_SCHEMA))
+    while not any(s.num_output_tokens for s in eng.requests[bad].seqs):
+        eng.step()
+    eng.requests[bad].seqs[0].grammar.accept_masked(eng.tokenizer.encode("]]")[0])  # never valid here
+    outs: dict[str, object] = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            outs[out.request_id] = out
+    failed, fine = outs[bad].outputs[0], outs[good].outputs[0]  # type: ignore[attr-defined]
+    assert failed.finish_reason == "error" and "grammar rejected" in failed.error
+    assert fine.finish_reason in ("stop", "length") and fine.error is None
+    assert eng.blocks.allocator.num_free == eng.blocks.allocator.num_pages  # nothing leaked

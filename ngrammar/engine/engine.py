@@ -316,7 +316,15 @@ class LLMEngine:
         token_list = host[0].tolist()
         logprobs = self.unpack_logprobs(seqs, host[1:], [1] * len(seqs))
         for i, seq in enumerate(seqs):
-            seq.append_tokens([token_list[i]], None if logprobs is None else logprobs[i])
+            if not seq.is_finished:  # (only a grammar that failed to settle finishes one mid-step)
+                seq.append_tokens([token_list[i]], None if logprobs is None else logprobs[i], masked=True)
+
+    def settle_grammars(self, seqs: list[Sequence]) -> None:
+        """The grammars take the tokens the last step committed (``Sequence.append_tokens`` with
+        ``masked``). Called after the next forward is launched, so on a GPU it overlaps the device."""
+        for seq in seqs:
+            if seq.grammar is not None:
+                seq.settle_grammar()
 
     def apply_grammar_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Mask row i of ``logits`` with sequence i's grammar (plain decoding: one row each)."""
@@ -325,9 +333,10 @@ class LLMEngine:
         from ngrammar.grammar import allocate_bitmask, apply_bitmask
 
         t = time.perf_counter()
+        self.settle_grammars(seqs)
         bitmask = allocate_bitmask(len(seqs), self.model_config.vocab_size, pin_memory=self.device.type == "cuda")
         for i, seq in enumerate(seqs):
-            if seq.grammar is not None:
+            if seq.grammar is not None and not seq.is_finished:
                 seq.grammar.fill_bitmask(bitmask, i)
         self.stats.grammar_seconds += time.perf_counter() - t
         apply_bitmask(logits, bitmask.to(self.device, non_blocking=True))

@@ -105,16 +105,24 @@ class Sequence:
             return self.text
         return self.text[: max(len(self.text) - self._holdback, 0)]
 
-    def append_tokens(self, tokens: Seq[int], logprobs: Seq[TokenLogprob] | None = None) -> int:
+    def append_tokens(
+        self, tokens: Seq[int], logprobs: Seq[TokenLogprob] | None = None, masked: bool = False
+    ) -> int:
         """Append a run of sampled tokens, stopping exactly where plain decoding would.
 
         Returns how many were kept. Tokens after a stop condition (EOS, stop id, stop string,
         max_tokens, grammar termination) are dropped, as if they had never been sampled.
+        ``masked``: each token was drawn under the grammar's bitmask for its own position (plain
+        decoding), so the grammar takes it later (``GrammarMatcher.accept_masked``, see
+        ``settle_grammar``); a verify step's run is checked token by token instead.
         """
         kept = 0
         for i, token in enumerate(tokens):
-            if self.grammar is not None and not self._grammar_accepts(token):
-                break
+            if self.grammar is not None:
+                if masked:
+                    self.grammar.accept_masked(token)
+                elif not self._grammar_accepts(token):
+                    break
             self.token_ids.append(int(token))
             kept += 1
             if self.first_token_time is None:
@@ -124,6 +132,17 @@ class Sequence:
             if self._check_stop(int(token)):
                 break
         return kept
+
+    def settle_grammar(self) -> bool:
+        """Let the grammar accept the tokens committed with ``masked``; False (and the sequence
+        finished with an error) if it rejects one, which would be an engine bug."""
+        if self.grammar is None:
+            return True
+        rejected = self.grammar.settle()
+        if rejected is None:
+            return True
+        self.finish("error", f"grammar rejected sampled token {rejected}")
+        return False
 
     def _grammar_accepts(self, token: int) -> bool:
         assert self.grammar is not None

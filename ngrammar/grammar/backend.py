@@ -117,41 +117,78 @@ def _xgrammar_message(error: Exception) -> str:
     return _XGR_LOCATION.sub("", text).strip() or type(error).__name__
 
 
+class GrammarRejectedError(RuntimeError):
+    """A token taken with ``accept_masked`` was not allowed after all: an engine bug, not bad input."""
+
+
 class GrammarMatcher:
     """One request's parser state in its grammar; a thin wrapper over ``xgrammar.GrammarMatcher``.
 
     Invariant kept by the engine: the matcher has accepted exactly the request's committed output
-    tokens (through ``commit``); draft exploration (``tree_mask``) always rolls back what it accepts.
+    tokens (through ``commit``, or ``accept_masked`` and ``settle``); draft exploration
+    (``tree_mask``) always rolls back what it accepts.
+
+    Deferred tokens: a token sampled under this matcher's own bitmask is allowed by construction,
+    so the engine hands it over with ``accept_masked`` after the device->host read, and xgrammar
+    accepts it at the next ``settle`` (or any call that reads the state), which the engine makes
+    right after the next forward is launched: on a GPU the work runs while the device computes
+    instead of between steps. ``is_terminated`` answers without settling: xgrammar terminates
+    exactly when it accepts a stop token.
     """
 
-    def __init__(self, inner: xgr.GrammarMatcher, vocab_size: int) -> None:
+    def __init__(self, inner: xgr.GrammarMatcher, vocab_size: int, stop_token_ids: frozenset[int] = frozenset()) -> None:
         self._m = inner
         self.vocab_size = vocab_size
+        self._stop = stop_token_ids  # the stop tokens the grammar was compiled with
+        self._pending: list[int] = []  # accept_masked tokens not yet given to xgrammar, in order
 
     def accept_token(self, token: int) -> bool:
         """Advance by one token; False (state unchanged) if the grammar forbids it."""
+        self._settled()
         if not 0 <= token < self.vocab_size:
             return False
         return bool(self._m.accept_token(int(token)))
+
+    def accept_masked(self, token: int) -> None:
+        """Commit a token drawn under this matcher's own bitmask; xgrammar takes it at ``settle``."""
+        self._pending.append(int(token))
+
+    def settle(self) -> int | None:
+        """Give the deferred tokens to xgrammar; returns the first one it rejects (the rest are
+        dropped with it), None when all were accepted."""
+        pending, self._pending = self._pending, []
+        for token in pending:
+            if not (0 <= token < self.vocab_size and self._m.accept_token(token)):
+                return token
+        return None
+
+    def _settled(self) -> None:
+        if self._pending and (rejected := self.settle()) is not None:
+            raise GrammarRejectedError(f"grammar rejected committed token {rejected}")
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed-next-token bits into ``bitmask[row]`` (CPU int32 [R, ceil(V/32)]).
 
         Must not be called once terminated: nothing may follow the stop token.
         """
+        self._settled()
         self._m.fill_next_token_bitmask(bitmask, row)
 
     def rollback(self, n: int) -> None:
         """Undo the last ``n`` accepted tokens (history is unlimited; n must not exceed it)."""
+        self._settled()
         if n > 0:
             self._m.rollback(n)
 
     def is_terminated(self) -> bool:
         """True once a stop token ended the grammar; no further token is accepted."""
+        if self._pending:  # nothing is accepted after a stop token, so only the last can be one
+            return self._pending[-1] in self._stop
         return bool(self._m.is_terminated())
 
     def is_completed(self) -> bool:
         """True when the text so far is a complete match (a stop token would be accepted now)."""
+        self._settled()
         return bool(self._m.is_completed())
 
     def commit(self, tokens: Sequence[int]) -> tuple[int, bool]:
@@ -172,15 +209,18 @@ class GrammarMatcher:
 
     def fork(self) -> GrammarMatcher:
         """An independent copy of the current state (same compiled grammar)."""
-        return GrammarMatcher(self._m.fork(), self.vocab_size)
+        self._settled()
+        return GrammarMatcher(self._m.fork(), self.vocab_size, self._stop)
 
     def reset(self) -> None:
         """Back to the grammar's start, as if nothing had been accepted."""
+        self._pending = []
         self._m.reset()
 
     @property
     def xgrammar_matcher(self) -> xgr.GrammarMatcher:
-        """The wrapped ``xgrammar.GrammarMatcher``, for calls this wrapper does not cover."""
+        """The wrapped ``xgrammar.GrammarMatcher`` (settled), for calls this wrapper does not cover."""
+        self._settled()
         return self._m
 
 
@@ -205,6 +245,7 @@ class GrammarBackend:
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
             tokenizer.hf, vocab_size=vocab_size, stop_token_ids=stop or None
         )
+        self.stop_token_ids = frozenset(int(t) for t in self.tokenizer_info.stop_token_ids)
         # Our LRU is the only cache: xgrammar's own one is unbounded by count and would duplicate it.
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=compile_threads, cache_enabled=False)
         self._pool = ThreadPoolExecutor(max_workers=compile_threads, thread_name_prefix="grammar-compile")
@@ -265,7 +306,7 @@ class GrammarBackend:
 
     def new_matcher(self, compiled: xgr.CompiledGrammar) -> GrammarMatcher:
         """A fresh matcher at the grammar's start; the stop tokens are the tokenizer's EOS ids."""
-        return GrammarMatcher(self._xgr.GrammarMatcher(compiled), self.vocab_size)
+        return GrammarMatcher(self._xgr.GrammarMatcher(compiled), self.vocab_size, self.stop_token_ids)
 
     def cached_specs(self) -> list[GrammarSpec]:
         """Cached specs, least recently used first."""

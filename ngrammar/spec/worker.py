@@ -216,11 +216,13 @@ class NgramSpecWorker:
         from ngrammar.grammar import allocate_bitmask, apply_bitmask, build_tree_bitmask
 
         eng = self.engine
+        eng.settle_grammars(seqs)
         bs, d = tree.bs, tree.draft_token_num
         next_token, next_sibling = derive_tree_links(tree.mask, bs, d)
         bitmask = allocate_bitmask(bs * d, eng.model_config.vocab_size, pin_memory=eng.device.type == "cuda")
         drafts = torch.as_tensor(tree.tokens.reshape(bs, d))
-        build_tree_bitmask([s.grammar for s in seqs], next_token, next_sibling, drafts, bitmask)
+        matchers = [None if s.is_finished else s.grammar for s in seqs]
+        build_tree_bitmask(matchers, next_token, next_sibling, drafts, bitmask)
         apply_bitmask(logits, bitmask.to(eng.device, non_blocking=True))
 
     def _accept(
@@ -268,7 +270,9 @@ class NgramSpecWorker:
         self._tree_depths = {seq.seq_id: tree_depths[b] for b, seq in enumerate(seqs)}
         for b, seq in enumerate(seqs):
             start = seq.num_cached
-            kept = seq.append_tokens(tokens[b][: lens[b]], None if logprobs is None else logprobs[b])
+            # (Only a grammar that failed to settle finishes a sequence mid-step: it keeps nothing.)
+            kept = 0 if seq.is_finished else seq.append_tokens(tokens[b][: lens[b]],
+                                                                None if logprobs is None else logprobs[b])
             # Keep KV of the root and the first kept-1 accepted drafts; the last kept token is the next root.
             for j in range(1, kept):
                 if nodes[b][j] != j:
