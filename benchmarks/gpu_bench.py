@@ -127,7 +127,7 @@ def grammar_equal_work(spec: LLM, prompts: list[Any], max_tokens: int, repeats: 
     different text: a schema reshapes the output and ends it where the JSON ends.)"""
     constrained = SamplingParams(max_tokens=max_tokens, temperature=0, json_object=True)
     _, first = _run(spec, prompts, constrained)  # fixes each request's length (greedy: every run)
-    eos = set(spec.engine.model_config.eos_token_ids)
+    eos = spec.engine.grammar_backend.stop_token_ids  # the tokens the grammar ends on
 
     def text_tokens(ids: list[int]) -> list[int]:  # where the JSON ended, the grammar's run ends with EOS
         return ids[:-1] if ids and ids[-1] in eos else ids

@@ -227,3 +227,15 @@ def test_abort_before_prefill_is_not_revived(llm: LLM) -> None:
     assert outs[0].finished and outs[0].finish_reason == "abort" and outs[0].token_ids == []
     assert not eng.has_unfinished()
     assert eng.blocks.allocator.num_free == eng.blocks.allocator.num_pages
+
+
+def test_sampling_uniforms_stay_strictly_inside_the_unit_interval() -> None:
+    """A uniform of exactly 1.0 made -log(u) = 0, so a zero-probability (grammar-masked) token won the
+    sampler's race as NaN; the extreme hashes must map strictly inside (0, 1)."""
+    from ngrammar.runner.sampler import unit_interval
+
+    bits = torch.tensor([0, 1, 2**9 - 1, 2**31, 2**32 - 2**9, 2**32 - 1], dtype=torch.int64)
+    u = unit_interval(bits)
+    assert u.dtype == torch.float32
+    assert bool((u > 0).all()) and bool((u < 1).all())
+    assert bool((-torch.log(u) > 0).all())

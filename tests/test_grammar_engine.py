@@ -167,11 +167,11 @@ def _split_steps(events: list[str]) -> list[list[str]]:
     return steps
 
 
-def test_a_grammar_rejecting_a_committed_token_fails_only_its_request(llm: LLM) -> None:
-    """Plain steps hand sampled tokens to the grammar after the next launch; should one be rejected
-    there (an engine bug: it was drawn under that grammar's mask), its request ends with an error
-    and the rest of the batch carries on."""
-    eng = llm.engine
+def test_a_grammar_rejecting_a_committed_token_fails_only_its_request(engine_llm: LLM) -> None:
+    """Plain steps hand sampled tokens to the grammar after the next launch (a verify step's
+    grammar DFS settles them too); should one be rejected there (an engine bug: it was drawn under
+    that grammar's mask), its request ends with an error and the rest of the batch carries on."""
+    eng = engine_llm.engine
     bad = eng.add_request(CITY_PROMPT, SamplingParams(max_tokens=16, temperature=0, json_schema=CITY_SCHEMA))
     good = eng.add_request(CITY_PROMPT, SamplingParams(max_tokens=16, temperature=0, json_schema=CITY_SCHEMA))
     while not any(s.num_output_tokens for s in eng.requests[bad].seqs):
@@ -185,3 +185,18 @@ def test_a_grammar_rejecting_a_committed_token_fails_only_its_request(llm: LLM) 
     assert failed.finish_reason == "error" and "grammar rejected" in failed.error
     assert fine.finish_reason in ("stop", "length") and fine.error is None
     assert eng.blocks.allocator.num_free == eng.blocks.allocator.num_pages  # nothing leaked
+
+
+def test_a_sequence_finishing_with_deferred_tokens_has_them_checked(llm: LLM) -> None:
+    """A plain step's token reaches the grammar at the next step; a sequence that finishes first
+    (max_tokens, a stop string, EOS) must still have it checked before its output is final."""
+    eng = llm.engine
+    rid = eng.add_request(CITY_PROMPT, SamplingParams(max_tokens=16, temperature=0, json_schema=CITY_SCHEMA))
+    seq = eng.requests[rid].seqs[0]
+    while not seq.num_output_tokens:
+        eng.step()
+    seq.grammar.accept_masked(eng.tokenizer.encode("]]")[0])  # as if a forbidden token had been drawn
+    seq.finish("length")
+    assert seq.finish_reason == "error" and "grammar rejected" in (seq.error or "")
+    while eng.has_unfinished():
+        eng.step()

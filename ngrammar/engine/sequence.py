@@ -175,6 +175,11 @@ class Sequence:
 
     def finish(self, reason: str, error: str | None = None) -> bool:
         if not self.is_finished:
+            if self.grammar is not None and reason not in ("error", "abort"):
+                # A final output must satisfy its grammar: tokens still deferred are checked now.
+                rejected = self.grammar.settle()
+                if rejected is not None:
+                    reason, error = "error", f"grammar rejected sampled token {rejected}"
             self.status = SequenceStatus.FINISHED
             self.finish_reason = reason
             self.error = error

@@ -136,7 +136,7 @@ class GrammarMatcher:
     exactly when it accepts a stop token.
     """
 
-    def __init__(self, inner: xgr.GrammarMatcher, vocab_size: int, stop_token_ids: frozenset[int] = frozenset()) -> None:
+    def __init__(self, inner: xgr.GrammarMatcher, vocab_size: int, stop_token_ids: frozenset[int]) -> None:
         self._m = inner
         self.vocab_size = vocab_size
         self._stop = stop_token_ids  # the stop tokens the grammar was compiled with

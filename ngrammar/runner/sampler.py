@@ -37,7 +37,14 @@ def hash_uniform(seeds: torch.Tensor, offsets: torch.Tensor, width: int, stream:
     base = _mix32((seeds & _MASK32) ^ _mix32((offsets * 4 + stream) & _MASK32))  # [R]
     cols = torch.arange(width, device=seeds.device, dtype=torch.int64)
     bits = _mix32(base[:, None] ^ _mix32(cols + 0x9E3779B)[None, :])
-    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return unit_interval(bits)
+
+
+def unit_interval(bits: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes -> float32 strictly inside (0, 1), from their top 23 bits: (k + 0.5) / 2^23 is
+    exact in float32 for every k < 2^23. (With 24 bits, k = 2^24 - 1 rounded up to exactly 1.0, where
+    the sampler's -log(u) is 0 and a zero-probability, grammar-masked token won the race as NaN.)"""
+    return ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass(frozen=True)

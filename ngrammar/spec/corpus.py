@@ -597,6 +597,7 @@ class NgramCorpus:
         while n < max_len and n < size:
             node = _ROOT
             for token in context[size - n - 1 :]:  # ``_Trie.child`` inlined: this runs every step
+                token = int(token)
                 kids = children[node]
                 if kids.__class__ is int:
                     node = kids if token_[kids] == token else _ABSENT

@@ -205,7 +205,7 @@ class AdaptiveDraftPolicy:
                 return w
         if now < self._probe_at.get(b, 0):
             return 1
-        bar = self.margin / costs[1]  # a width must beat plain's tokens per second by the margin
+        bar = self.margin * _rate(costs[1], 1, 0.0)  # a width must beat plain's tokens per second by the margin
         exploring = now >= self._explore_at.get(b, 0)
         if not exploring:
             bias = max((self.seq_bias[s].value for s in seq_ids if s in self.seq_bias), default=0.0)
@@ -240,7 +240,8 @@ class AdaptiveDraftPolicy:
         drains passes through every smaller bucket; timing verify steps afresh in each would cost
         several wasted verify steps per bucket. Only larger buckets lend their ratio: it grows
         with the batch (host drafting on a GPU, compute on a CPU), so theirs over-estimates."""
-        return self._bucket_costs(bucket)[width]
+        costs = self._bucket_costs(bucket)
+        return costs[width] if width in costs else self._step_cost(bucket, width)
 
     def _bucket_costs(self, bucket: Bucket) -> dict[int, float | None]:
         """width -> ``step_cost`` for every width the policy may pick (cached until the next observe)."""

@@ -39,8 +39,9 @@ class DraftTree:
     mask: np.ndarray  # [bs, D, D] bool: ancestor-or-self mask
     bs: int
     draft_token_num: int  # D, root included
-    # [bs, D] int64 parent indices when the builder knew them (``from_parents``); else derived from
-    # the mask on demand. Either way they agree: the mask is built from them.
+    # [bs, D] int64 parent indices (read-only) when the builder knew them (``from_parents``, which
+    # requires parent < child like every tree here); else derived from the mask on demand. Either
+    # way they agree: the mask is built from them.
     parent_index: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -57,6 +58,7 @@ class DraftTree:
         parents = np.array(parents, dtype=np.int64)  # a copy: the tree keeps it
         if d:
             parents[:, 0] = -1  # the root's entry is ignored by the mask, so it reads as the mask does
+        parents.flags.writeable = False  # shared by parents(): the mask was built from it
         return cls(np.asarray(tokens, dtype=np.int64), mask_from_parents(parents), bs, d, parents)
 
     def tokens_2d(self) -> np.ndarray:
