@@ -7,7 +7,7 @@ import gc
 import pytest
 
 from ngrammar import LLM, SamplingParams
-from ngrammar.spec.policy import AdaptiveDraftPolicy
+from ngrammar.spec.policy import AdaptiveDraftPolicy, bucket_of
 
 GROUNDED = [
     "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the river bank.\n",
@@ -322,3 +322,15 @@ def test_freed_pages_are_never_read(spec_llm: LLM, llm: LLM) -> None:
         alloc.free = original_free  # type: ignore[method-assign]
         eng.runner.kv_cache.zero_()
     assert spec == [o.token_ids for o in llm.generate(prompts, params)]
+
+
+def test_policy_prices_and_times_widths_it_does_not_pick() -> None:
+    """The per-bucket caches cover the policy's own widths; other widths are answered directly."""
+    policy = AdaptiveDraftPolicy(16)
+    assert 5 not in policy.widths
+    for _ in range(2):
+        policy.observe(1, 5, 0.002, {"s": 2}, depths={"s": 4})
+    assert policy.step_cost(bucket_of(1, False), 5) == pytest.approx(0.002)
+    assert policy.step_cost(bucket_of(1, False), 3) is None
+    assert 0.0 < policy.expected_drafts("s", 2, 5) <= 4.0
+    assert policy.expected_drafts("s", 0, 5) == 0.0

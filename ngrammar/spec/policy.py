@@ -352,8 +352,15 @@ class AdaptiveDraftPolicy:
         return min(expected[i] for i in critical)
 
     def expected_drafts(self, seq_id: str, match_length: int, width: int) -> float:
-        """Accepted drafts expected from one verify step of ``seq_id`` at this match length and width."""
-        return self._drafts(self._expected([seq_id], [match_length])[width], None)
+        """Accepted drafts expected from one verify step of ``seq_id`` at this match length and width
+        (any width; ``_expected`` prices the policy's own widths for a whole batch at once)."""
+        n = min(match_length, MAX_MATCH)
+        if n <= 0:
+            return 0.0
+        own = self.seq_bias.get(seq_id)
+        levels = self._depth.get((width, n))
+        return expected_run(self.accept[n].p + (0.0 if own is None else own.value), width,
+                            None if levels is None else levels.value)
 
     # ------------------------------------------------------------ learn
     def observe(
