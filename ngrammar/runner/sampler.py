@@ -43,7 +43,8 @@ def hash_uniform(seeds: torch.Tensor, offsets: torch.Tensor, width: int, stream:
 def unit_interval(bits: torch.Tensor) -> torch.Tensor:
     """32-bit hashes -> float32 strictly inside (0, 1), from their top 23 bits: (k + 0.5) / 2^23 is
     exact in float32 for every k < 2^23. (With 24 bits, k = 2^24 - 1 rounded up to exactly 1.0, where
-    the sampler's -log(u) is 0 and a zero-probability, grammar-masked token won the race as NaN.)"""
+    the sampler's -log(u) is 0: that column won the race whatever its probability, as inf, or as NaN
+    when it had none - a grammar-masked token.)"""
     return ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
