@@ -141,14 +141,14 @@ class Sequence:
         rejected = self.grammar.settle()
         if rejected is None:
             return True
-        self.finish("error", f"grammar rejected sampled token {rejected}")
+        self.finish("error", _rejection(rejected))
         return False
 
     def _grammar_accepts(self, token: int) -> bool:
         assert self.grammar is not None
         if self.grammar.accept_token(token):
             return True
-        self.finish("error", f"grammar rejected sampled token {token}")
+        self.finish("error", _rejection(token))
         return False
 
     def _check_stop(self, token: int) -> bool:
@@ -179,7 +179,7 @@ class Sequence:
                 # A final output must satisfy its grammar: tokens still deferred are checked now.
                 rejected = self.grammar.settle()
                 if rejected is not None:
-                    reason, error = "error", f"grammar rejected sampled token {rejected}"
+                    reason, error = "error", _rejection(rejected)
             self.status = SequenceStatus.FINISHED
             self.finish_reason = reason
             self.error = error
@@ -207,3 +207,7 @@ class Sequence:
             m["spec_accept_length"] = self.spec_accepted_tokens / self.spec_verify_steps
             m["spec_accept_rate"] = (self.spec_accepted_tokens - self.spec_verify_steps) / max(self.spec_draft_tokens, 1)
         return m
+
+
+def _rejection(token: int) -> str:
+    return f"grammar rejected sampled token {token}"

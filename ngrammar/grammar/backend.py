@@ -145,9 +145,10 @@ class GrammarMatcher:
     def accept_token(self, token: int) -> bool:
         """Advance by one token; False (state unchanged) if the grammar forbids it."""
         self._settled()
-        if not 0 <= token < self.vocab_size:
-            return False
-        return bool(self._m.accept_token(int(token)))
+        return self._take(int(token))
+
+    def _take(self, token: int) -> bool:
+        return 0 <= token < self.vocab_size and bool(self._m.accept_token(token))
 
     def accept_masked(self, token: int) -> None:
         """Commit a token drawn under this matcher's own bitmask; xgrammar takes it at ``settle``."""
@@ -158,7 +159,7 @@ class GrammarMatcher:
         dropped with it), None when all were accepted."""
         pending, self._pending = self._pending, []
         for token in pending:
-            if not (0 <= token < self.vocab_size and self._m.accept_token(token)):
+            if not self._take(token):
                 return token
         return None
 

@@ -164,7 +164,7 @@ class AdaptiveDraftPolicy:
     _costs: dict[Bucket, dict[int, float | None]] = field(default_factory=dict)  # step_cost results
     _best_p: float | None = None  # the highest continuation rate over match lengths
     _rates: list[float] | None = None  # match length -> continuation rate
-    _depth_levels: dict[int, list[float]] | None = None  # width -> match length -> run levels
+    _depth_levels: dict[int, list[float]] | None = None  # width -> match length -> run levels (lazy)
 
     # The policy runs on every decode step, so what it reads often is precomputed:
     widths: list[int] = field(init=False)  # 1 and the draft widths it may pick
@@ -289,14 +289,17 @@ class AdaptiveDraftPolicy:
             outlook[seq_id] = d if old is None else old + OUTLOOK_ALPHA * (d - old)
         return lengths, expected
 
-    def _expected(self, seq_ids: Sequence[str], lengths: Sequence[int]) -> dict[int, list[float]]:
+    def _expected(
+        self, seq_ids: Sequence[str], lengths: Sequence[int], widths: Sequence[int] | None = None
+    ) -> dict[int, list[float]]:
         """width -> accepted drafts expected from one verify step of each sequence at its match
-        length (``expected_run`` of its continuation rate, inlined: this runs on most decode steps
-        for every member of the batch, over every width)."""
-        rates, levels, bias = self._continuation(), self._levels(), self.seq_bias
-        widths = self.widths[1:]
+        length, for ``widths`` (default: every draft width the policy picks). ``expected_run`` of
+        its continuation rate, inlined: this runs on most decode steps for every member of the
+        batch, over every width."""
+        rates, bias = self._continuation(), self.seq_bias
+        widths = self.widths[1:] if widths is None else widths
         out = {w: [0.0] * len(seq_ids) for w in widths}
-        columns = [(out[w], levels[w]) for w in widths]
+        columns = [(out[w], self._levels(w)) for w in widths]
         for i, (seq_id, n) in enumerate(zip(seq_ids, lengths)):
             if not n:
                 continue  # no match: a padding-only tree accepts nothing
@@ -315,17 +318,19 @@ class AdaptiveDraftPolicy:
             self._rates = [r.p for r in self.accept]
         return self._rates
 
-    def _levels(self) -> dict[int, list[float]]:
-        """width -> match length -> levels a run may take: D - 1, or fewer where the trees of
+    def _levels(self, width: int) -> list[float]:
+        """match length -> levels a run may take at this width: D - 1, or fewer where the trees of
         that width and match length were learned to be shallower (cached until the next observe)."""
         if self._depth_levels is None:
+            self._depth_levels = {}
+        levels = self._depth_levels.get(width)
+        if levels is None:
             depth = self._depth
-            self._depth_levels = {
-                w: [float(w - 1) if (w, n) not in depth else min(w - 1.0, max(depth[(w, n)].value, 0.0))
-                    for n in range(MAX_MATCH + 1)]
-                for w in self.widths[1:]
-            }
-        return self._depth_levels
+            levels = self._depth_levels[width] = [
+                float(width - 1) if (width, n) not in depth else min(width - 1.0, max(depth[(width, n)].value, 0.0))
+                for n in range(MAX_MATCH + 1)
+            ]
+        return levels
 
     def _critical(self, seq_ids: Sequence[str], remaining: Sequence[int]) -> list[int]:
         """A draining batch's critical members (indices): those projected to need at least
@@ -352,15 +357,8 @@ class AdaptiveDraftPolicy:
         return min(expected[i] for i in critical)
 
     def expected_drafts(self, seq_id: str, match_length: int, width: int) -> float:
-        """Accepted drafts expected from one verify step of ``seq_id`` at this match length and width
-        (any width; ``_expected`` prices the policy's own widths for a whole batch at once)."""
-        n = min(match_length, MAX_MATCH)
-        if n <= 0:
-            return 0.0
-        own = self.seq_bias.get(seq_id)
-        levels = self._depth.get((width, n))
-        return expected_run(self.accept[n].p + (0.0 if own is None else own.value), width,
-                            None if levels is None else levels.value)
+        """Accepted drafts expected from one verify step of ``seq_id`` at this match length and width."""
+        return self._expected([seq_id], [max(match_length, 0)], (width,))[width][0]
 
     # ------------------------------------------------------------ learn
     def observe(
