@@ -68,6 +68,8 @@ def bench_small_model(model: str | None, batch_sizes: list[int], max_tokens: int
     t = time.perf_counter()
     plain = LLM(**_engine_kwargs(model, graphs))
     spec = LLM(**_engine_kwargs(model, graphs), speculative="ngram", num_draft_tokens=16)
+    # Plain decoding that commits every step before launching the next (what overlap scheduling hides).
+    stepwise = LLM(**_engine_kwargs(model, graphs), overlap_schedule=False)
     res["engine_start_s"] = time.perf_counter() - t
     assert spec.engine.spec is not None
     cats = _categories()
@@ -78,15 +80,18 @@ def bench_small_model(model: str | None, batch_sizes: list[int], max_tokens: int
         for cat, prompts in cats.items():
             batch = [prompts[i % len(prompts)] for i in range(bs)]
             # Interleaved pairs: a slow spell of the host hits both sides of a pair.
-            p, s = [], []
+            p, s, q = [], [], []
             for _ in range(repeats):
                 p.append(_run(plain, batch, greedy))
                 s.append(_run(spec, batch, greedy))
+                q.append(_run(stepwise, batch, greedy))
             same = [a.token_ids == b.token_ids for a, b in zip(p[-1][1], s[-1][1])]
             res[f"b{bs}/{cat}"] = {
                 "plain_tok_s": statistics.median(r[0] for r in p),
                 "ngram_tok_s": statistics.median(r[0] for r in s),
                 "ratio": statistics.median(b[0] / a[0] for a, b in zip(p, s)),
+                "plain_stepwise_tok_s": statistics.median(r[0] for r in q),
+                "overlap_gain": statistics.median(a[0] / c[0] for a, c in zip(p, q)),
                 "accept_len": _accept(s[-1][1]),
                 "ngram_identical_to_plain": sum(same) / len(same),
             }
@@ -299,6 +304,9 @@ def summarize(log: dict[str, Any]) -> None:
                              eq["ngram+json_object_tok_s"], acc["grammar"]])
         elif isinstance(v, dict) and "plain_tok_s" in v:
             rows.append([key, "plain", v["plain_tok_s"], 1.0])
+            if "plain_stepwise_tok_s" in v:
+                rows.append([key, f"plain, no overlap (overlap x{v['overlap_gain']:.2f})", v["plain_stepwise_tok_s"],
+                             1.0])
             ratio = v.get("ratio", v["ngram_tok_s"] / v["plain_tok_s"])  # median of paired runs when logged
             rows.append([key, f"ngram (x{ratio:.2f}, same {v['ngram_identical_to_plain']:.0%})",
                          v["ngram_tok_s"], v["accept_len"]])

@@ -22,6 +22,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "triton"])
     g.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", help="run every step eagerly")
     g.add_argument("--cuda-graph-max-bs", type=int, default=64)
+    g.add_argument("--overlap-schedule", default="auto", choices=["auto", "on", "off"],
+                   help="launch each plain decode step before reading the last one back (auto: on for CUDA)")
     s = p.add_argument_group("speculation")
     s.add_argument("--speculative", default=None, choices=["ngram"])
     s.add_argument("--num-draft-tokens", type=int, default=None)
@@ -45,6 +47,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "attention_backend": args.attention_backend,
         "cuda_graph": args.cuda_graph,
         "cuda_graph_max_bs": args.cuda_graph_max_bs,
+        "overlap_schedule": {"auto": None, "on": True, "off": False}[args.overlap_schedule],
         "speculative": args.speculative,
     }
     for name in ("num_draft_tokens", "ngram_match_type", "ngram_max_bfs_breadth", "ngram_min_bfs_breadth",

@@ -53,6 +53,9 @@ class EngineConfig:
     grammar_cache_size: int = 256
     cuda_graph: bool = True  # replay captured graphs for uniform decode / verify steps (CUDA only)
     cuda_graph_max_bs: int = 64  # largest batch-size bucket captured; bigger batches run eagerly
+    # Launch a plain decode step before the previous one is read back, so the host's work overlaps
+    # the device. None: on for CUDA; on a CPU the forward is synchronous and there is nothing to hide.
+    overlap_schedule: bool | None = None
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

@@ -152,6 +152,15 @@ def test_static_path_under_preemption() -> None:
     _assert_pool_clean(static, handed)
 
 
+def test_static_path_with_overlap(eager_outputs: dict[int, list[list[int]]]) -> None:
+    """Chained decode steps copy their input tokens device->device into the static ids buffer."""
+    static = _static(LLM(device="cpu", dtype="float32", kv_cache_tokens=SMALL_POOL, overlap_schedule=True))
+    handed = _record_allocations(static)
+    assert [o.token_ids for o in static.generate(PROMPTS[:5], GREEDY)] == eager_outputs[5]
+    assert static.engine.stats.chained_steps > 0 and _graphs(static).replays[(8, 1)] > 0
+    _assert_pool_clean(static, handed)
+
+
 CITY_SCHEMA = {
     "type": "object",
     "properties": {"name": {"type": "string"}, "population": {"type": "integer"}},

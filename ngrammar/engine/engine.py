@@ -3,6 +3,12 @@
 add_request -> validate, tokenize, compile grammar -> Scheduler.waiting
 step        -> Scheduler.schedule -> prefill | decode | NGRAM verify -> commit -> outputs
 finished    -> pages released, match state erased, RequestOutput(finished=True)
+
+Overlap scheduling (on by default on CUDA): a plain decode step is sampled on the device and left
+in flight; the next step launches the same batch's next forward from those device tokens first
+and only then reads them back and commits them, so the host's commit, outputs, corpus and policy
+work run while the device computes. Any other step (prefill, a verify, a changed batch) first
+drains the step in flight.
 """
 
 from __future__ import annotations
@@ -24,7 +30,14 @@ from ngrammar.model.tokenizer import Message, Tokenizer
 from ngrammar.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from ngrammar.runner.attention import AttentionBackend, TorchSDPABackend
 from ngrammar.runner.cuda_graph import CUDAGraphRunner, graph_capturable
-from ngrammar.runner.model_runner import ModelRunner, StepInput, kv_bytes_per_token, resolve_device, resolve_dtype
+from ngrammar.runner.model_runner import (
+    ModelRunner,
+    PendingRead,
+    StepInput,
+    kv_bytes_per_token,
+    resolve_device,
+    resolve_dtype,
+)
 from ngrammar.runner.sampler import SamplingTensors, sample
 from ngrammar.sampling_params import InvalidRequestError, SamplingParams
 
@@ -48,8 +61,19 @@ class Request:
 
 
 @dataclass
+class _InFlight:
+    """A plain decode step sampled on the device whose tokens are not committed yet."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor  # [B] int64 on the device: each sequence's sampled token
+    read: PendingRead  # the tokens (and logprob tensors) on their way to the host
+    launched: float  # perf_counter() at the start of the engine step that launched it
+
+
+@dataclass
 class EngineStats:
     steps: int = 0
+    chained_steps: int = 0  # plain decode steps launched before the previous step was read back
     prefill_tokens: int = 0
     decode_tokens: int = 0
     verify_steps: int = 0  # sequence-steps verified with a draft tree
@@ -89,6 +113,10 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._grammar: GrammarBackend | None = None
+        self.overlap = config.overlap_schedule if config.overlap_schedule is not None else self.device.type == "cuda"
+        self._in_flight: _InFlight | None = None  # overlap scheduling: the plain step not read back yet
+        self._step_start = 0.0  # perf_counter() at the start of the current engine step
+        self._last_commit = 0.0  # perf_counter() when the last step's tokens were committed
         self.spec: NgramSpecWorker | None = None
         if config.speculative is not None:
             from ngrammar.spec.worker import NgramSpecWorker
@@ -228,7 +256,29 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one scheduled forward; returns outputs of requests that progressed or finished."""
-        start = time.perf_counter()
+        start = self._step_start = time.perf_counter()
+        if self._in_flight is None or not self._chain_decode():
+            self._drain()
+            self._schedule_and_run()
+        self.stats.steps += 1
+        self.stats.last_step_seconds = time.perf_counter() - start
+        self.stats.step_seconds += self.stats.last_step_seconds
+        return self._collect_outputs()
+
+    def _observe(self, batch_size: int, width: int, launched: float) -> None:
+        """A decode step's tokens were just committed: time it for the draft policy.
+
+        A step costs the time from the previous step's commit to its own (overlapped steps commit
+        one device step apart), but never from before the engine step that launched it (idle time
+        between engine steps is nobody's cost)."""
+        now = time.perf_counter()
+        seconds = now - max(self._last_commit, launched)
+        self._last_commit = now
+        if self.spec is not None:
+            self.spec.observe_step(batch_size, width, seconds)
+
+    def _schedule_and_run(self) -> None:
+        """Schedule and run one step from committed state."""
         self._finish_overlong()
         self._retire()  # aborted or overlong sequences must not be scheduled again
         batch = self.scheduler.schedule(self._decode_width)
@@ -238,17 +288,13 @@ class LLMEngine:
             self.spec.on_finish(batch.failed)  # not in running any more: _retire will not see them
         if batch.prefill:
             self._run_prefill(batch.prefill)
+            self._last_commit = time.perf_counter()
         elif batch.decode:
             if batch.width > 1 and self.spec is not None:
                 self.spec.run_verify(batch.decode, batch.width)
+                self._observe(len(batch.decode), batch.width, self._step_start)
             else:
                 self._run_decode(batch.decode)
-        self.stats.steps += 1
-        self.stats.last_step_seconds = time.perf_counter() - start
-        self.stats.step_seconds += self.stats.last_step_seconds
-        if self.spec is not None and batch.decode:
-            self.spec.observe_step(len(batch.decode), batch.width, self.stats.last_step_seconds)
-        return self._collect_outputs()
 
     def _decode_width(self, seqs: list[Sequence]) -> int:
         return 1 if self.spec is None or not seqs else self.spec.choose_width(seqs)
@@ -278,20 +324,71 @@ class LLMEngine:
             self._sample_and_commit(sampled, logits[: len(sampled)])
 
     def _run_decode(self, seqs: list[Sequence]) -> None:
+        logits = self._launch_decode(seqs, None)
+        if self.spec is not None:  # on a GPU this host work runs while the forward computes
+            self.spec.index_plain_step(seqs)
+        flight = self._sample(seqs, logits)
+        if self.overlap:
+            self._in_flight = flight  # committed by the next step, after it launches its forward
+        else:
+            self._commit_decode(flight)
+
+    def _launch_decode(self, seqs: list[Sequence], input_ids: torch.Tensor | None) -> torch.Tensor:
+        """Launch a plain decode forward; ``input_ids`` [B] (device): tokens not read back yet."""
         step = StepInput(
-            [[s.token_ids[-1]] for s in seqs],
+            [[0] if input_ids is not None else [s.token_ids[-1]] for s in seqs],
             [[s.num_cached] for s in seqs],
             [s.num_cached for s in seqs],
             [s.pages for s in seqs],
             list(range(len(seqs))),
+            input_ids=input_ids,
         )
         logits = self.timed_forward(step)
-        if self.spec is not None:  # on a GPU this host work runs while the forward computes
-            self.spec.index_plain_step(seqs)
         for seq in seqs:
             seq.num_cached += 1
-        self._sample_and_commit(seqs, logits)
-        self.stats.decode_tokens += len(seqs)
+        return logits
+
+    def _chain_decode(self) -> bool:
+        """Overlap: launch the in-flight batch's next plain step from its device tokens, then commit
+        those tokens while the forward runs. False (nothing launched) when the batch cannot simply
+        go on: requests wait, a member finished or would finish with the token in flight, the draft
+        policy wants a verify step, or a member's KV cannot grow."""
+        assert self._in_flight is not None
+        flight = self._in_flight
+        seqs = flight.seqs
+        if not self._chainable(seqs):
+            return False
+        logits = self._launch_decode(seqs, flight.tokens)
+        self._commit_decode(flight)  # the read waits for the previous step only
+        self._in_flight = self._sample(seqs, logits)  # after the commit: grammar rows need its tokens
+        if self.spec is not None:
+            self.spec.index_plain_step(seqs)
+        self.stats.chained_steps += 1
+        return True
+
+    def _chainable(self, seqs: list[Sequence]) -> bool:
+        sched = self.scheduler
+        if sched.waiting or len(sched.running) != len(seqs) or any(a is not b for a, b in zip(sched.running, seqs)):
+            return False
+        for seq in seqs:
+            # The token in flight must leave each sequence unfinished (its next step would be
+            # wasted) and inside the context (the next step writes KV at its position).
+            if (seq.is_finished or seq.num_output_tokens + 1 >= seq.params.max_tokens
+                    or len(seq.token_ids) + 1 >= self.max_model_len):
+                return False
+        # The policy decides from the committed tokens: one behind the step it decides for.
+        return self._decode_width(seqs) == 1 and sched.reserve_decode(seqs, 1)
+
+    def _drain(self) -> None:
+        """Commit the step in flight, if any (its forward and sampling are already queued)."""
+        if self._in_flight is not None:
+            flight, self._in_flight = self._in_flight, None
+            self._commit_decode(flight)
+
+    def _commit_decode(self, flight: _InFlight) -> None:
+        self._commit(flight)
+        self.stats.decode_tokens += len(flight.seqs)
+        self._observe(len(flight.seqs), 1, flight.launched)
 
     def timed_forward(self, step: StepInput) -> torch.Tensor:
         t = time.perf_counter()
@@ -301,6 +398,10 @@ class LLMEngine:
 
     def _sample_and_commit(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Grammar-mask, sample, read back once, and append one token per sequence."""
+        self._commit(self._sample(seqs, logits))
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> _InFlight:
+        """Grammar-mask and sample one token per sequence on the device; start reading them back."""
         self.apply_grammar_rows(seqs, logits)
         if all(s.params.greedy for s in seqs):
             tokens = logits.argmax(dim=-1)  # no per-row parameters to copy in
@@ -312,11 +413,18 @@ class LLMEngine:
         if any(s.params.logprobs is not None for s in seqs):
             rows = torch.arange(len(seqs), device=self.device)[:, None]
             lp = self.logprob_tensors(seqs, logits, rows, tokens[:, None])
-        host = self.runner.to_host(tokens, *lp)
+        return _InFlight(seqs, tokens, self.runner.to_host_async(tokens, *lp), self._step_start)
+
+    def _commit(self, flight: _InFlight) -> None:
+        """Wait for the sampled tokens and append one per sequence that is still running."""
+        seqs = flight.seqs
+        host = flight.read.wait()
         token_list = host[0].tolist()
         logprobs = self.unpack_logprobs(seqs, host[1:], [1] * len(seqs))
         for i, seq in enumerate(seqs):
-            if not seq.is_finished:  # (only a grammar that failed to settle finishes one mid-step)
+            # Skipped: a sequence finished while its token was in flight (EOS, abort, overlong), or
+            # a grammar that failed to settle.
+            if not seq.is_finished:
                 seq.append_tokens([token_list[i]], None if logprobs is None else logprobs[i], masked=True)
 
     def settle_grammars(self, seqs: list[Sequence]) -> None:

@@ -118,6 +118,16 @@ class Scheduler:
         batch.width = width
         return batch
 
+    def reserve_decode(self, seqs: list[Sequence], width: int) -> bool:
+        """Reserve KV for one more decode step of ``seqs`` without preempting anyone (overlap
+        scheduling chains a step this way); False, reserving nothing, if some cannot grow."""
+        blocks = self.blocks
+        if sum(blocks.pages_needed(s, s.num_cached + width) for s in seqs) > blocks.allocator.num_free:
+            return False
+        for seq in seqs:
+            blocks.reserve(seq, seq.num_cached + width)
+        return True
+
     def _preempt(self, seq: Sequence) -> Sequence:
         """Free a sequence's KV and requeue it first; it recomputes its prefix later."""
         self.blocks.release(seq)

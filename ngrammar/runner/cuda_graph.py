@@ -273,6 +273,8 @@ class CUDAGraphRunner:
         b, w = step.batch_size, len(step.tokens[0])
         entry = self._entry(self._bucket_of[b], w)
         max_kv_len = self._stage(step, entry.bucket, w)
+        if step.input_ids is not None:  # a chained decode step: its tokens are still on the device
+            self._dev.ids[:b].copy_(step.input_ids)
         if entry.graph is not None:
             entry.graph.replay()
         else:

@@ -30,6 +30,9 @@ class StepInput:
 
     ``starts[b]`` is the kv index of the first new token (tokens before it are cached);
     ``tree_mask`` ([B, Q, Q] bool, all q equal) replaces the causal mask for tree verify.
+    ``input_ids`` ([B] int64, on the device) is set only for a chained plain decode step (overlap
+    scheduling): its input tokens were sampled by the step before and are not on the host yet, so
+    ``tokens`` holds placeholders and the forward reads these instead (a device->device copy).
     """
 
     tokens: list[list[int]]
@@ -38,6 +41,7 @@ class StepInput:
     page_tables: list[list[int]]
     logits_rows: list[int]  # rows of the packed token batch whose logits are wanted
     tree_mask: np.ndarray | None = None
+    input_ids: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -65,6 +69,23 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     return config.num_layers * 2 * config.kv_size * torch.tensor([], dtype=dtype).element_size()
+
+
+class PendingRead:
+    """Host tensors that a started device->host copy fills; ``wait`` returns them once landed."""
+
+    def __init__(self, host: list[torch.Tensor], event: "torch.cuda.Event | None",
+                 hook: Callable[[], None] | None) -> None:
+        self._host = host
+        self._event = event
+        self._hook = hook  # ModelRunner.on_to_host: the test hook sees the read when it is waited on
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._hook is not None:
+            self._hook()
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host
 
 
 class ModelRunner:
@@ -140,7 +161,10 @@ class ModelRunner:
                 self.on_forward()
             return self.graphs.forward(step)
         meta = self.metadata(step)
-        ids = self._tensor([t for toks in step.tokens for t in toks])
+        if step.input_ids is not None:
+            ids = step.input_ids
+        else:
+            ids = self._tensor([t for toks in step.tokens for t in toks])
         pos = self._tensor([p for ps in step.positions for p in ps])
         rows = self._tensor(step.logits_rows)
         if self.on_forward is not None:
@@ -149,16 +173,20 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, rows))
 
     def to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        """The step's one device->host read: copies into (pinned) host memory, one sync."""
-        if self.on_to_host is not None:
-            self.on_to_host()
+        """The step's one device->host read: copies into (pinned) host memory, waited on at once."""
+        return self.to_host_async(*tensors).wait()
+
+    def to_host_async(self, *tensors: torch.Tensor) -> "PendingRead":
+        """Start the step's one device->host read (non-blocking copies into pinned memory, then an
+        event); ``wait`` on the result blocks until the copies land (an event wait, not a device sync)."""
         if self.device.type != "cuda":
-            return [t.detach() for t in tensors]
+            return PendingRead([t.detach() for t in tensors], None, self.on_to_host)
         out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
         for dst, src in zip(out, tensors):
             dst.copy_(src, non_blocking=True)
-        torch.cuda.current_stream().synchronize()
-        return out
+        event = torch.cuda.Event()
+        event.record()
+        return PendingRead(out, event, self.on_to_host)
 
     @torch.inference_mode()
     def move_kv(self, src_slots: Sequence[int], dst_slots: Sequence[int]) -> None:

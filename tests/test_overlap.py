@@ -1,0 +1,140 @@
+"""Overlap scheduling: a plain decode step launches before the previous one is read back.
+
+On a CPU the forward is synchronous, so nothing overlaps, but the engine takes exactly the same
+path as on a GPU (``overlap_schedule=True``): these tests check that it loses, duplicates and
+reorders nothing against the engine that commits every step before the next launch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ngrammar import LLM, SamplingParams
+from ngrammar.outputs import RequestOutput
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea, there lived",
+    "List three colors:",
+]
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "pattern": r"^[\w]+$"}, "population": {"type": "integer"}},
+    "required": ["name", "population"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def overlap_llm() -> LLM:
+    return LLM(device="cpu", dtype="float32", kv_cache_tokens=16384, overlap_schedule=True)
+
+
+def _summary(outs: list[RequestOutput]) -> list[Any]:
+    return [[(c.token_ids, c.text, c.finish_reason, c.logprobs) for c in o.outputs] for o in outs]
+
+
+def test_overlap_is_on_by_default_only_on_cuda(llm: LLM, overlap_llm: LLM) -> None:
+    assert not llm.engine.overlap and overlap_llm.engine.overlap
+
+
+def test_greedy_outputs_equal_the_step_by_step_engine(llm: LLM, overlap_llm: LLM) -> None:
+    """EOS, max_tokens, stop strings and logprobs, in one batch whose members finish at different steps."""
+    params = [
+        SamplingParams(max_tokens=40, temperature=0),
+        SamplingParams(max_tokens=7, temperature=0, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=30, temperature=0, stop=[","]),
+        SamplingParams(max_tokens=1, temperature=0),
+    ]
+    before = overlap_llm.engine.stats.chained_steps
+    got = overlap_llm.generate(PROMPTS, params)
+    assert overlap_llm.engine.stats.chained_steps > before
+    assert _summary(got) == _summary(llm.generate(PROMPTS, params))
+
+
+def test_seeded_sampling_equals_the_step_by_step_engine(llm: LLM, overlap_llm: LLM) -> None:
+    """Sampling offsets come from committed lengths: a chained step must draw the same coins."""
+    params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=5, n=2, ignore_eos=True)
+    assert _summary(overlap_llm.generate(PROMPTS[:2], params)) == _summary(llm.generate(PROMPTS[:2], params))
+
+
+def test_a_chained_step_launches_before_the_read_of_the_step_before(overlap_llm: LLM) -> None:
+    eng = overlap_llm.engine
+    events: list[str] = []
+    eng.runner.on_forward = lambda: events.append("forward")
+    eng.runner.on_to_host = lambda: events.append("read")
+    try:
+        out = overlap_llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    finally:
+        eng.runner.on_forward = None
+        eng.runner.on_to_host = None
+    assert len(out.token_ids) == 12
+    # prefill, then 11 decode steps: every token is read exactly once, and the chained decode steps
+    # launch their forward while the step before is still unread (two launches in a row).
+    assert events.count("read") == 12 and events.count("forward") == 12
+    assert events[:4] == ["forward", "read", "forward", "forward"]
+
+
+def test_requests_joining_and_aborting_mid_flight(llm: LLM, overlap_llm: LLM) -> None:
+    """A request joining or aborting while a step is in flight drains it; nothing is lost or leaked."""
+    eng = overlap_llm.engine
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    first = eng.add_request("Tell me about the moon.", params)
+    doomed = eng.add_request("Write a long poem about the sea.", params)
+    results: dict[str, RequestOutput] = {}
+    second = None
+    for steps in range(1, 200):
+        for out in eng.step():
+            if out.finished:
+                results[out.request_id] = out
+        if steps == 4:
+            second = eng.add_request("Why is the sky blue?", params)
+        if steps == 7:
+            eng.abort(doomed)
+        if not eng.has_unfinished():
+            break
+    assert second is not None and results[doomed].finish_reason == "abort"
+    assert results[first].token_ids == llm.generate("Tell me about the moon.", params)[0].token_ids
+    assert results[second].token_ids == llm.generate("Why is the sky blue?", params)[0].token_ids
+    assert eng.blocks.allocator.num_free == eng.blocks.allocator.num_pages
+
+
+def test_grammar_under_overlap_equals_the_step_by_step_engine(llm: LLM, overlap_llm: LLM) -> None:
+    """The next step's grammar row needs the token in flight: it is committed before sampling."""
+    prompt = [{"role": "user", "content": "Paris has 2161000 people. Give name and population as JSON."}]
+    params = SamplingParams(max_tokens=48, temperature=0, json_schema=SCHEMA)
+    got = overlap_llm.chat([prompt, prompt], params)
+    assert _summary(got) == _summary(llm.chat([prompt, prompt], params))
+    assert got[0].outputs[0].finish_reason == "stop"
+
+
+def test_ngram_with_overlap_is_lossless() -> None:
+    """The adaptive policy decides a chained step from the committed tokens (one behind); verify
+    steps drain the step in flight first. Greedy output stays identical to plain decoding."""
+    plain = LLM(device="cpu", dtype="float32", kv_cache_tokens=16384)
+    spec = LLM(device="cpu", dtype="float32", kv_cache_tokens=16384, overlap_schedule=True,
+               speculative="ngram", num_draft_tokens=8)
+    text = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+    prompts = [f"Repeat this code exactly:\n{text}", "Tell me a short story about a cat.",
+               f"Copy:\n{text}\nNow copy it again:\n"]
+    params = SamplingParams(max_tokens=48, temperature=0)
+    got = spec.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(prompts, params)]
+    stats = spec.engine.stats
+    assert stats.spec_steps > 0 and stats.chained_steps > 0  # both kinds of step ran
+    assert spec.engine.blocks.allocator.num_free == spec.engine.blocks.allocator.num_pages
+
+
+def test_preemption_under_a_tiny_pool_with_overlap() -> None:
+    """A chained step reserves KV without preempting; when that fails it drains and schedules."""
+    kw: dict[str, Any] = dict(device="cpu", dtype="float32", kv_cache_tokens=256, page_size=16, max_prefill_tokens=64)
+    prompts = [f"Story number {i}: once upon a time" for i in range(6)]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    small = LLM(**kw, overlap_schedule=True)
+    together = [o.token_ids for o in small.generate(prompts, params)]
+    assert together == [o.token_ids for o in LLM(**kw).generate(prompts, params)]
+    small.engine.blocks.allocator.check_integrity()
+    assert small.engine.blocks.allocator.num_free == small.engine.blocks.allocator.num_pages
