@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from ngrammar import LLM, SamplingParams
 from ngrammar.outputs import RequestOutput
@@ -138,3 +139,42 @@ def test_preemption_under_a_tiny_pool_with_overlap() -> None:
     assert together == [o.token_ids for o in LLM(**kw).generate(prompts, params)]
     small.engine.blocks.allocator.check_integrity()
     assert small.engine.blocks.allocator.num_free == small.engine.blocks.allocator.num_pages
+
+
+def test_a_decision_ahead_bounds_each_match_length_one_longer(spec_llm: LLM) -> None:
+    """With a token in flight the policy decides for the step after it: plain only if plain wins
+    whatever that token is, so each match length is priced at its bound (one longer)."""
+    eng = spec_llm.engine
+    assert eng.spec is not None
+    worker = eng.spec
+    rid = eng.add_request([5, 6, 7, 8, 9, 5, 6, 7], SamplingParams(max_tokens=4, temperature=0))
+    seq = eng.requests[rid].seqs[0]
+    seen: list[list[int]] = []
+
+    def record(seq_ids: Any, lengths: Any, constrained: bool = False, remaining: Any = None) -> int:
+        seen.append(list(lengths()))
+        return 1
+
+    worker.policy.choose = record  # type: ignore[method-assign]
+    try:
+        worker.choose_width([seq])
+        worker.choose_width([seq], ahead=True)
+    finally:
+        del worker.policy.choose  # the class's method again
+        eng.abort(rid)
+        eng.step()
+    assert seen == [[3], [4]]  # "5 6 7" was followed by 8 once; capped at MAX_MATCH = 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_overlap_on_cuda_emits_exactly_the_step_by_step_tokens() -> None:
+    """bf16 with CUDA graphs: overlap runs the same kernels in the same order, so not one token may differ."""
+    kw: dict[str, Any] = dict(device="cuda", kv_cache_tokens=16384, cuda_graph_max_bs=8)
+    overlapped, stepwise = LLM(**kw), LLM(**kw, overlap_schedule=False)
+    assert overlapped.engine.overlap and not stepwise.engine.overlap
+    params = [SamplingParams(max_tokens=48, temperature=0), SamplingParams(max_tokens=32, temperature=0.8, seed=3),
+              SamplingParams(max_tokens=40, temperature=0, stop=["."]), SamplingParams(max_tokens=5, temperature=0)]
+    got = overlapped.generate(PROMPTS, params)
+    assert overlapped.engine.stats.chained_steps > 0
+    assert _summary(got) == _summary(stepwise.generate(PROMPTS, params))

@@ -376,8 +376,10 @@ class LLMEngine:
             if (seq.is_finished or seq.num_output_tokens + 1 >= seq.params.max_tokens
                     or len(seq.token_ids) + 1 >= self.max_model_len):
                 return False
-        # The policy decides from the committed tokens: one behind the step it decides for.
-        return self._decode_width(seqs) == 1 and sched.reserve_decode(seqs, 1)
+        # The policy sees the committed tokens, one behind the step it decides for: chain only when
+        # plain decoding wins whatever the token in flight is; otherwise drain and decide afresh.
+        plain = self.spec is None or self.spec.choose_width(seqs, ahead=True) == 1
+        return plain and sched.reserve_decode(seqs, 1)
 
     def _drain(self) -> None:
         """Commit the step in flight, if any (its forward and sampling are already queued)."""

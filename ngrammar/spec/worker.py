@@ -129,14 +129,18 @@ class NgramSpecWorker:
         self.policy.forget(ids)
 
     # ------------------------------------------------------------- policy
-    def choose_width(self, seqs: list[Sequence]) -> int:
+    def choose_width(self, seqs: list[Sequence], ahead: bool = False) -> int:
+        """The next decode step's width. ``ahead``: one token per sequence is still in flight (overlap
+        scheduling), so each match length is taken at its bound after that token, one longer:
+        the answer is 1 only if plain decoding wins whatever the token turns out to be."""
         self._constrained = any(s.grammar is not None for s in seqs)
         draining = not self.engine.scheduler.waiting
+        corpus, grow = self.corpus, int(ahead)
         return self.policy.choose(
             [s.seq_id for s in seqs],
-            lambda: [self.corpus.match_length(s.token_ids, MAX_MATCH) for s in seqs],
+            lambda: [min(corpus.match_length(s.token_ids, MAX_MATCH) + grow, MAX_MATCH) for s in seqs],
             self._constrained,
-            (lambda: [s.params.max_tokens - s.num_output_tokens for s in seqs]) if draining else None,
+            (lambda: [s.params.max_tokens - s.num_output_tokens - grow for s in seqs]) if draining else None,
         )
 
     def observe_step(self, batch_size: int, width: int, seconds: float) -> None:
