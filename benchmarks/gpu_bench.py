@@ -81,9 +81,12 @@ def bench_small_model(model: str | None, batch_sizes: list[int], max_tokens: int
             batch = [prompts[i % len(prompts)] for i in range(bs)]
             # Interleaved pairs: a slow spell of the host hits both sides of a pair.
             p, s, q = [], [], []
+            stats = spec.engine.stats
             for _ in range(repeats):
                 p.append(_run(plain, batch, greedy))
+                steps, chained = stats.steps, stats.chained_steps
                 s.append(_run(spec, batch, greedy))
+                chained_share = (stats.chained_steps - chained) / max(stats.steps - steps, 1)
                 q.append(_run(stepwise, batch, greedy))
             same = [a.token_ids == b.token_ids for a, b in zip(p[-1][1], s[-1][1])]
             res[f"b{bs}/{cat}"] = {
@@ -95,6 +98,7 @@ def bench_small_model(model: str | None, batch_sizes: list[int], max_tokens: int
                 # The same kernels in the same order: overlap must not change a single token.
                 "overlap_identical": all(a.token_ids == c.token_ids for a, c in zip(p[-1][1], q[-1][1])),
                 "accept_len": _accept(s[-1][1]),
+                "ngram_chained_share": chained_share,  # of the last NGRAM run's engine steps
                 "ngram_identical_to_plain": sum(same) / len(same),
             }
         res[f"b{bs}/json"] = _grammar_variants(plain, spec, bs, max_tokens, repeats)
@@ -310,7 +314,9 @@ def summarize(log: dict[str, Any]) -> None:
                 rows.append([key, f"plain, no overlap (overlap x{v['overlap_gain']:.2f}, same "
                                   f"{v.get('overlap_identical')})", v["plain_stepwise_tok_s"], 1.0])
             ratio = v.get("ratio", v["ngram_tok_s"] / v["plain_tok_s"])  # median of paired runs when logged
-            rows.append([key, f"ngram (x{ratio:.2f}, same {v['ngram_identical_to_plain']:.0%})",
+            chained = v.get("ngram_chained_share")
+            rows.append([key, f"ngram (x{ratio:.2f}, same {v['ngram_identical_to_plain']:.0%}"
+                              + ("" if chained is None else f", chained {chained:.0%}") + ")",
                          v["ngram_tok_s"], v["accept_len"]])
     for cat, v in small.get("transformers_b1", {}).items():
         if isinstance(v, dict):

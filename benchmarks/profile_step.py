@@ -84,8 +84,9 @@ def profile_variant(llm: LLM, label: str, prompts: list[Any], max_tokens: int, o
     stats = llm.engine.stats
     f0, s0, v0, e0, k0 = (stats.forward_seconds, stats.step_seconds, stats.spec_steps, stats.verify_emitted,
                           stats.verify_steps)
-    vs0, d0 = stats.verify_seconds, stats.draft_seconds
+    vs0, d0, c0 = stats.verify_seconds, stats.draft_seconds, stats.chained_steps
     tok_s, steps = _generate(llm, prompts, max_tokens)
+    chained = stats.chained_steps - c0
     verify_steps = stats.spec_steps - v0
     accept = (stats.verify_emitted - e0) / max(stats.verify_steps - k0, 1)
     step_ms = (stats.step_seconds - s0) / steps * 1e3
@@ -103,7 +104,8 @@ def profile_variant(llm: LLM, label: str, prompts: list[Any], max_tokens: int, o
     ps.sort_stats("cumtime").print_stats(60)
     (out / f"{label}.prof.txt").write_text(text.getvalue())
     width = 1 if llm.engine.spec is None else llm.engine.spec.policy.max_width
-    res = {"tok_s": tok_s, "steps": steps, "verify_steps": verify_steps, "accept_len": accept,
+    res = {"tok_s": tok_s, "steps": steps, "verify_steps": verify_steps, "chained_steps": chained,
+           "accept_len": accept,
            "step_ms": step_ms, "forward_call_ms": forward_ms, "verify_step_ms": verify_ms,
            "draft_ms_per_verify": draft_ms,
            "graph_replay_ms": _graph_replay_ms(llm, len(prompts), 1),
@@ -125,11 +127,12 @@ def run_profile(plain: LLM, spec: LLM, batch_sizes: list[int], max_tokens: int, 
     if kernels:
         for bs, width in ((1, 1), (8, 1), (1, spec.engine.spec.policy.max_width if spec.engine.spec else 1)):
             kernel_table(spec if width > 1 else plain, bs, width, out)
-    rows = [[k, v["tok_s"], f"{v['verify_steps']}/{v['steps']}", v["accept_len"], v["step_ms"], v["forward_call_ms"],
+    rows = [[k, v["tok_s"], f"{v['verify_steps']}/{v['chained_steps']}/{v['steps']}", v["accept_len"], v["step_ms"],
+             v["forward_call_ms"],
              v["verify_step_ms"] if v["verify_steps"] else "", v["draft_ms_per_verify"] if v["verify_steps"] else "",
              v["graph_replay_ms"] or "", v["graph_replay_verify_ms"] or ""]
             for k, v in log.items()]
-    print_table("decode step breakdown", ["variant", "tok/s", "verify/steps", "accept len", "step ms",
+    print_table("decode step breakdown", ["variant", "tok/s", "verify/chained/steps", "accept len", "step ms",
                                           "in forward() ms", "verify step ms", "draft+index ms",
                                           "replay ms (W=1)", "replay ms (W=D)"], rows)
     return log
