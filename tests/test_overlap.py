@@ -79,6 +79,24 @@ def test_a_chained_step_launches_before_the_read_of_the_step_before(overlap_llm:
     assert events[:4] == ["forward", "read", "forward", "forward"]
 
 
+def test_a_step_left_in_flight_by_a_finished_batch_is_dropped(overlap_llm: LLM) -> None:
+    """When the batch ends on EOS while its next step runs, that step is dropped at once: it must
+    not wait for the next request (its drain would time the idle gap as a step)."""
+    eng = overlap_llm.engine
+    out = overlap_llm.generate("Say hi.", SamplingParams(max_tokens=200, temperature=0))[0]
+    assert out.finish_reason == "stop" and eng.stats.chained_steps > 0
+    assert eng._in_flight is None
+
+
+def test_a_full_batch_keeps_chaining_while_requests_wait(llm: LLM) -> None:
+    """Requests that cannot be admitted (the batch is at max_running_requests) do not stop overlap."""
+    capped = LLM(device="cpu", dtype="float32", kv_cache_tokens=16384, overlap_schedule=True, max_running_requests=2)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    got = capped.generate(PROMPTS, params)
+    assert capped.engine.stats.chained_steps >= 2 * 8  # the first two pairs chain while others wait
+    assert [o.token_ids for o in got] == [o.token_ids for o in llm.generate(PROMPTS, params)]
+
+
 def test_requests_joining_and_aborting_mid_flight(llm: LLM, overlap_llm: LLM) -> None:
     """A request joining or aborting while a step is in flight drains it; nothing is lost or leaked."""
     eng = overlap_llm.engine
@@ -135,7 +153,16 @@ def test_preemption_under_a_tiny_pool_with_overlap() -> None:
     prompts = [f"Story number {i}: once upon a time" for i in range(6)]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     small = LLM(**kw, overlap_schedule=True)
+    reserved: list[bool] = []
+    reserve = small.engine.scheduler.reserve_decode
+
+    def recording(seqs: Any, width: int) -> bool:
+        reserved.append(reserve(seqs, width))
+        return reserved[-1]
+
+    small.engine.scheduler.reserve_decode = recording  # type: ignore[method-assign]
     together = [o.token_ids for o in small.generate(prompts, params)]
+    assert True in reserved and False in reserved  # chained, and fell back to scheduling (preemption)
     assert together == [o.token_ids for o in LLM(**kw).generate(prompts, params)]
     small.engine.blocks.allocator.check_integrity()
     assert small.engine.blocks.allocator.num_free == small.engine.blocks.allocator.num_pages
@@ -147,23 +174,46 @@ def test_a_decision_ahead_bounds_each_match_length_one_longer(spec_llm: LLM) -> 
     eng = spec_llm.engine
     assert eng.spec is not None
     worker = eng.spec
-    rid = eng.add_request([5, 6, 7, 8, 9, 5, 6, 7], SamplingParams(max_tokens=4, temperature=0))
+    rid = eng.add_request([5, 6, 7, 8, 2, 5, 6, 7], SamplingParams(max_tokens=4, temperature=0))
     seq = eng.requests[rid].seqs[0]
     seen: list[list[int]] = []
 
-    def record(seq_ids: Any, lengths: Any, constrained: bool = False, remaining: Any = None) -> int:
-        seen.append(list(lengths()))
+    other = eng.add_request([5, 6, 7, 8, 9, 5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0))
+    longer = eng.requests[other].seqs[0]
+    seen: list[tuple[list[int], bool]] = []
+
+    def record(seq_ids: Any, lengths: Any, constrained: bool = False, remaining: Any = None,
+               ahead: bool = False) -> int:
+        seen.append((list(lengths()), ahead))
         return 1
 
     worker.policy.choose = record  # type: ignore[method-assign]
     try:
-        worker.choose_width([seq])
-        worker.choose_width([seq], ahead=True)
+        worker.choose_width([seq, longer])
+        worker.choose_width([seq, longer], ahead=True)
     finally:
         del worker.policy.choose  # the class's method again
         eng.abort(rid)
+        eng.abort(other)
         eng.step()
-    assert seen == [[3], [4]]  # "5 6 7" was followed by 8 once; capped at MAX_MATCH = 4
+    # "5 6 7" was followed by 8 (length 3), "5 6 7 8" by 9 (4 = MAX_MATCH, the cap)
+    assert seen == [([3, 4], False), ([4, 4], True)]
+
+
+def test_bounds_decided_ahead_do_not_feed_the_outlook() -> None:
+    """The outlook (drafts a member tends to offer, which ranks a draining batch) is observed only."""
+    from ngrammar.spec.policy import AdaptiveDraftPolicy
+
+    policy = AdaptiveDraftPolicy(8)
+    for w in policy.widths:  # every width timed: decisions go through the probe
+        for _ in range(2):
+            policy.observe(1, w, 0.01 if w == 1 else 0.012)
+    policy.choose(["a"], lambda: [1])
+    seen = policy._outlook["a"]
+    policy.choose(["a"], lambda: [4], ahead=True)
+    assert policy._outlook["a"] == seen
+    policy.choose(["a"], lambda: [4])
+    assert policy._outlook["a"] > seen
 
 
 @pytest.mark.gpu
@@ -173,8 +223,13 @@ def test_overlap_on_cuda_emits_exactly_the_step_by_step_tokens() -> None:
     kw: dict[str, Any] = dict(device="cuda", kv_cache_tokens=16384, cuda_graph_max_bs=8)
     overlapped, stepwise = LLM(**kw), LLM(**kw, overlap_schedule=False)
     assert overlapped.engine.overlap and not stepwise.engine.overlap
-    params = [SamplingParams(max_tokens=48, temperature=0), SamplingParams(max_tokens=32, temperature=0.8, seed=3),
-              SamplingParams(max_tokens=40, temperature=0, stop=["."]), SamplingParams(max_tokens=5, temperature=0)]
+    # Members finish only at max_tokens, which never chains: both engines run the same batches. (A
+    # member ending on EOS mid-chain leaves the others one step at the larger batch, another graph
+    # bucket, whose bf16 GEMMs need not round alike.)
+    params = [SamplingParams(max_tokens=48, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=32, temperature=0.8, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)]
     got = overlapped.generate(PROMPTS, params)
     assert overlapped.engine.stats.chained_steps > 0
     assert _summary(got) == _summary(stepwise.generate(PROMPTS, params))

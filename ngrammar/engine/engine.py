@@ -368,7 +368,11 @@ class LLMEngine:
 
     def _chainable(self, seqs: list[Sequence]) -> bool:
         sched = self.scheduler
-        if sched.waiting or len(sched.running) != len(seqs) or any(a is not b for a, b in zip(sched.running, seqs)):
+        # Waiting requests stop the chain only while they could be admitted: a full batch must
+        # keep overlapping under load (it drains anyway once a member finishes).
+        if sched.waiting and len(sched.running) < sched.max_running:
+            return False
+        if len(sched.running) != len(seqs) or any(a is not b for a, b in zip(sched.running, seqs)):
             return False
         for seq in seqs:
             # The token in flight must leave each sequence unfinished (its next step would be
@@ -388,8 +392,7 @@ class LLMEngine:
             self._commit_decode(flight)
 
     def _commit_decode(self, flight: _InFlight) -> None:
-        self._commit(flight)
-        self.stats.decode_tokens += len(flight.seqs)
+        self.stats.decode_tokens += self._commit(flight)
         self._observe(len(flight.seqs), 1, flight.launched)
 
     def timed_forward(self, step: StepInput) -> torch.Tensor:
@@ -417,17 +420,21 @@ class LLMEngine:
             lp = self.logprob_tensors(seqs, logits, rows, tokens[:, None])
         return _InFlight(seqs, tokens, self.runner.to_host_async(tokens, *lp), self._step_start)
 
-    def _commit(self, flight: _InFlight) -> None:
-        """Wait for the sampled tokens and append one per sequence that is still running."""
+    def _commit(self, flight: _InFlight) -> int:
+        """Wait for the sampled tokens and append one per sequence that is still running; returns
+        how many were appended."""
         seqs = flight.seqs
         host = flight.read.wait()
         token_list = host[0].tolist()
         logprobs = self.unpack_logprobs(seqs, host[1:], [1] * len(seqs))
+        appended = 0
         for i, seq in enumerate(seqs):
             # Skipped: a sequence finished while its token was in flight (EOS, abort, overlong), or
             # a grammar that failed to settle.
             if not seq.is_finished:
                 seq.append_tokens([token_list[i]], None if logprobs is None else logprobs[i], masked=True)
+                appended += 1
+        return appended
 
     def settle_grammars(self, seqs: list[Sequence]) -> None:
         """The grammars take the tokens the last step committed (``Sequence.append_tokens`` with
@@ -490,6 +497,10 @@ class LLMEngine:
 
     def _collect_outputs(self) -> list[RequestOutput]:
         self._retire()
+        if self._in_flight is not None and all(s.is_finished for s in self._in_flight.seqs):
+            # Its batch ended while it ran (EOS, stop): nothing to commit, and it must not wait
+            # for the next request to be drained, which would time the idle gap as its step.
+            self._in_flight = None
         outputs = []
         for rid in list(self.requests):
             req = self.requests[rid]

@@ -424,8 +424,9 @@ class CUDAGraphRunner:
             mask[first:] = np.tri(width, dtype=np.bool_)
 
     def _claim_host(self) -> None:
-        """Wait until the last upload has read the host buffer (normally long done: every engine step
-        ends with a device->host read). A host-side event wait, not a stream or device sync."""
+        """Wait until the last upload has read the host buffer (normally long done: a step's upload
+        is queued right after the previous step's sampling, which the host has waited for, or is
+        about to, before it stages again). A host-side event wait, not a stream or device sync."""
         if self._uploaded is not None:
             self._uploaded.synchronize()
 

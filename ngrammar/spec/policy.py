@@ -185,12 +185,14 @@ class AdaptiveDraftPolicy:
         match_lengths: MatchLengths,
         constrained: bool = False,
         remaining: Callable[[], Sequence[int]] | None = None,
+        ahead: bool = False,
     ) -> int:
         """The draft width for a decode step over these sequences (``constrained``: some have a grammar).
 
         ``remaining`` (tokens each sequence may still emit, computed on demand) is given when the
         batch is draining (nothing waits to join it): then only the members on its critical path
-        count (``_drafts``)."""
+        count (``_drafts``). ``ahead``: the match lengths are bounds, not observations (a token is
+        still in flight), so they do not feed the members' outlooks."""
         if not seq_ids:
             return 1
         if not self.adaptive or self.max_width == 1:
@@ -201,7 +203,7 @@ class AdaptiveDraftPolicy:
         for w in self.widths:  # plain first, then each width with no cost known or borrowable, twice
             if costs[w] is None:
                 if w > 1:
-                    self._probe(seq_ids, match_lengths)
+                    self._probe(seq_ids, match_lengths, ahead)
                 return w
         if now < self._probe_at.get(b, 0):
             return 1
@@ -214,7 +216,7 @@ class AdaptiveDraftPolicy:
             best_p = self._best_p + max(bias, 0.0)
             if not any(_rate(costs[w], w, expected_run(best_p, w)) > bar for w in self.widths[1:]):
                 return 1  # no width could win even at the best match length: skip the probe
-        lengths, expected = self._probe(seq_ids, match_lengths)
+        lengths, expected = self._probe(seq_ids, match_lengths, ahead)
         if expected is None:  # every tree would be padding: nothing to gain, nothing to explore
             self._probe_at[b] = now + b[0] // 4
             return 1
@@ -274,13 +276,15 @@ class AdaptiveDraftPolicy:
         return max(self.explore_every, math.ceil((ratio - 1.0) / self.explore_overhead))
 
     def _probe(
-        self, seq_ids: Sequence[str], match_lengths: MatchLengths
+        self, seq_ids: Sequence[str], match_lengths: MatchLengths, ahead: bool = False
     ) -> tuple[Sequence[int], dict[int, list[float]] | None]:
         """The batch's match lengths, and the drafts each member is expected to accept per width
-        (None when no member has a match); updates each member's outlook."""
+        (None when no member has a match); updates each member's outlook unless ``ahead``."""
         lengths = match_lengths()
         self._lengths.update(zip(seq_ids, lengths))
         expected = self._expected(seq_ids, lengths) if any(lengths) else None
+        if ahead:
+            return lengths, expected
         widest = None if expected is None else expected[self.max_width]
         outlook = self._outlook
         for i, seq_id in enumerate(seq_ids):

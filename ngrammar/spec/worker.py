@@ -143,6 +143,7 @@ class NgramSpecWorker:
             lambda: [min(corpus.match_length(s.token_ids, MAX_MATCH) + grow, MAX_MATCH) for s in seqs],
             self._constrained,
             (lambda: [s.params.max_tokens - s.num_output_tokens - grow for s in seqs]) if draining else None,
+            ahead,
         )
 
     def observe_step(self, batch_size: int, width: int, seconds: float) -> None:
