@@ -39,7 +39,9 @@ PHONE_REGEX = r"[0-9]{3}-[0-9]{4}"
 
 class LiveServer:
     def __init__(self) -> None:
-        self.app = create_app(ENGINE_KWARGS)
+        # Overlap scheduling on (the CUDA default): requests join, finish and get cancelled while
+        # a plain step is in flight, and outputs must still equal the offline engine's.
+        self.app = create_app({**ENGINE_KWARGS, "overlap_schedule": True})
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
