@@ -133,8 +133,9 @@ class NgramSpecWorker:
         """The next decode step's width. ``ahead``: one token per sequence is still in flight (overlap
         scheduling), so each match length is taken at its bound after that token, one longer:
         the answer is 1 only if plain decoding wins whatever the token turns out to be. (Keeping an
-        unmatched sequence at 0 was tried, H200 run L: open-ended batch 1 gained nothing, x0.94 as
-        in run K, and grounded batch 1 fell, code edits x1.14 against x1.56.)"""
+        unmatched sequence at 0 was tried once, H200 run L: open-ended batch 1 did not gain, x0.94
+        as in run K; its grounded batch-1 cells came out lower, code edits x1.14 against x1.56,
+        though on a slower host.)"""
         self._constrained = any(s.grammar is not None for s in seqs)
         draining = not self.engine.scheduler.waiting
         corpus, grow = self.corpus, int(ahead)
