@@ -86,6 +86,13 @@ def test_a_step_left_in_flight_by_a_finished_batch_is_dropped(overlap_llm: LLM) 
     out = overlap_llm.generate("Say hi.", SamplingParams(max_tokens=200, temperature=0))[0]
     assert out.finish_reason == "stop" and eng.stats.chained_steps > 0
     assert eng._in_flight is None
+    # A member ending on EOS while the other runs on: the step in flight is drained with it
+    # finished, and its dropped token is not counted as decoded.
+    before = eng.stats.decode_tokens
+    outs = overlap_llm.generate(["Say hi.", "Count to fifty:"], [SamplingParams(max_tokens=200, temperature=0),
+                                SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)])
+    assert outs[0].outputs[0].finish_reason == "stop" and len(outs[0].token_ids) < len(outs[1].token_ids)
+    assert eng.stats.decode_tokens - before == sum(len(o.token_ids) - 1 for o in outs)  # the first is prefill's
 
 
 def test_a_full_batch_keeps_chaining_while_requests_wait(llm: LLM) -> None:
