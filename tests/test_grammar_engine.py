@@ -7,6 +7,7 @@ import re
 
 import jsonschema
 import pytest
+from device_events import device_events
 
 from ngrammar import LLM, SamplingParams
 
@@ -137,23 +138,18 @@ def test_two_grammars_at_once_is_refused() -> None:
 def test_no_device_read_before_the_verify_launch(spec_llm: LLM) -> None:
     """The spec+grammar step launches the verify forward before any device->host read."""
     eng = spec_llm.engine
-    events: list[str] = []
-    eng.runner.on_forward = lambda: events.append("forward")
-    eng.runner.on_to_host = lambda: events.append("to_host")
-    try:
+    with device_events(eng.runner, "to_host") as events:
         spec_llm.chat(CITY_PROMPT, SamplingParams(max_tokens=24, temperature=0, json_schema=CITY_SCHEMA))
         verify_steps = _split_steps(events)
         assert verify_steps and all(step == ["forward", "to_host"] for step in verify_steps)
         events.clear()
         assert eng.spec is not None
         eng.spec.readback_links = True  # the benchmark switch: the old readback path must show up
-        spec_llm.chat(CITY_PROMPT, SamplingParams(max_tokens=8, temperature=0, json_schema=CITY_SCHEMA))
-        assert ["to_host", "forward", "to_host"] in _split_steps(events)
-    finally:
-        eng.runner.on_forward = None
-        eng.runner.on_to_host = None
-        if eng.spec is not None:
+        try:
+            spec_llm.chat(CITY_PROMPT, SamplingParams(max_tokens=8, temperature=0, json_schema=CITY_SCHEMA))
+        finally:
             eng.spec.readback_links = False
+        assert ["to_host", "forward", "to_host"] in _split_steps(events)
 
 
 def _split_steps(events: list[str]) -> list[list[str]]:

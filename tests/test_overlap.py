@@ -14,6 +14,7 @@ import torch
 
 from ngrammar import LLM, SamplingParams
 from ngrammar.outputs import RequestOutput
+from device_events import device_events
 
 PROMPTS = [
     "The capital of France is",
@@ -63,15 +64,8 @@ def test_seeded_sampling_equals_the_step_by_step_engine(llm: LLM, overlap_llm: L
 
 
 def test_a_chained_step_launches_before_the_read_of_the_step_before(overlap_llm: LLM) -> None:
-    eng = overlap_llm.engine
-    events: list[str] = []
-    eng.runner.on_forward = lambda: events.append("forward")
-    eng.runner.on_to_host = lambda: events.append("read")
-    try:
+    with device_events(overlap_llm.engine.runner) as events:
         out = overlap_llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
-    finally:
-        eng.runner.on_forward = None
-        eng.runner.on_to_host = None
     assert len(out.token_ids) == 12
     # prefill, then 11 decode steps: every token is read exactly once, and the chained decode steps
     # launch their forward while the step before is still unread (two launches in a row).

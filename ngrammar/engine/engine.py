@@ -324,10 +324,7 @@ class LLMEngine:
             self._sample_and_commit(sampled, logits[: len(sampled)])
 
     def _run_decode(self, seqs: list[Sequence]) -> None:
-        logits = self._launch_decode(seqs, None)
-        if self.spec is not None:  # on a GPU this host work runs while the forward computes
-            self.spec.index_plain_step(seqs)
-        flight = self._sample(seqs, logits)
+        flight = self._sample_and_index(seqs, self._launch_decode(seqs, None))
         if self.overlap:
             self._in_flight = flight  # committed by the next step, after it launches its forward
         else:
@@ -360,11 +357,17 @@ class LLMEngine:
             return False
         logits = self._launch_decode(seqs, flight.tokens)
         self._commit_decode(flight)  # the read waits for the previous step only
-        self._in_flight = self._sample(seqs, logits)  # after the commit: grammar rows need its tokens
-        if self.spec is not None:
-            self.spec.index_plain_step(seqs)
+        self._in_flight = self._sample_and_index(seqs, logits)  # after the commit: grammar rows need its tokens
         self.stats.chained_steps += 1
         return True
+
+    def _sample_and_index(self, seqs: list[Sequence], logits: torch.Tensor) -> _InFlight:
+        """Queue a plain step's sampling, then index the batch's committed tokens into the corpus:
+        on a GPU that host work runs while the device computes."""
+        flight = self._sample(seqs, logits)
+        if self.spec is not None:
+            self.spec.index_plain_step(seqs)
+        return flight
 
     def _chainable(self, seqs: list[Sequence]) -> bool:
         sched = self.scheduler
