@@ -6,6 +6,8 @@ grounded and open-ended prompts at several batch sizes; the spec+grammar step ru
 ``torch.cuda.set_sync_debug_mode("error")`` armed from drafting to the verify launch.
 Part 2, a random-weight Llama-3-8B-shaped model: plain decode and tree-verify step times (CUDA
 graphs) against the bandwidth floor measured in the same run.
+Part ``kernels`` (not run by default): ``benchmarks.bench_kernels``, the fused small-step linear
+kernel against the unfused ops, and whole steps with it on and off.
 
     python -m benchmarks.gpu_bench --model /tmp/ngm/model.gguf --out $OUT/gpu_bench.json
 """
@@ -221,14 +223,15 @@ def _cuda_time(fn: Callable[[], Any], n: int) -> float:
     return statistics.median(times)
 
 
-def random_model(config: ModelConfig) -> Any:
+def random_model(config: ModelConfig, ops: Any = None) -> Any:
+    """(bf16 model with random weights on CUDA, its Triton attention backend); ops: TritonOps by default."""
     from ngrammar.kernels.fused_ops import TritonOps
     from ngrammar.kernels.triton_attention import TritonAttentionBackend
     from ngrammar.model.llama import LlamaForCausalLM
 
     backend = TritonAttentionBackend()
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend, TritonOps())
+        model = LlamaForCausalLM(config, backend, ops or TritonOps())
     model = model.to_empty(device="cuda").to(torch.bfloat16)
     model.rotary.__init__(config)
     model.rotary.to("cuda")
@@ -351,6 +354,10 @@ def main() -> int:
                                                              graphs=False), log)
     if "8b" in parts and torch.cuda.is_available():
         _safe("llama3_8b_shape", bench_8b, log)
+    if "kernels" in parts and torch.cuda.is_available():
+        from benchmarks.bench_kernels import run as run_kernels
+
+        _safe("kernels", run_kernels, log)
     with open(args.out, "w") as f:
         json.dump(log, f, indent=1, default=str)
     summarize(log)

@@ -11,9 +11,10 @@ import pytest
 import torch
 from triton_env import DEVICE, INTERPRET
 
-from ngrammar.kernels.fused_ops import TritonOps, _adjacent_heads
+from ngrammar.kernels.fused_ops import TritonOps, silu_and_mul
+from ngrammar.kernels.triton_attention import TritonAttentionBackend
 from ngrammar.model.config import ModelConfig
-from ngrammar.model.llama import LlamaForCausalLM, RotaryEmbedding
+from ngrammar.model.llama import LlamaForCausalLM
 from ngrammar.model.ops import TorchOps
 from ngrammar.runner.attention import AttentionMetadata, TorchSDPABackend
 
@@ -51,58 +52,31 @@ def test_rms_norm_matches_torch(dtype: torch.dtype, tokens: int, n: int, with_re
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 32)])
-@pytest.mark.parametrize("fused_qkv", [True, False])
-@pytest.mark.parametrize("tokens", [1, 11])
-def test_rope_matches_torch(dtype: torch.dtype, hq: int, hkv: int, d: int, fused_qkv: bool, tokens: int) -> None:
-    config = ModelConfig(vocab_size=16, hidden_size=hq * d, intermediate_size=8, num_layers=1, num_heads=hq,
-                         num_kv_heads=hkv, head_dim=d, max_position=256, rope_theta=10000.0, rms_norm_eps=1e-5,
-                         tie_word_embeddings=True)
-    rotary = RotaryEmbedding(config).to(DEVICE)
-    g = torch.Generator().manual_seed(hq + d)
-    positions = torch.randint(0, 256, (tokens,), generator=g).to(DEVICE)
-    cos, sin = rotary.table(positions)
-    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=g).to(DEVICE, dtype)
-    if fused_qkv:  # q and k are views of one projection row, as in the model (one launch)
-        q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-        q, k = q.view(tokens, hq, d), k.view(tokens, hkv, d)
-        assert _adjacent_heads(q, k)  # also for one token, whose views may carry any token stride
-    else:  # separate tensors (e.g. after Qwen3's q/k norms): two launches
-        q = qkv[:, : hq * d].reshape(tokens, hq, d).clone()
-        k = qkv[:, hq * d : (hq + hkv) * d].reshape(tokens, hkv, d).clone()
-    v_before = qkv[:, (hq + hkv) * d :].clone()
-    want_q, want_k = REF.rope(q, k, cos, sin)
-    got_q, got_k = FUSED.rope(q, k, cos, sin)
-    _close(got_q, want_q, dtype)
-    _close(got_k, want_k, dtype)
-    if fused_qkv:  # v, right after k in each row, is untouched
-        assert torch.equal(qkv[:, (hq + hkv) * d :], v_before)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,n", [(1, 1536), (5, 100), (3, 5000)])
 def test_silu_and_mul_matches_torch(dtype: torch.dtype, tokens: int, n: int) -> None:
     g = torch.Generator().manual_seed(n)
     x = (torch.randn(tokens, 2 * n, generator=g) * 4).to(DEVICE, dtype)
-    _close(FUSED.silu_and_mul(x), REF.silu_and_mul(x), dtype)
+    _close(silu_and_mul(x), REF.silu_and_mul(x), dtype)
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_whole_model_logits_match_torch_ops(qk_norm: bool) -> None:
-    """The decoder with fused ops gives the reference decoder's logits (fp32, random weights)."""
+@pytest.mark.parametrize("tokens", [1, 21])
+@pytest.mark.parametrize("fuse_linear", [True, False])
+def test_whole_model_logits_match_torch_ops(qk_norm: bool, tokens: int, fuse_linear: bool) -> None:
+    """The decoder with fused ops and Triton attention (RoPE fused into the K/V write) gives the
+    reference decoder's logits (fp32, random weights), with the projections' prologues fused (one
+    token) or not (21 tokens, or fusion off)."""
     config = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
                          num_kv_heads=2, head_dim=16, max_position=64, qk_norm=qk_norm, rope_theta=10000.0,
                          rms_norm_eps=1e-5, tie_word_embeddings=True)
     torch.manual_seed(0)
-    backend = TorchSDPABackend()
-    ref = LlamaForCausalLM(config, backend, REF).to(DEVICE)
+    ref = LlamaForCausalLM(config, TorchSDPABackend(), REF).to(DEVICE)
     for p in ref.parameters():
         torch.nn.init.normal_(p, 0.0, 0.2)
-    fused = LlamaForCausalLM(config, backend, FUSED).to(DEVICE)
+    fused = LlamaForCausalLM(config, TritonAttentionBackend(), TritonOps(fuse_linear=fuse_linear)).to(DEVICE)
     fused.load_state_dict(ref.state_dict())
-    tokens = 9
     meta = AttentionMetadata(
-        slot_mapping=torch.arange(tokens, device=DEVICE), page_table=torch.arange(2, device=DEVICE)[None],
+        slot_mapping=torch.arange(tokens, device=DEVICE), page_table=torch.arange(3, device=DEVICE)[None],
         kv_lens=torch.tensor([tokens], device=DEVICE), q_lens=torch.tensor([tokens], device=DEVICE),
         q_start=torch.tensor([0, tokens], device=DEVICE), max_q_len=tokens, max_kv_len=tokens, page_size=8,
     )
@@ -110,7 +84,7 @@ def test_whole_model_logits_match_torch_ops(qk_norm: bool) -> None:
     pos = torch.arange(tokens, device=DEVICE)
     out = []
     for model in (ref, fused):
-        cache = torch.zeros(3, 2, 2, 8, 2, 16, device=DEVICE)
+        cache = torch.zeros(3, 2, 3, 8, 2, 16, device=DEVICE)
         with torch.inference_mode():
-            out.append(model.compute_logits(model(ids, pos, cache, backend.plan(meta))))
+            out.append(model.compute_logits(model(ids, pos, cache, model.layers[0].self_attn.backend.plan(meta))))
     _close(out[1], out[0], torch.float32)

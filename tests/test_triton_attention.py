@@ -284,3 +284,51 @@ def test_cuda_graph_replay_with_new_lengths(tree: bool):
         torch.cuda.synchronize()
         err = (static_out.float() - expected).abs().max().item()
         assert err <= 2e-2 * expected.abs().max().item(), f"replay err {err:.3e}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", HEADS, ids=str)
+@pytest.mark.parametrize("views", [True, False], ids=lambda v: "qkv_views" if v else "separate")
+def test_rope_fused_into_the_kv_write(heads: tuple[int, int, int], dtype, views: bool):
+    """With rotary tables the kernel rotates q in place and k on its way into the pool: the cache
+    and the output equal the torch backend's (which rotates with ``rotate_half``) in the same dtype,
+    up to one rounding of an fp32 contraction; v is stored untouched."""
+    from ngrammar.model.config import ModelConfig
+    from ngrammar.model.llama import RotaryEmbedding
+
+    hq, hkv, d = heads
+    meta, q, k, v, cache = make_case([1, 5, 3], [30, 5, 70], page_size=16, heads=heads, dtype=dtype, seed=8)
+    config = ModelConfig(vocab_size=16, hidden_size=hq * d, intermediate_size=8, num_layers=1, num_heads=hq,
+                         num_kv_heads=hkv, head_dim=d, max_position=128, rope_theta=10000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True)
+    positions = torch.tensor([29, 0, 1, 2, 3, 4, 67, 68, 69], device=DEVICE)
+    rope = RotaryEmbedding(config).to(DEVICE).table(positions)
+    if views:  # q/k/v as views of one projection row, as the model passes them
+        row = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+        q, k, v = (t.view(-1, h, d) for t, h in zip(row.split([hq * d, hkv * d, hkv * d], dim=1), (hq, hkv, hkv)))
+    v_before = v.clone()
+    scale = d**-0.5
+    ref_backend, ref_cache = TorchSDPABackend(), cache.clone()
+    want = ref_backend.forward(q.clone(), k.clone(), v.clone(), ref_cache, ref_backend.plan(meta), scale, rope)
+    backend, got_cache = TritonAttentionBackend(), cache.clone()
+    got = backend.forward(q, k, v, got_cache, backend.plan(meta), scale, rope)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got_cache.float(), ref_cache.float(), rtol=tol, atol=tol)
+    assert (got.float() - want.float()).abs().max().item() <= tol * max(want.float().abs().max().item(), 1.0)
+    assert torch.equal(v, v_before)
+    assert not torch.equal(got_cache[0], cache[0])  # k was rotated, not copied
+
+
+def test_split_counters_rearm_for_the_next_layer():
+    """The last split merges and resets its counter, so every layer of a step (one plan, one set of
+    counters) merges again: a second call through the same plan gives the same output."""
+    meta, q, k, v, cache = make_case([1, 1, 3], [40, 200, 90], page_size=16, heads=HEADS[0], dtype=DTYPES[-1],
+                                     tree=True, seed=9)
+    backend = TritonAttentionBackend(num_kv_splits=3)
+    plan = backend.plan(meta)
+    first = backend.forward(q, k, v, cache.clone(), plan, 0.125)
+    counters = plan.launch(q.shape[1], cache.shape[-2], q.shape[2], q.device)[3]
+    assert counters is not None and int(counters.abs().sum()) == 0
+    second = backend.forward(q, k, v, cache.clone(), plan, 0.125)
+    assert torch.equal(first, second)
+    check_against_reference(meta, q, k, v, cache, backend=backend)

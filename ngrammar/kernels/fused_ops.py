@@ -1,8 +1,10 @@
-"""Fused elementwise kernels of the decoder layer: residual add + RMSNorm, RoPE on q and k, SiLU·mul.
+"""Fused elementwise kernels of the decoder layer (residual add + RMSNorm, SiLU·mul) and ``TritonOps``.
 
 Why: at batch 1 a decode step of a small model is a chain of ~40 tiny kernels per layer when these
 ops run as separate torch ops (RMSNorm alone is seven), and on an H200 each costs ~2 µs even inside a
-CUDA graph. Fused, a layer is ~11 kernels. Each Triton kernel rounds exactly where the torch reference
+CUDA graph. With these kernels a layer is ~11 kernels; with the norm and SiLU·mul folded into the
+projections for small steps (``ngrammar.kernels.fused_linear``) and RoPE into the K/V write
+(``ngrammar.kernels.triton_attention``), 6-7. Each Triton kernel rounds exactly where the torch reference
 (``ngrammar.model.llama``) rounds, so results agree to the last bit of the storage dtype up to fp32
 contraction differences.
 
@@ -13,8 +15,11 @@ of a step; one program per row (per row and column block for SiLU·mul).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from ngrammar.kernels.fused_linear import Prologue, fused_linear, use_fused_linear
 
 
 @triton.jit
@@ -41,32 +46,6 @@ def _rms_norm_kernel(
     y = (xf * inv).to(dtype)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0)
     tl.store(out_ptr + row * stride_o + cols, (w.to(tl.float32) * y.to(tl.float32)).to(dtype), mask=ok)
-
-
-@triton.jit
-def _rope_kernel(
-    x_ptr, cos_ptr, sin_ptr,
-    stride_xt, stride_xh, stride_ct, stride_st,
-    num_heads,
-    HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    # In place, rotate-half RoPE of every head of token t: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s).
-    t = tl.program_id(0)
-    d = tl.arange(0, BLOCK_D)
-    h = tl.arange(0, BLOCK_H)
-    d_ok = d < HALF
-    ok = (h < num_heads)[:, None] & d_ok[None, :]
-    c = tl.load(cos_ptr + t * stride_ct + d, mask=d_ok, other=0.0)[None, :]
-    s = tl.load(sin_ptr + t * stride_st + d, mask=d_ok, other=0.0)[None, :]
-    p1 = x_ptr + t * stride_xt + h[:, None] * stride_xh + d[None, :]
-    x1 = tl.load(p1, mask=ok, other=0.0)
-    x2 = tl.load(p1 + HALF, mask=ok, other=0.0)
-    dtype = x1.dtype
-    a, b = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(p1, (a * c - b * s).to(dtype), mask=ok)
-    tl.store(p1 + HALF, (b * c + a * s).to(dtype), mask=ok)
 
 
 @triton.jit
@@ -102,19 +81,6 @@ def rms_norm(
     return out, res_out
 
 
-def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """In place: x [T, H, d] (unit stride along d; heads may be strided views of a fused qkv row),
-    cos / sin [T, 1, d/2] or [T, d/2] fp32."""
-    t, heads, d = x.shape
-    if not t:
-        return
-    half = d // 2
-    _rope_kernel[(t,)](
-        x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), heads,
-        HALF=half, BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(half),
-    )  # fmt: skip
-
-
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2n] (gate | up) -> [T, n]."""
     t, n2 = x.shape
@@ -128,40 +94,49 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 class TritonOps:
-    """``ngrammar.model.ops.ElementwiseOps`` with the kernels above."""
+    """``ngrammar.model.ops.LayerOps`` with Triton kernels.
+
+    Where ``use_fused_linear`` says it pays (one-token steps, small weights) each projection is one
+    kernel with its elementwise prologue fused in (``ngrammar.kernels.fused_linear``); elsewhere the
+    elementwise kernels above run, then cuBLAS. ``fuse_linear=False`` keeps the unfused path for
+    every step (benchmarks compare).
+    """
+
+    def __init__(self, fuse_linear: bool = True) -> None:
+        self.fuse_linear = fuse_linear
+
+    def _fused(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return self.fuse_linear and use_fused_linear(x.shape[0], weight)
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return rms_norm(x, weight, eps, residual)
 
-    def rope(
-        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if _adjacent_heads(q, k):
-            # k's heads follow q's in the fused qkv row: one launch over both.
-            rope_(q.as_strided((q.shape[0], q.shape[1] + k.shape[1], q.shape[2]), q.stride()), cos, sin)
-        else:
-            rope_(q, cos, sin)
-            rope_(k, cos, sin)
-        return q, k
+    def norm_linear(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self._fused(x, weight):
+            prologue = Prologue.NORM if residual is None else Prologue.ADD_NORM
+            return fused_linear(x, weight, bias, prologue=prologue, norm_weight=norm_weight, residual=residual, eps=eps)
+        normed, summed = rms_norm(x, norm_weight, eps, residual)
+        return F.linear(normed, weight, bias), summed
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(x)
+    def silu_mul_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self._fused(x, weight):
+            return fused_linear(x, weight, prologue=Prologue.SILU_MUL)[0]
+        return F.linear(silu_and_mul(x), weight)
 
-
-def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether k [T, Hkv, d] is the continuation of q [T, Hq, d] in memory (same row stride)."""
-    # The token stride only matters with more than one token (a [1, H, d] view may report any).
-    return (
-        q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
-        and (q.shape[0] == 1 or q.stride(0) == k.stride(0))
-        and q.stride(1) == k.stride(1)
-        and q.stride(2) == k.stride(2) == 1
-        and q.shape[0] == k.shape[0]
-        and q.shape[2] == k.shape[2]
-        and k.data_ptr() == q.data_ptr() + q.shape[1] * q.stride(1) * q.element_size()
-    )
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self._fused(x, weight):
+            return fused_linear(x, weight, bias)[0]
+        return F.linear(x, weight, bias)
 
 
-__all__ = ["TritonOps", "rms_norm", "rope_", "silu_and_mul"]
+__all__ = ["TritonOps", "rms_norm", "silu_and_mul"]

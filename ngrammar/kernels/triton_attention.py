@@ -20,7 +20,8 @@ for every kv length replayed through it.
 
 Split-KV (flash decoding): with few programs (small batch decode), the kv range of each program is cut
 into ``num_splits`` equal chunks of tiles; each chunk writes a normalised partial output and its
-log-sum-exp, and a second small kernel merges them. With one split the first kernel writes the output
+log-sum-exp and bumps a counter, and the program that finishes last merges the partials (no second
+kernel: at batch 1 a launch costs more than the merge). With one split the kernel writes the output
 directly.
 """
 
@@ -32,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ngrammar.kernels.device_info import num_sms
 from ngrammar.runner.attention import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
@@ -44,39 +46,54 @@ _SPLIT_TARGET_PROGRAMS_PER_SM = 4
 
 
 @triton.jit
-def _store_kv_kernel(
-    k_ptr,
-    v_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    slot_ptr,
-    num_kv_heads,
-    stride_k_t,
-    stride_k_h,
-    stride_v_t,
-    stride_v_h,
-    stride_c_page,
-    stride_c_slot,
-    stride_c_head,
+def _rope_store_kv_kernel(
+    q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, cos_ptr, sin_ptr,
+    num_q_heads, num_kv_heads,
+    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_cos_t, stride_sin_t,
+    stride_c_page, stride_c_slot, stride_c_head,
     PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
     BLOCK_H: tl.constexpr,
-):
-    # One program per new token: copies its [Hkv, d] key and value rows into the paged pool.
+    ROPE: tl.constexpr,
+):  # fmt: skip
+    # One program per new token. With ROPE, rotates its q heads in place (rotate-half, fp32, one
+    # rounding, as ``ngrammar.runner.attention.rotate_half``) and its k heads on the way into the
+    # paged pool; v is copied as is.
+    HALF: tl.constexpr = HEAD_DIM // 2
     t = tl.program_id(0)
+    half = tl.arange(0, HALF)
+    if ROPE:
+        c = tl.load(cos_ptr + t * stride_cos_t + half)[None, :]
+        s = tl.load(sin_ptr + t * stride_sin_t + half)[None, :]
+        hq = tl.arange(0, BLOCK_HQ)
+        q_ok = (hq < num_q_heads)[:, None]
+        q1_ptr = q_ptr + t * stride_q_t + hq[:, None] * stride_q_h + half[None, :]
+        q1 = tl.load(q1_ptr, mask=q_ok).to(tl.float32)
+        q2 = tl.load(q1_ptr + HALF, mask=q_ok).to(tl.float32)
+        tl.store(q1_ptr, (q1 * c - q2 * s).to(q_ptr.dtype.element_ty), mask=q_ok)
+        tl.store(q1_ptr + HALF, (q2 * c + q1 * s).to(q_ptr.dtype.element_ty), mask=q_ok)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     # Negative slots mark padding tokens (e.g. a CUDA-graph bucket larger than the batch): skip them.
     if slot < 0:
         return
     heads = tl.arange(0, BLOCK_H)
-    dims = tl.arange(0, HEAD_DIM)
     head_ok = (heads < num_kv_heads)[:, None]
     dst = (slot // PAGE_SIZE) * stride_c_page + (slot % PAGE_SIZE) * stride_c_slot
-    dst_offs = dst + heads[:, None] * stride_c_head + dims[None, :]
-    k = tl.load(k_ptr + t * stride_k_t + heads[:, None] * stride_k_h + dims[None, :], mask=head_ok)
-    tl.store(k_cache_ptr + dst_offs, k.to(k_cache_ptr.dtype.element_ty), mask=head_ok)
+    dst1 = dst + heads[:, None] * stride_c_head + half[None, :]
+    k1_ptr = k_ptr + t * stride_k_t + heads[:, None] * stride_k_h + half[None, :]
+    k1 = tl.load(k1_ptr, mask=head_ok)
+    k2 = tl.load(k1_ptr + HALF, mask=head_ok)
+    if ROPE:
+        a, b = k1.to(tl.float32), k2.to(tl.float32)
+        k1 = (a * c - b * s).to(k_ptr.dtype.element_ty)
+        k2 = (b * c + a * s).to(k_ptr.dtype.element_ty)
+    tl.store(k_cache_ptr + dst1, k1.to(k_cache_ptr.dtype.element_ty), mask=head_ok)
+    tl.store(k_cache_ptr + dst1 + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=head_ok)
+    dims = tl.arange(0, HEAD_DIM)
     v = tl.load(v_ptr + t * stride_v_t + heads[:, None] * stride_v_h + dims[None, :], mask=head_ok)
-    tl.store(v_cache_ptr + dst_offs, v.to(v_cache_ptr.dtype.element_ty), mask=head_ok)
+    dst_v = dst + heads[:, None] * stride_c_head + dims[None, :]
+    tl.store(v_cache_ptr + dst_v, v.to(v_cache_ptr.dtype.element_ty), mask=head_ok)
 
 
 @triton.jit
@@ -172,6 +189,7 @@ def _paged_attention_kernel(
     out_ptr,
     part_o_ptr,
     part_lse_ptr,
+    counter_ptr,
     q_start_ptr,
     q_lens_ptr,
     kv_lens_ptr,
@@ -206,8 +224,9 @@ def _paged_attention_kernel(
     IEEE_DOT: tl.constexpr,
 ):
     # grid = (query blocks, B * Hkv, num_splits); query block fastest so programs sharing K/V run
-    # together. SPLIT_OUTPUT: write normalised partials + log-sum-exp per split instead of the output
-    # (num_splits is a runtime int so changing it costs no recompile).
+    # together. SPLIT_OUTPUT: write normalised partials + log-sum-exp per split; the last split of a
+    # (query block, request, kv head) to finish merges them (num_splits is a runtime int so changing
+    # it costs no recompile).
     Q_PER_BLOCK: tl.constexpr = BLOCK_M // GROUP
     q_block = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -281,46 +300,48 @@ def _paged_attention_kernel(
         o_offs = q_rows[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
-        po_offs = split * stride_po_s + q_rows[:, None] * stride_po_t + head[:, None] * stride_po_h + offs_d[None, :]
-        tl.store(part_o_ptr + po_offs, out, mask=store_mask)
+        po_offs = q_rows[:, None] * stride_po_t + head[:, None] * stride_po_h + offs_d[None, :]
+        tl.store(part_o_ptr + split * stride_po_s + po_offs, out, mask=store_mask)
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-        tl.store(part_lse_ptr + split * stride_pl_s + q_rows * stride_pl_t + head, lse, mask=row_valid)
+        pl_offs = q_rows * stride_pl_t + head
+        tl.store(part_lse_ptr + split * stride_pl_s + pl_offs, lse, mask=row_valid)
+        # Count finished splits. The barrier puts every thread's partial stores before the counter's
+        # release; the acquire side reads partials through L2 (.cg), never a stale L1 line.
+        tl.debug_barrier()
+        counter = counter_ptr + pid_bh * tl.num_programs(0) + q_block
+        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
+            _merge_partials(part_o_ptr, part_lse_ptr, out_ptr, po_offs, pl_offs, q_rows, head, offs_d, row_valid,
+                            num_splits, stride_po_s, stride_pl_s, stride_o_t, stride_o_h, BLOCK_M, HEAD_DIM)
+            tl.atomic_xchg(counter, 0)  # ready for the next layer (and the next CUDA-graph replay)
 
 
 @triton.jit
-def _merge_splits_kernel(
-    part_o_ptr,
-    part_lse_ptr,
-    out_ptr,
-    stride_po_s,
-    stride_po_t,
-    stride_po_h,
-    stride_pl_s,
-    stride_pl_t,
-    stride_o_t,
-    stride_o_h,
-    num_splits,
-    SPLITS_POW2: tl.constexpr,
+def _merge_partials(
+    part_o_ptr, part_lse_ptr, out_ptr, po_offs, pl_offs, q_rows, head, offs_d, row_valid,
+    num_splits, stride_po_s, stride_pl_s, stride_o_t, stride_o_h,
+    BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-):
-    # grid = (T, Hq): weights each split's normalised output by exp2(lse_s - max lse).
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    splits = tl.arange(0, SPLITS_POW2)
-    split_ok = splits < num_splits
-    offs_d = tl.arange(0, HEAD_DIM)
-    lse = tl.load(part_lse_ptr + splits * stride_pl_s + t * stride_pl_t + h, mask=split_ok, other=float("-inf"))
-    lse_max = tl.max(lse, 0)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    weight = tl.exp2(lse - lse_max)  # empty splits carry lse = -inf -> weight 0
-    total = tl.sum(weight, 0)
-    part = tl.load(
-        part_o_ptr + splits[:, None] * stride_po_s + t * stride_po_t + h * stride_po_h + offs_d[None, :],
-        mask=split_ok[:, None],
-        other=0.0,
-    )
-    out = tl.sum(part * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + t * stride_o_t + h * stride_o_h + offs_d, out.to(out_ptr.dtype.element_ty))
+):  # fmt: skip
+    """out = sum_s exp2(lse_s) * o_s / sum_s exp2(lse_s) over the splits, one pass with a running
+    max; empty splits carry lse = -inf and weigh 0."""
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for s in range(0, num_splits):
+        lse = tl.load(part_lse_ptr + s * stride_pl_s + pl_offs, mask=row_valid, other=float("-inf"),
+                      cache_modifier=".cg")
+        part = tl.load(part_o_ptr + s * stride_po_s + po_offs, mask=row_valid[:, None], other=0.0,
+                       cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_shift)
+        w = tl.exp2(lse - m_shift)
+        acc = acc * alpha[:, None] + part * w[:, None]
+        total = total * alpha + w
+        m = m_new
+    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    o_offs = q_rows[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
+    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
 
 @dataclass(frozen=True)
@@ -383,14 +404,7 @@ def choose_launch_config(
     return LaunchConfig(block_m, block_n, num_q_blocks, num_splits, num_warps, num_stages)
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    # The CPU interpreter has no SMs; a small number keeps the split path exercised in tests.
-    return 4
-
-
-_Launch = tuple[LaunchConfig, torch.Tensor | None, torch.Tensor | None]
+_Launch = tuple[LaunchConfig, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
 
 @dataclass(frozen=True)
@@ -410,8 +424,8 @@ class TritonAttentionPlan:
     _cache: dict[tuple[int, int, int], _Launch] = field(default_factory=dict, compare=False, repr=False)
 
     def launch(self, num_q_heads: int, num_kv_heads: int, head_dim: int, device: torch.device) -> _Launch:
-        """(config, part_o [S, T, Hq, d] fp32, part_lse [S, T, Hq] fp32); the buffers are None when
-        S = 1."""
+        """(config, part_o [S, T, Hq, d] fp32, part_lse [S, T, Hq] fp32, finished-split counters
+        [B * Hkv * query blocks] int32, zero between kernels); the buffers are None when S = 1."""
         key = (num_q_heads, num_kv_heads, head_dim)
         hit = self._cache.get(key)
         if hit is None:
@@ -420,14 +434,16 @@ class TritonAttentionPlan:
                 meta.max_q_len, num_q_heads // num_kv_heads, head_dim, meta.batch_size, num_kv_heads,
                 self.kv_len_bound, self.num_sms, self.num_splits, self.max_splits,
             )  # fmt: skip
-            part_o = part_lse = None
+            part_o = part_lse = counters = None
             if cfg.num_splits > 1:
                 tokens = int(meta.slot_mapping.shape[0])
                 part_o = torch.empty(
                     (cfg.num_splits, tokens, num_q_heads, head_dim), dtype=torch.float32, device=device
                 )
                 part_lse = torch.empty((cfg.num_splits, tokens, num_q_heads), dtype=torch.float32, device=device)
-            hit = (cfg, part_o, part_lse)
+                counters = torch.zeros(meta.batch_size * num_kv_heads * cfg.num_q_blocks, dtype=torch.int32,
+                                       device=device)
+            hit = (cfg, part_o, part_lse, counters)
             self._cache[key] = hit
         return hit
 
@@ -461,7 +477,7 @@ class TritonAttentionBackend:
             kv_len_bound=max(meta.max_kv_len, kv_len_bound or 0),
             num_splits=self.num_kv_splits,
             max_splits=self.max_kv_splits,
-            num_sms=_num_sms(meta.kv_lens.device),
+            num_sms=num_sms(meta.kv_lens.device),
         )
 
     def forward(
@@ -472,6 +488,7 @@ class TritonAttentionBackend:
         layer_cache: torch.Tensor,
         plan: TritonAttentionPlan,
         scale: float,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         meta = plan.meta
         tokens, num_q_heads, head_dim = q.shape
@@ -486,18 +503,22 @@ class TritonAttentionBackend:
         if k_cache.stride(-1) != 1:
             raise ValueError("layer_cache must be contiguous in head_dim")
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        if rope is not None and any(t.stride(-1) != 1 or t.dtype != torch.float32 for t in rope):
+            raise ValueError("rope tables must be fp32 with unit stride along d/2")
         out = torch.empty((tokens, num_q_heads, head_dim), dtype=layer_cache.dtype, device=q.device)
         if tokens == 0:
             return out
 
-        _store_kv_kernel[(tokens,)](
-            k, v, k_cache, v_cache, meta.slot_mapping, num_kv_heads,
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_H=_next_pow2(num_kv_heads),
+        cos, sin = rope if rope is not None else (q, q)  # unused pointers without RoPE
+        _rope_store_kv_kernel[(tokens,)](
+            q, k, v, k_cache, v_cache, meta.slot_mapping, cos, sin, num_q_heads, num_kv_heads,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_HQ=_next_pow2(num_q_heads),
+            BLOCK_H=_next_pow2(num_kv_heads), ROPE=rope is not None,
         )  # fmt: skip
 
-        cfg, part_o, part_lse = plan.launch(num_q_heads, num_kv_heads, head_dim, q.device)
+        cfg, part_o, part_lse, counters = plan.launch(num_q_heads, num_kv_heads, head_dim, q.device)
         split = part_o is not None
         # Unused pointer arguments still need a tensor; their kernels never touch them.
         part_o_arg = part_o if split else out
@@ -509,7 +530,7 @@ class TritonAttentionBackend:
         pl_strides = part_lse.stride()[:2] if split else (0, 0)
         grid = (cfg.num_q_blocks, meta.batch_size * num_kv_heads, cfg.num_splits)
         _paged_attention_kernel[grid](
-            q, k_cache, v_cache, out, part_o_arg, part_lse_arg,
+            q, k_cache, v_cache, out, part_o_arg, part_lse_arg, counters if counters is not None else meta.q_lens,
             meta.q_start, meta.q_lens, meta.kv_lens, meta.page_table, tree_arg,
             scale * _LOG2E, num_kv_heads, cfg.num_splits,
             q.stride(0), q.stride(1),
@@ -524,14 +545,6 @@ class TritonAttentionBackend:
             IEEE_DOT=layer_cache.dtype == torch.float32,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
-        if split:
-            _merge_splits_kernel[(tokens, num_q_heads)](
-                part_o, part_lse, out,
-                po_strides[0], po_strides[1], po_strides[2], pl_strides[0], pl_strides[1],
-                out.stride(0), out.stride(1), cfg.num_splits,
-                SPLITS_POW2=_next_pow2(cfg.num_splits), HEAD_DIM=head_dim,
-                num_warps=1 if head_dim <= 64 else 2,
-            )  # fmt: skip
         return out
 
 

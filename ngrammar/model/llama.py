@@ -3,9 +3,11 @@
 A pure ``nn.Module``: ``forward`` takes packed token ids, their positions, the KV pool and the
 attention plan as arguments and returns hidden states; ``compute_logits`` maps selected rows to the
 vocabulary. Weights use Hugging Face names; q/k/v and gate/up are fused at load time so each layer
-runs two GEMMs fewer (the CPU decode step is bound by those weight reads). Norms, RoPE and SiLU·mul
-go through ``ops`` (``ngrammar.model.ops``): torch on the CPU, fused Triton kernels on CUDA, where the
-residual add rides along with the next norm.
+runs two GEMMs fewer (the CPU decode step is bound by those weight reads). Norms, SiLU·mul and the
+projections go through ``ops`` (``ngrammar.model.ops``): torch on the CPU, fused Triton kernels on
+CUDA, where the residual add rides along with the next norm and, for steps of a few tokens, the norm
+and SiLU·mul ride inside the projection that consumes them. RoPE is applied by the attention
+backend, which can fuse it into its K/V write.
 """
 
 from __future__ import annotations
@@ -18,12 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ngrammar.model.config import ModelConfig
-from ngrammar.model.ops import ElementwiseOps, TorchOps
+from ngrammar.model.ops import LayerOps, TorchOps
 from ngrammar.runner.attention import AttentionBackend
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, ops: ElementwiseOps) -> None:
+    def __init__(self, dim: int, eps: float, ops: LayerOps) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
@@ -72,7 +74,7 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: ElementwiseOps) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps) -> None:
         super().__init__()
         self.config = config
         self.backend = backend
@@ -85,37 +87,38 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [T, hidden]
+        qkv: torch.Tensor,  # [T, q_size + 2 * kv_size]: qkv_proj of the normed input (the layer fuses the two)
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [T, 1, d/2]
         layer_cache: torch.Tensor,  # [2, pages, page_size, Hkv, d]
         plan: Any,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor:  # [T, hidden]
         c = self.config
-        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = q.view(-1, c.num_heads, c.head_dim)
         k = k.view(-1, c.num_kv_heads, c.head_dim)
         v = v.view(-1, c.num_kv_heads, c.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.ops.rope(q, k, *rope)
-        out = self.backend.forward(q, k, v, layer_cache, plan, self.scale)
-        return self.o_proj(out.reshape(-1, c.q_size))
+        out = self.backend.forward(q, k, v, layer_cache, plan, self.scale, rope)
+        return self.ops.linear(out.reshape(-1, c.q_size), self.o_proj.weight)
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, ops: ElementwiseOps) -> None:
+    def __init__(self, config: ModelConfig, ops: LayerOps) -> None:
         super().__init__()
         self.ops = ops
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 * intermediate] -> [T, hidden]
+        """gate_up: gate_up_proj of the normed input (the layer fuses the two)."""
+        return self.ops.silu_mul_linear(gate_up, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: ElementwiseOps) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps) -> None:
         super().__init__()
+        self.ops = ops
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.self_attn = Attention(config, backend, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -129,17 +132,18 @@ class DecoderLayer(nn.Module):
         layer_cache: torch.Tensor,
         plan: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            x, residual = self.input_layernorm(h), h
-        else:
-            x, residual = self.input_layernorm.add_forward(h, residual)
-        h = self.self_attn(x, rope, layer_cache, plan)
-        x, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(x), residual
+        norm, attn = self.input_layernorm, self.self_attn
+        qkv, summed = self.ops.norm_linear(h, residual, norm.weight, norm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        residual = h if summed is None else summed
+        h = attn(qkv, rope, layer_cache, plan)
+        norm, mlp = self.post_attention_layernorm, self.mlp
+        gate_up, residual = self.ops.norm_linear(h, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight, None)
+        assert residual is not None
+        return mlp(gate_up), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: ElementwiseOps | None = None) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps | None = None) -> None:
         super().__init__()
         ops = ops or TorchOps()
         self.config = config

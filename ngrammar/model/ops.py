@@ -1,7 +1,9 @@
-"""The decoder's elementwise ops behind one interface: torch reference or fused GPU kernels.
+"""The decoder layer's non-attention ops behind one interface: torch reference or fused GPU kernels.
 
 ``TorchOps`` is the reference (and the CPU path); ``ngrammar.kernels.fused_ops.TritonOps`` computes
-the same values with one kernel per op and rounds where this reference rounds.
+the same values with fused Triton kernels and rounds where this reference rounds. Projections are
+part of the interface so that an implementation may fuse the elementwise op feeding a projection
+into it (the norm into q/k/v and gate/up, SiLU·mul into down).
 """
 
 from __future__ import annotations
@@ -12,28 +14,37 @@ import torch
 import torch.nn.functional as F
 
 
-class ElementwiseOps(Protocol):
+class LayerOps(Protocol):
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [T, n] -> (weight * norm(x + residual), x + residual or None)."""
         ...
 
-    def rope(
-        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate-half RoPE of q [T, Hq, d] and k [T, Hkv, d]; cos / sin [T, 1, d/2] fp32.
-        May rotate q and k in place (they are fresh projections)."""
+    def norm_linear(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [T, K] -> (linear(rms_norm(x + residual)) [T, N], x + residual or None); weight [N, K]."""
         ...
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, 2n] (gate | up) -> silu(gate) * up [T, n]."""
+    def silu_mul_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [T, 2K] (gate | up) -> linear(silu(gate) * up) [T, N]; weight [N, K]."""
+        ...
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, K] -> x @ weight.T + bias [T, N]."""
         ...
 
 
 class TorchOps:
-    """Plain torch ops; rounding to the storage dtype happens after the norm, the residual sum, each
-    RoPE half and the SiLU, as in Hugging Face's Llama."""
+    """Plain torch ops; rounding to the storage dtype happens after the norm, the residual sum and
+    the SiLU, as in Hugging Face's Llama."""
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
@@ -44,22 +55,30 @@ class TorchOps:
         normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
         return weight * normed, (x if residual is not None else None)
 
-    def rope(
-        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def norm_linear(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        normed, summed = self.rms_norm(x, norm_weight, eps, residual)
+        return F.linear(normed, weight, bias), summed
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    def silu_mul_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.silu_and_mul(x), weight)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
 
 
-def default_ops(device: torch.device) -> ElementwiseOps:
+def default_ops(device: torch.device) -> LayerOps:
     """Fused Triton kernels on CUDA, torch elsewhere."""
     if device.type == "cuda":
         from ngrammar.kernels.fused_ops import TritonOps

@@ -11,7 +11,8 @@ and, inside its own block of q_lens[b] new tokens, column j iff ``tree_mask[b, i
 tree's ancestor-or-self mask there.
 
 A backend (torch SDPA here, Triton on CUDA in ``ngrammar.kernels``) implements ``plan`` once per
-step and ``forward`` once per layer.
+step and ``forward`` once per layer. ``forward`` also applies the rotary embedding to q and k when
+given its tables, so a backend can fuse the rotation into its K/V write (one kernel instead of two).
 """
 
 from __future__ import annotations
@@ -53,8 +54,17 @@ class AttentionBackend(Protocol):
         layer_cache: torch.Tensor,  # [2, pages, page_size, Hkv, d]
         plan: Any,
         scale: float,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin [T, 1, d/2] fp32
     ) -> torch.Tensor:  # [T, Hq, d]
-        """Write k/v at the plan's slots, then attend."""
+        """Rotate q and k by ``rope`` if given (may rotate q in place: it is a fresh projection),
+        write k/v at the plan's slots, then attend."""
+
+
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x [T, H, d] with cos / sin [T, 1, d/2] fp32: (x1, x2) -> (x1 c - x2 s,
+    x2 c + x1 s), computed in fp32 and rounded once to x's dtype (as Hugging Face's Llama does)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
 def write_kv(layer_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -124,8 +134,11 @@ class TorchSDPABackend:
         layer_cache: torch.Tensor,
         plan: SDPAPlan,
         scale: float,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         meta = plan.meta
+        if rope is not None:
+            q, k = rotate_half(q, *rope), rotate_half(k, *rope)
         write_kv(layer_cache, meta.slot_mapping, k, v)
         _, pages, page_size, hkv, d = layer_cache.shape
         flat = layer_cache.view(2, pages * page_size, hkv, d)

@@ -1,0 +1,157 @@
+"""GPU kernel benchmark: the fused small-step linear kernel and whole decode / verify steps.
+
+Part 1 (``linear``): every projection shape of SmolLM2-135M and of Llama-3-8B at 1-16 tokens, timed
+inside a CUDA graph of back-to-back calls (as the model runs them): the fused kernel with the tiles
+``choose_tiles`` picks, the best tiles of a small sweep, and the unfused pair it replaces (Triton
+RMSNorm or SiLU·mul, then cuBLAS). Prints µs per call and the weight bandwidth it reaches.
+Part 2 (``steps``): random-weight models of both shapes, one decode (q = 1) or verify (q = 16) step
+as a CUDA graph, with the projections' prologues fused and not; ms per step and tok/s of decoding.
+
+    python -m benchmarks.gpu_bench --parts kernels --out $OUT/kernels.json
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from typing import Any, Callable
+
+import torch
+
+from benchmarks.common import print_table
+from ngrammar.model.config import ModelConfig
+
+SMOLLM2_SHAPE = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                            num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5, max_position=8192,
+                            tie_word_embeddings=True)
+
+
+def graph_us(fn: Callable[[], Any], calls: int = 50, replays: int = 20) -> float:
+    """Median µs per call of ``fn`` captured ``calls`` times back to back in one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def _projections(c: ModelConfig) -> list[tuple[str, int, int, Any]]:
+    from ngrammar.kernels.fused_linear import Prologue
+
+    return [("qkv", c.q_size + 2 * c.kv_size, c.hidden_size, Prologue.ADD_NORM),
+            ("o", c.hidden_size, c.q_size, Prologue.NONE),
+            ("gate_up", 2 * c.intermediate_size, c.hidden_size, Prologue.ADD_NORM),
+            ("down", c.hidden_size, c.intermediate_size, Prologue.SILU_MUL)]
+
+
+def _sweep(m: int) -> list[Any]:
+    from ngrammar.kernels.fused_linear import LinearTiles
+
+    block_m = 1 << (min(m, 4) - 1).bit_length()
+    return [LinearTiles(block_m, bn, bk, w) for bn, bk, w in itertools.product((2, 4, 8), (256, 512, 1024), (1, 2, 4))
+            if block_m * bk <= 1024]
+
+
+def bench_linear(shapes: dict[str, ModelConfig], ms: tuple[int, ...] = (1, 2, 4, 16)) -> list[dict[str, Any]]:
+    import torch.nn.functional as F
+
+    from ngrammar.kernels.fused_linear import Prologue, choose_tiles, fused_linear
+    from ngrammar.kernels.fused_ops import rms_norm, silu_and_mul
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    rows = []
+    for model, cfg in shapes.items():
+        for name, n, k, prologue in _projections(cfg):
+            w = torch.randn(n, k, device=dev, dtype=dt) * k**-0.5
+            g = torch.ones(k, device=dev, dtype=dt)
+            for m in ms:
+                x = torch.randn(m, 2 * k if prologue == Prologue.SILU_MUL else k, device=dev, dtype=dt)
+                res = torch.randn(m, k, device=dev, dtype=dt) if prologue == Prologue.ADD_NORM else None
+                norm_w = g if prologue == Prologue.ADD_NORM else None
+
+                def fused(tiles: Any = None) -> Any:
+                    return fused_linear(x, w, prologue=prologue, norm_weight=norm_w, residual=res, eps=1e-5,
+                                        tiles=tiles)
+
+                def unfused() -> Any:
+                    if prologue == Prologue.ADD_NORM:
+                        return F.linear(rms_norm(x, g, 1e-5, res)[0], w)
+                    if prologue == Prologue.SILU_MUL:
+                        return F.linear(silu_and_mul(x), w)
+                    return F.linear(x, w)
+
+                chosen = choose_tiles(m, n, k)
+                best_us, best = graph_us(fused), chosen
+                sweep = _sweep(m) if m == 1 else []
+                for tiles in sweep:
+                    try:
+                        us = graph_us(lambda t=tiles: fused(t), calls=20, replays=10)
+                    except Exception:  # a tile that does not fit (shared memory, registers) is skipped
+                        continue
+                    if us < best_us:
+                        best_us, best = us, tiles
+                chosen_us = graph_us(fused)
+                cublas_us = graph_us(unfused)
+                wbytes = n * k * 2
+                rows.append({"model": model, "proj": name, "m": m, "n": n, "k": k, "chosen_us": chosen_us,
+                             "chosen": repr(chosen), "best_us": min(best_us, chosen_us), "best": repr(best),
+                             "unfused_us": cublas_us, "chosen_gb_s": wbytes / chosen_us / 1e3,
+                             "unfused_gb_s": wbytes / cublas_us / 1e3})
+    print_table("fused linear vs unfused (elementwise kernel + cuBLAS), µs per call in a CUDA graph",
+                ["model", "proj", "m", "fused", "best sweep", "unfused", "fused GB/s", "best tiles"],
+                [[r["model"], r["proj"], r["m"], r["chosen_us"], r["best_us"], r["unfused_us"], r["chosen_gb_s"],
+                  r["best"]] for r in rows])
+    return rows
+
+
+def bench_steps(shapes: dict[str, ModelConfig], batches: tuple[int, ...] = (1, 8, 32),
+                qs: tuple[int, ...] = (1, 16), ctx: int = 512) -> dict[str, Any]:
+    from benchmarks.gpu_bench import random_model, step_time
+    from ngrammar.kernels.fused_ops import TritonOps
+
+    res: dict[str, Any] = {}
+    rows = []
+    for model_name, cfg in shapes.items():
+        for fuse in (False, True):
+            model, backend = random_model(cfg, TritonOps(fuse_linear=fuse))
+            for bs in batches:
+                for q in qs:
+                    if bs * q > 512:
+                        continue
+                    ms = step_time(model, backend, cfg, bs, q, ctx) * 1e3
+                    res[f"{model_name}/fuse={fuse}/b{bs}/q{q}_ms"] = ms
+                    rows.append([model_name, "fused" if fuse else "unfused", bs, q, ms, bs / ms * 1e3])
+            del model
+            torch.cuda.empty_cache()
+    print_table(f"decode (q=1) / verify (q=16) step, random weights, context {ctx}",
+                ["model", "linear", "batch", "q", "ms", "decode tok/s (q=1)"], rows)
+    return res
+
+
+def run(parts: tuple[str, ...] = ("linear", "steps")) -> dict[str, Any]:
+    from benchmarks.gpu_bench import LLAMA3_8B
+
+    shapes = {"smollm2": SMOLLM2_SHAPE, "llama3_8b": LLAMA3_8B}
+    out: dict[str, Any] = {}
+    if "linear" in parts:
+        out["linear"] = bench_linear(shapes)
+    if "steps" in parts:
+        out["steps"] = bench_steps(shapes)
+    return out
