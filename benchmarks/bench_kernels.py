@@ -8,6 +8,7 @@ Part 2 (``steps``): random-weight models of both shapes, one decode (q = 1) or v
 as a CUDA graph, with the projections' prologues fused and not; ms per step and tok/s of decoding.
 
     python -m benchmarks.gpu_bench --parts kernels --out $OUT/kernels.json
+    python -m benchmarks.gpu_bench --parts kernel_steps --out $OUT/kernels.json   (steps only)
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ def bench_linear(shapes: dict[str, ModelConfig], ms: tuple[int, ...] = (1, 2, 4,
 
 
 def bench_steps(shapes: dict[str, ModelConfig], batches: tuple[int, ...] = (1, 8, 32),
-                qs: tuple[int, ...] = (1, 16), ctx: int = 512) -> dict[str, Any]:
+                qs: tuple[int, ...] = (1, 16), ctx: int = 512, kv_len_bound: int = 8192) -> dict[str, Any]:
+    """Plans are built for kv_len_bound, as the engine's CUDA graphs are (SmolLM2's context is 8192)."""
     from benchmarks.gpu_bench import random_model, step_time
     from ngrammar.kernels.fused_ops import TritonOps
 
@@ -135,12 +137,12 @@ def bench_steps(shapes: dict[str, ModelConfig], batches: tuple[int, ...] = (1, 8
                 for q in qs:
                     if bs * q > 512:
                         continue
-                    ms = step_time(model, backend, cfg, bs, q, ctx) * 1e3
+                    ms = step_time(model, backend, cfg, bs, q, ctx, kv_len_bound) * 1e3
                     res[f"{model_name}/fuse={fuse}/b{bs}/q{q}_ms"] = ms
                     rows.append([model_name, "fused" if fuse else "unfused", bs, q, ms, bs / ms * 1e3])
             del model
             torch.cuda.empty_cache()
-    print_table(f"decode (q=1) / verify (q=16) step, random weights, context {ctx}",
+    print_table(f"decode (q=1) / verify (q=16) step, random weights, context {ctx}, plan for {kv_len_bound}",
                 ["model", "linear", "batch", "q", "ms", "decode tok/s (q=1)"], rows)
     return res
 

@@ -7,7 +7,7 @@ grounded and open-ended prompts at several batch sizes; the spec+grammar step ru
 Part 2, a random-weight Llama-3-8B-shaped model: plain decode and tree-verify step times (CUDA
 graphs) against the bandwidth floor measured in the same run.
 Part ``kernels`` (not run by default): ``benchmarks.bench_kernels``, the fused small-step linear
-kernel against the unfused ops, and whole steps with it on and off.
+kernel against the unfused ops, and whole steps with it on and off (``kernel_steps``: the steps only).
 
     python -m benchmarks.gpu_bench --model /tmp/ngm/model.gguf --out $OUT/gpu_bench.json
 """
@@ -241,7 +241,10 @@ def random_model(config: ModelConfig, ops: Any = None) -> Any:
     return model.eval(), backend
 
 
-def step_time(model: Any, backend: Any, config: ModelConfig, bs: int, q: int, ctx: int = 1024) -> float:
+def step_time(model: Any, backend: Any, config: ModelConfig, bs: int, q: int, ctx: int = 1024,
+              kv_len_bound: int | None = None) -> float:
+    """Median seconds of one captured step (bs requests of q new tokens after ctx cached ones); the
+    plan is built for kv_len_bound (default ctx + q), as the engine builds it for its longest context."""
     ps = 16
     pages_per = -(-(ctx + q) // ps)
     kv = torch.zeros((config.num_layers, 2, bs * pages_per + 1, ps, config.num_kv_heads, config.head_dim),
@@ -255,7 +258,7 @@ def step_time(model: Any, backend: Any, config: ModelConfig, bs: int, q: int, ct
         max_q_len=q, max_kv_len=ctx + q, page_size=ps,
         tree_mask=None if q == 1 else torch.tril(torch.ones(q, q, dtype=torch.bool, device="cuda")).expand(bs, q, q),
     )
-    plan = backend.plan(meta, kv_len_bound=ctx + q)
+    plan = backend.plan(meta, kv_len_bound=kv_len_bound or ctx + q)
     ids = torch.randint(0, config.vocab_size, (bs * q,), device="cuda")
     pos = (ctx + torch.arange(q, device="cuda")).repeat(bs)
     with torch.inference_mode():
@@ -354,10 +357,12 @@ def main() -> int:
                                                              graphs=False), log)
     if "8b" in parts and torch.cuda.is_available():
         _safe("llama3_8b_shape", bench_8b, log)
-    if "kernels" in parts and torch.cuda.is_available():
+    kernel_parts = tuple(p for p, name in (("linear", "kernels"), ("steps", "kernels"), ("steps", "kernel_steps"))
+                         if name in parts)
+    if kernel_parts and torch.cuda.is_available():
         from benchmarks.bench_kernels import run as run_kernels
 
-        _safe("kernels", run_kernels, log)
+        _safe("kernels", lambda: run_kernels(kernel_parts), log)
     with open(args.out, "w") as f:
         json.dump(log, f, indent=1, default=str)
     summarize(log)

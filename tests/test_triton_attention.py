@@ -141,7 +141,8 @@ def test_prefill_matches_reference(case: tuple[list[int], list[int]], heads: tup
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("heads", HEADS, ids=str)
-@pytest.mark.parametrize("splits", [None, 1, 3], ids=lambda s: f"splits={s}")
+# 16 splits: far more than the kv lengths fill, as in a CUDA graph captured for the longest context.
+@pytest.mark.parametrize("splits", [None, 1, 3, 16], ids=lambda s: f"splits={s}")
 def test_decode_matches_reference(heads: tuple[int, int, int], dtype, splits: int | None):
     kv_lens = DECODE_KV
     case = make_case([1] * len(kv_lens), kv_lens, page_size=16, heads=heads, dtype=dtype, seed=1)
@@ -207,6 +208,10 @@ def test_launch_config_is_host_only_and_splits_small_batches():
     assert big_batch.num_splits == 1
     tree = choose_launch_config(32, 3, 64, 2, 3, kv_len_bound=100, num_sms=132)
     assert tree.block_m // 3 * tree.num_q_blocks >= 32
+    # Decode blocks merge their splits in the kernel; a batch-1 tree verify block keeps the merge kernel.
+    assert decode.merge_in_kernel and decode.min_tiles_per_split * decode.block_n == 128
+    verify = choose_launch_config(16, 4, 128, 1, 8, kv_len_bound=8192, num_sms=132)
+    assert verify.num_splits > 1 and not verify.merge_in_kernel
 
 
 @pytest.mark.skipif(INTERPRET, reason="CUDA graphs and sync checks need a GPU")

@@ -20,9 +20,10 @@ for every kv length replayed through it.
 
 Split-KV (flash decoding): with few programs (small batch decode), the kv range of each program is cut
 into ``num_splits`` equal chunks of tiles; each chunk writes a normalised partial output and its
-log-sum-exp and bumps a counter, and the program that finishes last merges the partials (no second
-kernel: at batch 1 a launch costs more than the merge). With one split the kernel writes the output
-directly.
+log-sum-exp. For decode-sized query blocks each split bumps a counter and the one that finishes last
+merges the partials (at batch 1 a second launch costs more than the merge), and splits beyond the
+kv length exit at once; bigger blocks are merged by a second small kernel, in parallel over tokens
+and heads. With one split the kernel writes the output directly.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ _MIN_KV_PER_SPLIT = 128
 # (Measured on an H200, bf16: bs=1 decode at 8k context is fastest near 64 splits.)
 _SPLIT_BELOW_PROGRAMS_PER_SM = 2
 _SPLIT_TARGET_PROGRAMS_PER_SM = 4
+# Largest query block (rows x head_dim) whose splits the last split merges itself: a decode block
+# (up to 16 rows of a GQA group x 128).
+_MERGE_IN_KERNEL_MAX_ELEMENTS = 16 * 128
 
 
 @triton.jit
@@ -219,14 +223,16 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    MIN_TILES: tl.constexpr,
     SPLIT_OUTPUT: tl.constexpr,
+    MERGE_IN_KERNEL: tl.constexpr,
     HAS_TREE: tl.constexpr,
     IEEE_DOT: tl.constexpr,
 ):
     # grid = (query blocks, B * Hkv, num_splits); query block fastest so programs sharing K/V run
-    # together. SPLIT_OUTPUT: write normalised partials + log-sum-exp per split; the last split of a
-    # (query block, request, kv head) to finish merges them (num_splits is a runtime int so changing
-    # it costs no recompile).
+    # together. SPLIT_OUTPUT: write normalised partials + log-sum-exp per split, merged by
+    # _merge_splits_kernel or, with MERGE_IN_KERNEL, by the last split of a (query block, request,
+    # kv head) to finish (num_splits is a runtime int so changing it costs no recompile).
     Q_PER_BLOCK: tl.constexpr = BLOCK_M // GROUP
     q_block = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -242,6 +248,29 @@ def _paged_attention_kernel(
     q_first = tl.load(q_start_ptr + b).to(tl.int64)
     prefix = kv_len - q_len
 
+    if HAS_TREE:
+        # The tree mask may open any column of the new block, so scan to the end; only the prefix is
+        # known visible to every row.
+        kv_end = kv_len
+        full_end = prefix
+    else:
+        # Causal: the block's last token sees up to its own index; its first token sees every column
+        # before prefix + tok_begin + 1, so those tiles need no mask.
+        kv_end = tl.minimum(kv_len, prefix + tok_begin + Q_PER_BLOCK)
+        full_end = prefix + tok_begin + 1
+
+    # This split's share of the tiles: contiguous, equal in tile count (at least MIN_TILES), possibly
+    # empty. Only the first used_splits splits have tiles; with MERGE_IN_KERNEL the others exit here.
+    num_tiles = (kv_end + BLOCK_N - 1) // BLOCK_N
+    tiles_per_split = tl.maximum((num_tiles + num_splits - 1) // num_splits, MIN_TILES)
+    used_splits = tl.maximum((num_tiles + tiles_per_split - 1) // tiles_per_split, 1)
+    if MERGE_IN_KERNEL:
+        if split >= used_splits:
+            return
+    lo = split * tiles_per_split * BLOCK_N
+    hi = tl.minimum(kv_end, lo + tiles_per_split * BLOCK_N)
+    full_hi = lo + (tl.maximum(tl.minimum(hi, full_end) - lo, 0) // BLOCK_N) * BLOCK_N
+
     # Row r of the block is query token tok_begin + r // GROUP of head kv_head * GROUP + r % GROUP.
     rows = tl.arange(0, BLOCK_M)
     tok = tok_begin + rows // GROUP
@@ -255,24 +284,6 @@ def _paged_attention_kernel(
         other=0.0,
     )
     q = q.to(k_cache_ptr.dtype.element_ty)
-
-    if HAS_TREE:
-        # The tree mask may open any column of the new block, so scan to the end; only the prefix is
-        # known visible to every row.
-        kv_end = kv_len
-        full_end = prefix
-    else:
-        # Causal: the block's last token sees up to its own index; its first token sees every column
-        # before prefix + tok_begin + 1, so those tiles need no mask.
-        kv_end = tl.minimum(kv_len, prefix + tok_begin + Q_PER_BLOCK)
-        full_end = prefix + tok_begin + 1
-
-    # This split's share of the tiles: contiguous, equal in tile count, possibly empty.
-    num_tiles = (kv_end + BLOCK_N - 1) // BLOCK_N
-    tiles_per_split = (num_tiles + num_splits - 1) // num_splits
-    lo = split * tiles_per_split * BLOCK_N
-    hi = tl.minimum(kv_end, lo + tiles_per_split * BLOCK_N)
-    full_hi = lo + (tl.maximum(tl.minimum(hi, full_end) - lo, 0) // BLOCK_N) * BLOCK_N
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -295,35 +306,43 @@ def _paged_attention_kernel(
     # A row that saw nothing (only possible for an empty split or a malformed tree row) outputs 0.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
-    store_mask = row_valid[:, None]
+    o_offs = q_rows[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
     if not SPLIT_OUTPUT:
-        o_offs = q_rows[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
-        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=store_mask)
+        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    elif MERGE_IN_KERNEL:
+        if used_splits == 1:  # a short kv range: this program had all of it
+            tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+        else:
+            po_offs = q_rows[:, None] * stride_po_t + head[:, None] * stride_po_h + offs_d[None, :]
+            pl_offs = q_rows * stride_pl_t + head
+            tl.store(part_o_ptr + split * stride_po_s + po_offs, out, mask=row_valid[:, None])
+            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+            tl.store(part_lse_ptr + split * stride_pl_s + pl_offs, lse, mask=row_valid)
+            # Count finished splits. The barrier puts every thread's partial stores before the
+            # counter's release; the acquire side reads partials through L2 (.cg), never a stale L1
+            # line.
+            tl.debug_barrier()
+            counter = counter_ptr + pid_bh * tl.num_programs(0) + q_block
+            if tl.atomic_add(counter, 1, sem="acq_rel") == used_splits - 1:
+                _merge_partials(part_o_ptr, part_lse_ptr, out_ptr, po_offs, pl_offs, o_offs, row_valid,
+                                used_splits, stride_po_s, stride_pl_s, BLOCK_M, HEAD_DIM)
+                tl.atomic_xchg(counter, 0)  # ready for the next layer (and the next CUDA-graph replay)
     else:
-        po_offs = q_rows[:, None] * stride_po_t + head[:, None] * stride_po_h + offs_d[None, :]
-        tl.store(part_o_ptr + split * stride_po_s + po_offs, out, mask=store_mask)
+        po_offs = split * stride_po_s + q_rows[:, None] * stride_po_t + head[:, None] * stride_po_h + offs_d[None, :]
+        tl.store(part_o_ptr + po_offs, out, mask=row_valid[:, None])
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-        pl_offs = q_rows * stride_pl_t + head
-        tl.store(part_lse_ptr + split * stride_pl_s + pl_offs, lse, mask=row_valid)
-        # Count finished splits. The barrier puts every thread's partial stores before the counter's
-        # release; the acquire side reads partials through L2 (.cg), never a stale L1 line.
-        tl.debug_barrier()
-        counter = counter_ptr + pid_bh * tl.num_programs(0) + q_block
-        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
-            _merge_partials(part_o_ptr, part_lse_ptr, out_ptr, po_offs, pl_offs, q_rows, head, offs_d, row_valid,
-                            num_splits, stride_po_s, stride_pl_s, stride_o_t, stride_o_h, BLOCK_M, HEAD_DIM)
-            tl.atomic_xchg(counter, 0)  # ready for the next layer (and the next CUDA-graph replay)
+        tl.store(part_lse_ptr + split * stride_pl_s + q_rows * stride_pl_t + head, lse, mask=row_valid)
 
 
 @triton.jit
 def _merge_partials(
-    part_o_ptr, part_lse_ptr, out_ptr, po_offs, pl_offs, q_rows, head, offs_d, row_valid,
-    num_splits, stride_po_s, stride_pl_s, stride_o_t, stride_o_h,
+    part_o_ptr, part_lse_ptr, out_ptr, po_offs, pl_offs, o_offs, row_valid,
+    num_splits, stride_po_s, stride_pl_s,
     BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
-    """out = sum_s exp2(lse_s) * o_s / sum_s exp2(lse_s) over the splits, one pass with a running
-    max; empty splits carry lse = -inf and weigh 0."""
+    """out = sum_s exp2(lse_s) * o_s / sum_s exp2(lse_s) over the first num_splits splits, one pass
+    with a running max; a split whose rows saw nothing carries lse = -inf and weighs 0."""
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     total = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -340,8 +359,43 @@ def _merge_partials(
         total = total * alpha + w
         m = m_new
     out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
-    o_offs = q_rows[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_o_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_po_s,
+    stride_po_t,
+    stride_po_h,
+    stride_pl_s,
+    stride_pl_t,
+    stride_o_t,
+    stride_o_h,
+    num_splits,
+    SPLITS_POW2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    # grid = (T, Hq): weights each split's normalised output by exp2(lse_s - max lse).
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_POW2)
+    split_ok = splits < num_splits
+    offs_d = tl.arange(0, HEAD_DIM)
+    lse = tl.load(part_lse_ptr + splits * stride_pl_s + t * stride_pl_t + h, mask=split_ok, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weight = tl.exp2(lse - lse_max)  # empty splits carry lse = -inf -> weight 0
+    total = tl.sum(weight, 0)
+    part = tl.load(
+        part_o_ptr + splits[:, None] * stride_po_s + t * stride_po_t + h * stride_po_h + offs_d[None, :],
+        mask=split_ok[:, None],
+        other=0.0,
+    )
+    out = tl.sum(part * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + t * stride_o_t + h * stride_o_h + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
 @dataclass(frozen=True)
@@ -354,6 +408,14 @@ class LaunchConfig:
     num_splits: int
     num_warps: int
     num_stages: int
+    # The last split merges (no merge kernel) when a query block's partial is small: decode-sized
+    # blocks, where the launch costs more than the merge. Big blocks (tree verify, prefill) merge in
+    # _merge_splits_kernel, in parallel over tokens and heads.
+    merge_in_kernel: bool = False
+
+    @property
+    def min_tiles_per_split(self) -> int:
+        return max(1, _MIN_KV_PER_SPLIT // self.block_n)
 
 
 def _next_pow2(x: int) -> int:
@@ -401,7 +463,8 @@ def choose_launch_config(
         num_warps = 2 if kv_len_bound >= 1024 * num_splits else 4
     else:
         num_warps = 8 if block_m * head_dim >= 128 * 128 else 4
-    return LaunchConfig(block_m, block_n, num_q_blocks, num_splits, num_warps, num_stages)
+    merge_in_kernel = block_m * head_dim <= _MERGE_IN_KERNEL_MAX_ELEMENTS
+    return LaunchConfig(block_m, block_n, num_q_blocks, num_splits, num_warps, num_stages, merge_in_kernel)
 
 
 _Launch = tuple[LaunchConfig, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
@@ -425,7 +488,8 @@ class TritonAttentionPlan:
 
     def launch(self, num_q_heads: int, num_kv_heads: int, head_dim: int, device: torch.device) -> _Launch:
         """(config, part_o [S, T, Hq, d] fp32, part_lse [S, T, Hq] fp32, finished-split counters
-        [B * Hkv * query blocks] int32, zero between kernels); the buffers are None when S = 1."""
+        [B * Hkv * query blocks] int32, zero between kernels); the buffers are None when S = 1, the
+        counters also when a merge kernel merges."""
         key = (num_q_heads, num_kv_heads, head_dim)
         hit = self._cache.get(key)
         if hit is None:
@@ -441,6 +505,7 @@ class TritonAttentionPlan:
                     (cfg.num_splits, tokens, num_q_heads, head_dim), dtype=torch.float32, device=device
                 )
                 part_lse = torch.empty((cfg.num_splits, tokens, num_q_heads), dtype=torch.float32, device=device)
+            if cfg.num_splits > 1 and cfg.merge_in_kernel:
                 counters = torch.zeros(meta.batch_size * num_kv_heads * cfg.num_q_blocks, dtype=torch.int32,
                                        device=device)
             hit = (cfg, part_o, part_lse, counters)
@@ -541,10 +606,19 @@ class TritonAttentionBackend:
             po_strides[0], po_strides[1], po_strides[2],
             pl_strides[0], pl_strides[1],
             GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            PAGE_SIZE=page_size, SPLIT_OUTPUT=split, HAS_TREE=tree is not None,
+            PAGE_SIZE=page_size, MIN_TILES=cfg.min_tiles_per_split, SPLIT_OUTPUT=split,
+            MERGE_IN_KERNEL=cfg.merge_in_kernel, HAS_TREE=tree is not None,
             IEEE_DOT=layer_cache.dtype == torch.float32,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
+        if split and not cfg.merge_in_kernel:
+            _merge_splits_kernel[(tokens, num_q_heads)](
+                part_o, part_lse, out,
+                po_strides[0], po_strides[1], po_strides[2], pl_strides[0], pl_strides[1],
+                out.stride(0), out.stride(1), cfg.num_splits,
+                SPLITS_POW2=_next_pow2(cfg.num_splits), HEAD_DIM=head_dim,
+                num_warps=1 if head_dim <= 64 else 2,
+            )  # fmt: skip
         return out
 
 
