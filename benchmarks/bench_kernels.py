@@ -147,6 +147,30 @@ def bench_steps(shapes: dict[str, ModelConfig], batches: tuple[int, ...] = (1, 8
     return res
 
 
+def bench_decode_splits(cfg: ModelConfig, caps: tuple[int, ...] = (4, 8, 16, 64),
+                        contexts: tuple[int, ...] = (128, 512, 1024, 2048, 4096)) -> dict[str, Any]:
+    """Batch-1 decode step against the context length with the split-KV count capped: how the
+    attention's serial tile loop trades against the last split's serial merge."""
+    from benchmarks.gpu_bench import random_model, step_time
+    from ngrammar.kernels.triton_attention import TritonAttentionBackend
+
+    res: dict[str, Any] = {}
+    rows = []
+    for cap in caps:
+        model, backend = random_model(cfg, backend=TritonAttentionBackend(max_kv_splits=cap))
+        row: list[Any] = [cap]
+        for ctx in contexts:
+            ms = step_time(model, backend, cfg, 1, 1, ctx, 8192) * 1e3
+            res[f"cap{cap}/ctx{ctx}_ms"] = ms
+            row.append(ms)
+        rows.append(row)
+        del model
+        torch.cuda.empty_cache()
+    print_table("batch-1 decode step ms by split cap (rows) and context (columns)",
+                ["max splits"] + [str(c) for c in contexts], rows)
+    return res
+
+
 def run(parts: tuple[str, ...] = ("linear", "steps")) -> dict[str, Any]:
     from benchmarks.gpu_bench import LLAMA3_8B
 
@@ -156,4 +180,6 @@ def run(parts: tuple[str, ...] = ("linear", "steps")) -> dict[str, Any]:
         out["linear"] = bench_linear(shapes)
     if "steps" in parts:
         out["steps"] = bench_steps(shapes)
+    if "splits" in parts:
+        out["splits"] = bench_decode_splits(SMOLLM2_SHAPE)
     return out

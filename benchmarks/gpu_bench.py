@@ -7,7 +7,7 @@ grounded and open-ended prompts at several batch sizes; the spec+grammar step ru
 Part 2, a random-weight Llama-3-8B-shaped model: plain decode and tree-verify step times (CUDA
 graphs) against the bandwidth floor measured in the same run.
 Part ``kernels`` (not run by default): ``benchmarks.bench_kernels``, the fused small-step linear
-kernel against the unfused ops, and whole steps with it on and off (``kernel_steps``: the steps only).
+kernel against the unfused ops, and whole steps with it on and off (``kernel_steps``: the steps only; ``kernel_splits``: batch-1 decode by split cap and context).
 
     python -m benchmarks.gpu_bench --model /tmp/ngm/model.gguf --out $OUT/gpu_bench.json
 """
@@ -223,13 +223,14 @@ def _cuda_time(fn: Callable[[], Any], n: int) -> float:
     return statistics.median(times)
 
 
-def random_model(config: ModelConfig, ops: Any = None) -> Any:
-    """(bf16 model with random weights on CUDA, its Triton attention backend); ops: TritonOps by default."""
+def random_model(config: ModelConfig, ops: Any = None, backend: Any = None) -> Any:
+    """(bf16 model with random weights on CUDA, its attention backend); TritonOps and
+    TritonAttentionBackend by default."""
     from ngrammar.kernels.fused_ops import TritonOps
     from ngrammar.kernels.triton_attention import TritonAttentionBackend
     from ngrammar.model.llama import LlamaForCausalLM
 
-    backend = TritonAttentionBackend()
+    backend = backend or TritonAttentionBackend()
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend, ops or TritonOps())
     model = model.to_empty(device="cuda").to(torch.bfloat16)
@@ -357,8 +358,8 @@ def main() -> int:
                                                              graphs=False), log)
     if "8b" in parts and torch.cuda.is_available():
         _safe("llama3_8b_shape", bench_8b, log)
-    kernel_parts = tuple(p for p, name in (("linear", "kernels"), ("steps", "kernels"), ("steps", "kernel_steps"))
-                         if name in parts)
+    kernel_parts = tuple(p for p, name in (("linear", "kernels"), ("steps", "kernels"), ("steps", "kernel_steps"),
+                                           ("splits", "kernel_splits")) if name in parts)
     if kernel_parts and torch.cuda.is_available():
         from benchmarks.bench_kernels import run as run_kernels
 
