@@ -87,8 +87,18 @@ def test_bad_shapes_raise() -> None:
         fused_linear(x, w, prologue=Prologue.SILU_MUL)
     with pytest.raises(ValueError, match="norm_weight"):
         fused_linear(x, w, prologue=Prologue.NORM)
+    g = torch.ones(8, device=DEVICE)
+    with pytest.raises(ValueError, match="eps"):
+        fused_linear(x, w, prologue=Prologue.NORM, norm_weight=g)  # eps = 0 would divide by zero on a zero row
     with pytest.raises(ValueError, match="residual"):
-        fused_linear(x, w, prologue=Prologue.NORM, norm_weight=torch.ones(8, device=DEVICE), residual=x)
+        fused_linear(x, w, prologue=Prologue.NORM, norm_weight=g, residual=x, eps=1e-5)
+    with pytest.raises(ValueError, match="residual must be"):
+        fused_linear(x, w, prologue=Prologue.ADD_NORM, norm_weight=g, residual=torch.zeros(2, 8, device=DEVICE),
+                     eps=1e-5)
+    with pytest.raises(ValueError, match="norm_weight must be"):
+        fused_linear(x, w, prologue=Prologue.NORM, norm_weight=torch.ones(4, device=DEVICE), eps=1e-5)
+    with pytest.raises(ValueError, match="bias must be"):
+        fused_linear(x, w, torch.zeros(8, device=DEVICE))
 
 
 def test_empty_step_launches_nothing() -> None:

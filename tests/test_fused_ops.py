@@ -88,3 +88,38 @@ def test_whole_model_logits_match_torch_ops(qk_norm: bool, tokens: int, fuse_lin
         with torch.inference_mode():
             out.append(model.compute_logits(model(ids, pos, cache, model.layers[0].self_attn.backend.plan(meta))))
     _close(out[1], out[0], torch.float32)
+
+
+def test_one_token_decode_after_a_long_prefix_matches_torch_ops() -> None:
+    """The fused one-token path where it matters: a decode step at position 230 after a prefill,
+    with real RoPE angles, a qkv bias, an untied head and the kv range split three ways (merged by
+    the last split), against the torch reference decoder."""
+    config = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=16, max_position=512, rope_theta=10000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=False, attention_bias=True)
+    torch.manual_seed(1)
+    ref = LlamaForCausalLM(config, TorchSDPABackend(), REF).to(DEVICE)
+    for p in ref.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.2)
+    fused = LlamaForCausalLM(config, TritonAttentionBackend(num_kv_splits=3), TritonOps()).to(DEVICE)
+    fused.load_state_dict(ref.state_dict())
+    prefix, page_size = 230, 16
+    pages = torch.arange(-(-(prefix + 1) // page_size), device=DEVICE)[None]
+    ids = torch.randint(0, 97, (prefix + 1,), device=DEVICE)
+
+    def meta(start: int, n: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=torch.arange(start, start + n, device=DEVICE), page_table=pages,
+            kv_lens=torch.tensor([start + n], device=DEVICE), q_lens=torch.tensor([n], device=DEVICE),
+            q_start=torch.tensor([0, n], device=DEVICE), max_q_len=n, max_kv_len=start + n, page_size=page_size,
+        )
+
+    out = []
+    for model in (ref, fused):
+        backend = model.layers[0].self_attn.backend
+        cache = torch.zeros(2, 2, pages.shape[1], page_size, 2, 16, device=DEVICE)
+        with torch.inference_mode():
+            model(ids[:prefix], torch.arange(prefix, device=DEVICE), cache, backend.plan(meta(0, prefix)))
+            step = backend.plan(meta(prefix, 1))
+            out.append(model.compute_logits(model(ids[prefix:], torch.tensor([prefix], device=DEVICE), cache, step)))
+    _close(out[1], out[0], torch.float32)

@@ -208,10 +208,11 @@ def test_launch_config_is_host_only_and_splits_small_batches():
     assert big_batch.num_splits == 1
     tree = choose_launch_config(32, 3, 64, 2, 3, kv_len_bound=100, num_sms=132)
     assert tree.block_m // 3 * tree.num_q_blocks >= 32
-    # Decode blocks merge their splits in the kernel; a batch-1 tree verify block keeps the merge kernel.
+    # Decode steps merge their splits in the kernel; tree verify blocks, however small, keep the merge kernel.
     assert decode.merge_in_kernel and decode.min_tiles_per_split * decode.block_n == 128
-    verify = choose_launch_config(16, 4, 128, 1, 8, kv_len_bound=8192, num_sms=132)
-    assert verify.num_splits > 1 and not verify.merge_in_kernel
+    for width in (2, 8, 16):
+        verify = choose_launch_config(width, 3, 64, 1, 3, kv_len_bound=8192, num_sms=132)
+        assert verify.num_splits > 1 and not verify.merge_in_kernel
 
 
 @pytest.mark.skipif(INTERPRET, reason="CUDA graphs and sync checks need a GPU")
@@ -321,14 +322,13 @@ def test_rope_fused_into_the_kv_write(heads: tuple[int, int, int], dtype, views:
     torch.testing.assert_close(got_cache.float(), ref_cache.float(), rtol=tol, atol=tol)
     assert (got.float() - want.float()).abs().max().item() <= tol * max(want.float().abs().max().item(), 1.0)
     assert torch.equal(v, v_before)
-    assert not torch.equal(got_cache[0], cache[0])  # k was rotated, not copied
 
 
 def test_split_counters_rearm_for_the_next_layer():
     """The last split merges and resets its counter, so every layer of a step (one plan, one set of
     counters) merges again: a second call through the same plan gives the same output."""
-    meta, q, k, v, cache = make_case([1, 1, 3], [40, 200, 90], page_size=16, heads=HEADS[0], dtype=DTYPES[-1],
-                                     tree=True, seed=9)
+    meta, q, k, v, cache = make_case([1, 1, 1], [40, 200, 90], page_size=16, heads=HEADS[0], dtype=DTYPES[-1],
+                                     seed=9)
     backend = TritonAttentionBackend(num_kv_splits=3)
     plan = backend.plan(meta)
     first = backend.forward(q, k, v, cache.clone(), plan, 0.125)

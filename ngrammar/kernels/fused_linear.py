@@ -1,4 +1,4 @@
-"""Linear layers for steps of a few tokens, with the elementwise op that feeds them fused in.
+"""Linear layers of one-token steps, with the elementwise op that feeds them fused in.
 
 Why: at batch 1 every kernel of a small model's decoder layer is bound by launch latency, not by
 bytes (SmolLM2's largest weight is 3.5 MB, under a microsecond of HBM time on an H200, yet each
@@ -166,13 +166,13 @@ def fused_linear(
     prologue: Prologue = Prologue.NONE,
     norm_weight: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
-    eps: float = 0.0,
+    eps: float | None = None,
     tiles: LinearTiles | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(prologue(x) @ weight.T + bias [M, N], the new residual stream [M, K] for ADD_NORM else None).
 
     x [M, K] ([M, 2K] for SILU_MUL) with unit stride along its last axis; weight [N, K] contiguous;
-    norm_weight [K] for NORM / ADD_NORM; residual [M, K] for ADD_NORM. ``tiles`` overrides the launch
+    norm_weight [K] and eps for NORM / ADD_NORM; residual [M, K] for ADD_NORM. ``tiles`` overrides the launch
     shape (benchmarks sweep it).
     """
     m = x.shape[0]
@@ -183,10 +183,16 @@ def fused_linear(
     if x.shape[1] != want_k:
         raise ValueError(f"x has {x.shape[1]} columns, the {prologue.name} prologue of a [{n}, {k}] weight needs {want_k}")
     has_norm = prologue in (Prologue.NORM, Prologue.ADD_NORM)
-    if has_norm and norm_weight is None:
-        raise ValueError(f"{prologue.name} needs norm_weight")
+    if has_norm and (norm_weight is None or eps is None):
+        raise ValueError(f"{prologue.name} needs norm_weight and eps")
+    if norm_weight is not None and (norm_weight.shape != (k,) or norm_weight.stride(0) != 1):
+        raise ValueError(f"norm_weight must be a contiguous [{k}] vector, got {tuple(norm_weight.shape)}")
+    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
+        raise ValueError(f"bias must be a contiguous [{n}] vector, got {tuple(bias.shape)}")
     if (prologue == Prologue.ADD_NORM) != (residual is not None):
         raise ValueError("residual is given exactly with ADD_NORM")
+    if residual is not None and (residual.shape != (m, k) or residual.stride(-1) != 1):
+        raise ValueError(f"residual must be [{m}, {k}] with unit stride along K, got {tuple(residual.shape)}")
     out = torch.empty((m, n), dtype=weight.dtype, device=x.device)
     res_out = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else None
     if m == 0:
@@ -198,7 +204,7 @@ def fused_linear(
     _small_m_linear_kernel[grid](
         x, r, ro, norm_weight if norm_weight is not None else weight, weight,
         bias if bias is not None else weight, out,
-        m, n, k, x.stride(0), r.stride(0), ro.stride(0), weight.stride(0), out.stride(0), eps,
+        m, n, k, x.stride(0), r.stride(0), ro.stride(0), weight.stride(0), out.stride(0), eps or 0.0,
         PROLOGUE=int(prologue), HAS_BIAS=bias is not None,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps,
     )  # fmt: skip

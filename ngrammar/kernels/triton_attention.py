@@ -20,7 +20,7 @@ for every kv length replayed through it.
 
 Split-KV (flash decoding): with few programs (small batch decode), the kv range of each program is cut
 into ``num_splits`` equal chunks of tiles; each chunk writes a normalised partial output and its
-log-sum-exp. For decode-sized query blocks each split bumps a counter and the one that finishes last
+log-sum-exp. In decode steps (one query token per request) each split bumps a counter and the one that finishes last
 merges the partials (at batch 1 a second launch costs more than the merge), and splits beyond the
 kv length exit at once; bigger blocks are merged by a second small kernel, in parallel over tokens
 and heads. With one split the kernel writes the output directly.
@@ -44,9 +44,6 @@ _MIN_KV_PER_SPLIT = 128
 # (Measured on an H200, bf16: bs=1 decode at 8k context is fastest near 64 splits.)
 _SPLIT_BELOW_PROGRAMS_PER_SM = 2
 _SPLIT_TARGET_PROGRAMS_PER_SM = 4
-# Largest query block (rows x head_dim) whose splits the last split merges itself: a decode block
-# (up to 16 rows of a GQA group x 128).
-_MERGE_IN_KERNEL_MAX_ELEMENTS = 16 * 128
 
 
 @triton.jit
@@ -408,8 +405,8 @@ class LaunchConfig:
     num_splits: int
     num_warps: int
     num_stages: int
-    # The last split merges (no merge kernel) when a query block's partial is small: decode-sized
-    # blocks, where the launch costs more than the merge. Big blocks (tree verify, prefill) merge in
+    # The last split merges (no merge kernel) in decode steps (one query token per request), where
+    # the launch costs more than the merge. Tree verify and prefill blocks merge in
     # _merge_splits_kernel, in parallel over tokens and heads.
     merge_in_kernel: bool = False
 
@@ -463,7 +460,9 @@ def choose_launch_config(
         num_warps = 2 if kv_len_bound >= 1024 * num_splits else 4
     else:
         num_warps = 8 if block_m * head_dim >= 128 * 128 else 4
-    merge_in_kernel = block_m * head_dim <= _MERGE_IN_KERNEL_MAX_ELEMENTS
+    # Decode steps only: at batch 1 the kernel took 3.6 µs against 4.0 + 1.9 µs with the merge kernel
+    # (kernel tables, BENCHMARKS.md session 7); verify blocks were not measured with it.
+    merge_in_kernel = max_q_len == 1
     return LaunchConfig(block_m, block_n, num_q_blocks, num_splits, num_warps, num_stages, merge_in_kernel)
 
 

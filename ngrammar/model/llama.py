@@ -5,8 +5,8 @@ attention plan as arguments and returns hidden states; ``compute_logits`` maps s
 vocabulary. Weights use Hugging Face names; q/k/v and gate/up are fused at load time so each layer
 runs two GEMMs fewer (the CPU decode step is bound by those weight reads). Norms, SiLU·mul and the
 projections go through ``ops`` (``ngrammar.model.ops``): torch on the CPU, fused Triton kernels on
-CUDA, where the residual add rides along with the next norm and, for steps of a few tokens, the norm
-and SiLU·mul ride inside the projection that consumes them. RoPE is applied by the attention
+CUDA, where the residual add rides along with the next norm and, in one-token steps, the norm and
+SiLU·mul ride inside the projection that consumes them. RoPE is applied by the attention
 backend, which can fuse it into its K/V write.
 """
 

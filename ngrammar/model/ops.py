@@ -43,8 +43,9 @@ class LayerOps(Protocol):
 
 
 class TorchOps:
-    """Plain torch ops; rounding to the storage dtype happens after the norm, the residual sum and
-    the SiLU, as in Hugging Face's Llama."""
+    """Plain torch ops; rounding to the storage dtype happens after the residual sum, the normalised
+    row, its product with the norm weight, the SiLU and the SiLU·up product, as in Hugging Face's
+    Llama."""
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
