@@ -14,7 +14,6 @@ as a CUDA graph, with the projections' prologues fused and not; ms per step and 
 from __future__ import annotations
 
 import itertools
-import statistics
 from typing import Any, Callable
 
 import torch
@@ -29,6 +28,8 @@ SMOLLM2_SHAPE = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size
 
 def graph_us(fn: Callable[[], Any], calls: int = 50, replays: int = 20) -> float:
     """Median µs per call of ``fn`` captured ``calls`` times back to back in one CUDA graph."""
+    from benchmarks.gpu_bench import cuda_seconds
+
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -42,15 +43,7 @@ def graph_us(fn: Callable[[], Any], calls: int = 50, replays: int = 20) -> float
             fn()
     graph.replay()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+    return cuda_seconds(graph.replay, replays) * 1e6 / calls
 
 
 def _projections(c: ModelConfig) -> list[tuple[str, int, int, Any]]:

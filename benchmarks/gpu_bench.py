@@ -208,10 +208,11 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    return 2 * nbytes / _cuda_time(lambda: dst.copy_(src), 10)  # read + write bytes per second
+    return 2 * nbytes / cuda_seconds(lambda: dst.copy_(src), 10)  # read + write bytes per second
 
 
-def _cuda_time(fn: Callable[[], Any], n: int) -> float:
+def cuda_seconds(fn: Callable[[], Any], n: int) -> float:
+    """Median seconds of ``fn`` over n calls, each timed between two CUDA events."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(n):
@@ -271,7 +272,7 @@ def step_time(model: Any, backend: Any, config: ModelConfig, bs: int, q: int, ct
             model.compute_logits(model(ids, pos, kv, plan))
         for _ in range(3):
             graph.replay()
-        return _cuda_time(graph.replay, 20)
+        return cuda_seconds(graph.replay, 20)
 
 
 def bench_8b() -> dict[str, Any]:
