@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import chat, decode_seconds, forget_outputs, load_workload, machine, print_table
+from benchmarks.host_phases import ENGINE_PHASES, PhaseTimer, graph_launch_us, op_costs
 from ngrammar import LLM, SamplingParams
 
 
@@ -114,6 +115,42 @@ def profile_variant(llm: LLM, label: str, prompts: list[Any], max_tokens: int, o
     return res
 
 
+def phase_variant(llm: LLM, prompts: list[Any], max_tokens: int) -> dict[str, Any]:
+    """Host µs per engine step of each engine phase (``PhaseTimer``) over one generation."""
+    _generate(llm, prompts, 16)
+    with PhaseTimer() as timer:
+        tok_s, steps = _generate(llm, prompts, max_tokens)
+    return {"tok_s": tok_s, "steps": steps,
+            "phases": {name: [us, calls] for name, us, calls in timer.per_step(steps)}}
+
+
+def run_phases(plain: LLM, spec: LLM, batch_sizes: list[int], max_tokens: int) -> dict[str, Any]:
+    """The phase table of plain and NGRAM decoding at each batch size, plus single CUDA call costs."""
+    log: dict[str, Any] = {}
+    for bs in batch_sizes:
+        for kind in ("grounded", "open"):
+            prompts = _prompts(kind, bs)
+            for name, llm in (("plain", plain), ("ngram", spec)):
+                log[f"{name}/b{bs}/{kind}"] = phase_variant(llm, prompts, max_tokens)
+    names = [n for n, _, _ in ENGINE_PHASES if any(n in v["phases"] for v in log.values())]
+    rows = [[n] + [f"{v['phases'][n][0]:.0f} ({v['phases'][n][1]:.2f})" if n in v["phases"] else ""
+                   for v in log.values()] for n in names]
+    rows.append(["tok/s"] + [f"{v['tok_s']:.0f}" for v in log.values()])
+    print_table("host phases: µs per engine step (calls per step), inclusive, nested",
+                ["phase"] + list(log), rows)
+    ops = op_costs()
+    graphs = plain.engine.runner.graphs
+    if graphs is not None and graphs.capture:
+        ops["graph replay() b1 W1"] = graph_launch_us(_padding_graph(plain, 1, 1))
+        width = spec.engine.spec.policy.max_width if spec.engine.spec else 1
+        if width > 1:
+            ops[f"graph replay() b1 W{width}"] = graph_launch_us(_padding_graph(spec, 1, width))
+    if ops:
+        print_table("host µs per CUDA call", ["call", "µs"], [[k, v] for k, v in ops.items()])
+    log["op_costs_us"] = ops
+    return log
+
+
 def run_profile(plain: LLM, spec: LLM, batch_sizes: list[int], max_tokens: int, out: Path,
                 kernels: bool = False) -> dict[str, Any]:
     """Profile plain and NGRAM decoding at each batch size; prints the breakdown table last."""
@@ -147,14 +184,18 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--kernels", action="store_true", help="also print the kernels of the b=1 and b=8 graphs")
     p.add_argument("--fixed-width", action="store_true", help="NGRAM always verifies at D=16 (policy off)")
+    p.add_argument("--phases", action="store_true",
+                   help="only the host phase table (benchmarks/host_phases.py), no cProfile or kernels")
     args = p.parse_args()
     out = Path(args.out)
     plain = LLM(args.model, device=args.device)
     spec = LLM(args.model, device=args.device, speculative="ngram", num_draft_tokens=16,
                spec_adaptive=not args.fixed_width)
-    log = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-           "result": run_profile(plain, spec, [int(x) for x in args.batch_sizes.split(",")], args.max_tokens, out,
-                                 args.kernels)}
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    out.mkdir(parents=True, exist_ok=True)
+    result = (run_phases(plain, spec, sizes, args.max_tokens) if args.phases
+              else run_profile(plain, spec, sizes, args.max_tokens, out, args.kernels))
+    log = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "result": result}
     (out / "profile.json").write_text(json.dumps(log, indent=1, default=str))
     return 0
 

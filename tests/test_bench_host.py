@@ -16,3 +16,24 @@ def test_tiny_checkpoint_loads_and_decodes(tmp_path: Path) -> None:
                                                                                ignore_eos=True), use_tqdm=False)[0]
     assert len(out.token_ids) == 6 and out.prompt_token_ids  # the embedded chat template and tokenizer
     assert llm.engine.stats.chained_steps > 0  # overlap scheduling ran on the CPU too
+
+
+def test_phase_timer_times_engine_phases_and_restores_them(tmp_path: Path) -> None:
+    from benchmarks.host_phases import ENGINE_PHASES, PhaseTimer
+    from ngrammar.engine.engine import LLMEngine
+
+    folder = tiny_checkpoint(tmp_path / "tiny")
+    llm = LLM(model=str(folder), device="cpu", dtype="float32", kv_cache_tokens=1024, overlap_schedule=True,
+              speculative="ngram", num_draft_tokens=4, spec_adaptive=False)
+    original = LLMEngine.__dict__["step"]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    steps0 = llm.engine.stats.steps
+    with PhaseTimer() as timer:  # every listed owner and attribute must resolve
+        assert LLMEngine.__dict__["step"] is not original
+        llm.chat([[{"role": "user", "content": "Say hi."}]], params, use_tqdm=False)
+    assert LLMEngine.__dict__["step"] is original
+    steps = llm.engine.stats.steps - steps0
+    table = {name: (us, calls) for name, us, calls in timer.per_step(steps)}
+    assert table["step"][1] == 1.0 and table["step"][0] > 0
+    assert table["  verify"][1] * steps == llm.engine.stats.spec_steps  # every decode step verified
+    assert set(table) <= {name for name, _, _ in ENGINE_PHASES}
