@@ -117,26 +117,33 @@ def bench_linear(shapes: dict[str, ModelConfig], ms: tuple[int, ...] = (1, 2, 4,
 
 def bench_steps(shapes: dict[str, ModelConfig], batches: tuple[int, ...] = (1, 8, 32),
                 qs: tuple[int, ...] = (1, 16), ctx: int = 512, kv_len_bound: int = 8192) -> dict[str, Any]:
-    """Plans are built for kv_len_bound, as the engine's CUDA graphs are (SmolLM2's context is 8192)."""
+    """Plans are built for kv_len_bound, as the engine's CUDA graphs are (SmolLM2's context is 8192).
+    Variants: unfused, fused projections, and fused with programmatic dependent launch (PDL: each
+    Triton kernel starts, and loads its weights, while the one before finishes)."""
     from benchmarks.gpu_bench import random_model, step_time
+    from ngrammar.kernels.device_info import pdl_supported
     from ngrammar.kernels.fused_ops import TritonOps
+    from ngrammar.kernels.triton_attention import TritonAttentionBackend
 
+    variants = [("unfused", False, False), ("fused", True, False)]
+    if pdl_supported(torch.device("cuda")):
+        variants.append(("fused+PDL", True, True))
     res: dict[str, Any] = {}
     rows = []
     for model_name, cfg in shapes.items():
-        for fuse in (False, True):
-            model, backend = random_model(cfg, TritonOps(fuse_linear=fuse))
+        for label, fuse, pdl in variants:
+            model, backend = random_model(cfg, TritonOps(fuse_linear=fuse, pdl=pdl), TritonAttentionBackend(pdl=pdl))
             for bs in batches:
                 for q in qs:
                     if bs * q > 512:
                         continue
                     ms = step_time(model, backend, cfg, bs, q, ctx, kv_len_bound) * 1e3
-                    res[f"{model_name}/fuse={fuse}/b{bs}/q{q}_ms"] = ms
-                    rows.append([model_name, "fused" if fuse else "unfused", bs, q, ms, bs / ms * 1e3])
+                    res[f"{model_name}/{label}/b{bs}/q{q}_ms"] = ms
+                    rows.append([model_name, label, bs, q, ms, bs / ms * 1e3])
             del model
             torch.cuda.empty_cache()
     print_table(f"decode (q=1) / verify (q=16) step, random weights, context {ctx}, plan for {kv_len_bound}",
-                ["model", "linear", "batch", "q", "ms", "decode tok/s (q=1)"], rows)
+                ["model", "kernels", "batch", "q", "ms", "decode tok/s (q=1)"], rows)
     return res
 
 

@@ -41,7 +41,7 @@ ENGINE_PHASES: tuple[tuple[str, str, str], ...] = (
     ("    accept graph", "ngrammar.runner.cuda_graph.CUDAGraphRunner", "accept"),
     ("    to_host (waits)", "ngrammar.runner.model_runner.ModelRunner", "to_host"),
     ("    verify commit", "ngrammar.spec.worker.NgramSpecWorker", "_commit"),
-    ("    move_kv", "ngrammar.runner.model_runner.ModelRunner", "move_kv"),
+    ("    compact KV", "ngrammar.runner.model_runner.ModelRunner", "compact_accepted_kv"),
     ("  outputs", "ngrammar.engine.engine.LLMEngine", "_collect_outputs"),
 )
 

@@ -334,3 +334,34 @@ def test_policy_prices_and_times_widths_it_does_not_pick() -> None:
     assert policy.step_cost(bucket_of(1, False), 3) is None
     assert 0.0 < policy.expected_drafts("s", 2, 5) <= 4.0
     assert policy.expected_drafts("s", 0, 5) == 0.0
+
+
+def test_accepted_path_kv_is_compacted_on_the_device_as_the_host_loop_would() -> None:
+    """compact_accepted_kv moves, per request, path position j's node KV into slot j (1 <= j < len)
+    and leaves every other slot as it was: checked against a per-token host loop on paths that
+    jump across siblings, a path whose source slot is another position's own slot, and a request
+    that accepted nothing."""
+    import types
+
+    import torch
+
+    from ngrammar.runner.model_runner import ModelRunner
+
+    torch.manual_seed(0)
+    cache = torch.randn(2, 2, 4, 8, 1, 3)  # [layers, k/v, pages, page size, kv heads, d]
+    runner = types.SimpleNamespace(kv_cache=cache.clone())
+    # Request 0 on page 2 at kv 3..8 (slot = page * 8 + index % 8), request 1 on pages 0, 1 at kv 6..11.
+    slots = torch.tensor([[19, 20, 21, 22, 23, 16 + 8 + 0],
+                          [6, 7, 8, 9, 10, 11]])
+    nodes = torch.tensor([[0, 2, 5, -1, -1, -1],  # root, then nodes 2 and 5 (not in place)
+                          [0, -1, -1, -1, -1, -1]])  # nothing accepted
+    lens = torch.tensor([3, 1])
+    ModelRunner.compact_accepted_kv(runner, slots, nodes, lens)  # type: ignore[arg-type]
+    want = cache.clone()
+    flat_want = want.view(2, 2, 32, 1, 3)
+    flat_old = cache.view(2, 2, 32, 1, 3)
+    for b in range(2):
+        for j in range(1, int(lens[b])):
+            flat_want[:, :, slots[b, j]] = flat_old[:, :, slots[b, nodes[b, j]]]
+    assert torch.equal(runner.kv_cache, want)
+    assert not torch.equal(want, cache)  # something did move

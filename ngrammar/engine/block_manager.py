@@ -73,6 +73,3 @@ class BlockManager:
         self.allocator.free(seq.pages)
         seq.pages = []
         seq.num_cached = 0
-
-    def slot(self, seq: Sequence, index: int) -> int:
-        return seq.pages[index // self.page_size] * self.page_size + index % self.page_size

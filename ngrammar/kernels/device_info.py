@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -18,3 +19,22 @@ def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
     return 4
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may be launched with programmatic dependent launch (PDL).
+
+    PDL lets a kernel start while the one before it on the stream is still finishing: its
+    programs load what no earlier kernel writes (weights), then wait (``gdc_wait``) for the
+    previous grid to complete before touching activations. It needs Hopper or newer (sm_90+);
+    Triton's CPU interpreter runs programs one by one and has no such instructions.
+    ``NGRAMMAR_PDL=0`` turns it off (benchmarks compare; a way out should a driver misbehave)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("NGRAMMAR_PDL") == "0":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_capability(index) >= (9, 0)

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import cuda as tcuda
 
 
 # The fused kernel serves steps of this many tokens (one-token decode) and weights of at most this
@@ -64,6 +65,30 @@ def _load_summed(x_rows, r_rows, kk, ok, HAS_RESIDUAL: tl.constexpr):
 
 
 @triton.jit
+def _chunk_product(
+    x_rows, r_rows, norm_w_ptr, w, inv, kk, row_ok, K, dtype,
+    PROLOGUE: tl.constexpr,
+):  # fmt: skip
+    """prologue(x)[:, kk] @ w.T for one K chunk: [BLOCK_M, BLOCK_N] fp32 (w: [BLOCK_N, BLOCK_K])."""
+    k_ok = kk < K
+    ok = row_ok[:, None] & k_ok[None, :]
+    if PROLOGUE == 3:
+        gate = tl.load(x_rows + kk[None, :], mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(x_rows + K + kk[None, :], mask=ok, other=0.0).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype)
+        a = (act.to(tl.float32) * up).to(dtype)
+    elif PROLOGUE == 1 or PROLOGUE == 2:
+        xs = _load_summed(x_rows, r_rows, kk, ok, PROLOGUE == 2)
+        normed = (xs.to(tl.float32) * inv[:, None]).to(dtype)
+        g = tl.load(norm_w_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+        a = (g[None, :] * normed.to(tl.float32)).to(dtype)
+    else:
+        a = tl.load(x_rows + kk[None, :], mask=ok, other=0.0).to(dtype)
+    # [BLOCK_M, 1, BLOCK_K] * [1, BLOCK_N, BLOCK_K] summed over K.
+    return tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+
+
+@triton.jit
 def _small_m_linear_kernel(
     x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr,
     M, N, K,
@@ -74,6 +99,7 @@ def _small_m_linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -87,6 +113,15 @@ def _small_m_linear_kernel(
     r_rows = res_ptr + rows[:, None].to(tl.int64) * stride_r
     HAS_NORM: tl.constexpr = PROLOGUE == 1 or PROLOGUE == 2
     HAS_RESIDUAL: tl.constexpr = PROLOGUE == 2
+
+    # The first K chunk of this program's weight rows (all of W for K <= BLOCK_K) is loaded before
+    # anything else: no kernel writes weights, so under PDL this load overlaps the previous kernel.
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w
+    w_first = tl.load(w_rows + offs_k[None, :], mask=col_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+    if PDL:
+        # Everything below reads activations the previous kernel wrote, or writes what it may read.
+        tcuda.gdc_wait()
+        tcuda.gdc_launch_dependents()
 
     inv = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_NORM:
@@ -104,27 +139,11 @@ def _small_m_linear_kernel(
             sum_sq += tl.sum(xf * xf, axis=1)
         inv = tl.rsqrt(sum_sq / K + eps)
 
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w
-    for k0 in range(0, K, BLOCK_K):
+    acc = _chunk_product(x_rows, r_rows, norm_w_ptr, w_first, inv, offs_k, row_ok, K, dtype, PROLOGUE)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + offs_k
-        k_ok = kk < K
-        ok = row_ok[:, None] & k_ok[None, :]
-        if PROLOGUE == 3:
-            gate = tl.load(x_rows + kk[None, :], mask=ok, other=0.0).to(tl.float32)
-            up = tl.load(x_rows + K + kk[None, :], mask=ok, other=0.0).to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(dtype)
-            a = (act.to(tl.float32) * up).to(dtype)
-        elif HAS_NORM:
-            xs = _load_summed(x_rows, r_rows, kk, ok, HAS_RESIDUAL)
-            normed = (xs.to(tl.float32) * inv[:, None]).to(dtype)
-            g = tl.load(norm_w_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-            a = (g[None, :] * normed.to(tl.float32)).to(dtype)
-        else:
-            a = tl.load(x_rows + kk[None, :], mask=ok, other=0.0).to(dtype)
-        w = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        # [BLOCK_M, 1, BLOCK_K] * [1, BLOCK_N, BLOCK_K] summed over K.
-        acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        w = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & (kk < K)[None, :], other=0.0)
+        acc += _chunk_product(x_rows, r_rows, norm_w_ptr, w, inv, kk, row_ok, K, dtype, PROLOGUE)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + rows[:, None].to(tl.int64) * stride_o + cols[None, :]
@@ -169,12 +188,14 @@ def fused_linear(
     residual: torch.Tensor | None = None,
     eps: float | None = None,
     tiles: LinearTiles | None = None,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(prologue(x) @ weight.T + bias [M, N], the new residual stream [M, K] for ADD_NORM else None).
 
     x [M, K] ([M, 2K] for SILU_MUL) with unit stride along its last axis; weight [N, K] contiguous;
     norm_weight [K] and eps for NORM / ADD_NORM; residual [M, K] for ADD_NORM. ``tiles`` overrides the launch
-    shape (benchmarks sweep it).
+    shape (benchmarks sweep it). ``pdl``: launch with programmatic dependent launch, so the weight
+    load overlaps the previous kernel (only where ``device_info.pdl_supported``).
     """
     m = x.shape[0]
     n, k = weight.shape
@@ -207,7 +228,8 @@ def fused_linear(
         bias if bias is not None else weight, out,
         m, n, k, x.stride(0), r.stride(0), ro.stride(0), weight.stride(0), out.stride(0), eps or 0.0,
         PROLOGUE=int(prologue), HAS_BIAS=bias is not None,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, PDL=pdl, num_warps=t.num_warps,
+        launch_pdl=pdl,
     )  # fmt: skip
     return out, res_out
 

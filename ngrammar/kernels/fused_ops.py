@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra import cuda as tcuda
 
+from ngrammar.kernels.device_info import pdl_supported
 from ngrammar.kernels.fused_linear import Prologue, fused_linear, use_fused_linear
 
 
@@ -29,12 +31,17 @@ def _rms_norm_kernel(
     n_cols, eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     # out = w * norm(x [+ res]); with a residual, res_out = x + res (rounded to the storage dtype, as
     # torch's ``h = h + out`` is) and the norm is taken of that rounded sum.
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0)  # a weight: loaded before the PDL wait
+    if PDL:
+        tcuda.gdc_wait()
+        tcuda.gdc_launch_dependents()
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     dtype = x.dtype
     if HAS_RESIDUAL:
@@ -44,14 +51,16 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
     y = (xf * inv).to(dtype)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
     tl.store(out_ptr + row * stride_o + cols, (w.to(tl.float32) * y.to(tl.float32)).to(dtype), mask=ok)
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
     # out = silu(gate) * up with gate = x[:, :n], up = x[:, n:]; silu is rounded to the storage dtype
     # before the product, as torch's ``F.silu(gate) * up`` does.
+    if PDL:
+        tcuda.gdc_wait()
+        tcuda.gdc_launch_dependents()
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -64,9 +73,10 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.c
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, pdl: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x [T, n] (unit stride along n) -> (w * norm(x + residual), x + residual or None)."""
+    """x [T, n] (unit stride along n) -> (w * norm(x + residual), x + residual or None); ``pdl``:
+    programmatic dependent launch (``device_info.pdl_supported``)."""
     t, n = x.shape
     out = torch.empty((t, n), dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(out) if residual is not None else None
@@ -75,20 +85,21 @@ def rms_norm(
         ro = res_out if res_out is not None else out
         _rms_norm_kernel[(t,)](
             x, r, weight, out, ro, x.stride(0), r.stride(0), out.stride(0), ro.stride(0), n, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n),
-            num_warps=4 if n <= 4096 else 8,
+            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n), PDL=pdl,
+            num_warps=4 if n <= 4096 else 8, launch_pdl=pdl,
         )  # fmt: skip
     return out, res_out
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [T, 2n] (gate | up) -> [T, n]."""
+def silu_and_mul(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    """x [T, 2n] (gate | up) -> [T, n]; ``pdl`` as in ``rms_norm``."""
     t, n2 = x.shape
     n = n2 // 2
     out = torch.empty((t, n), dtype=x.dtype, device=x.device)
     if t:
         block = min(triton.next_power_of_2(n), 2048)
-        _silu_and_mul_kernel[(t, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block)
+        _silu_and_mul_kernel[(t, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block,
+                                                          PDL=pdl, launch_pdl=pdl)
     return out
 
 
@@ -99,19 +110,24 @@ class TritonOps:
     Where ``use_fused_linear`` says it pays (one-token steps, small weights) each projection is one
     kernel with its elementwise prologue fused in (``ngrammar.kernels.fused_linear``); elsewhere the
     elementwise kernels above run, then cuBLAS. ``fuse_linear=False`` keeps the unfused path for
-    every step (benchmarks compare).
+    every step (benchmarks compare). ``pdl``: launch the fused projections with programmatic
+    dependent launch; None: wherever the device supports it (``device_info.pdl_supported``).
     """
 
-    def __init__(self, fuse_linear: bool = True) -> None:
+    def __init__(self, fuse_linear: bool = True, pdl: bool | None = None) -> None:
         self.fuse_linear = fuse_linear
+        self.pdl = pdl
 
     def _fused(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         return self.fuse_linear and use_fused_linear(x.shape[0], weight)
 
+    def _pdl(self, x: torch.Tensor) -> bool:
+        return pdl_supported(x.device) if self.pdl is None else self.pdl
+
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return rms_norm(x, weight, eps, residual)
+        return rms_norm(x, weight, eps, residual, self._pdl(x))
 
     def norm_linear(
         self,
@@ -124,18 +140,19 @@ class TritonOps:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self._fused(x, weight):
             prologue = Prologue.NORM if residual is None else Prologue.ADD_NORM
-            return fused_linear(x, weight, bias, prologue=prologue, norm_weight=norm_weight, residual=residual, eps=eps)
-        normed, summed = rms_norm(x, norm_weight, eps, residual)
+            return fused_linear(x, weight, bias, prologue=prologue, norm_weight=norm_weight, residual=residual, eps=eps,
+                                pdl=self._pdl(x))
+        normed, summed = rms_norm(x, norm_weight, eps, residual, self._pdl(x))
         return F.linear(normed, weight, bias), summed
 
     def silu_mul_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self._fused(x, weight):
-            return fused_linear(x, weight, prologue=Prologue.SILU_MUL)[0]
-        return F.linear(silu_and_mul(x), weight)
+            return fused_linear(x, weight, prologue=Prologue.SILU_MUL, pdl=self._pdl(x))[0]
+        return F.linear(silu_and_mul(x, self._pdl(x)), weight)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self._fused(x, weight):
-            return fused_linear(x, weight, bias)[0]
+            return fused_linear(x, weight, bias, pdl=self._pdl(x))[0]
         return F.linear(x, weight, bias)
 
 

@@ -33,8 +33,9 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import cuda as tcuda
 
-from ngrammar.kernels.device_info import num_sms
+from ngrammar.kernels.device_info import num_sms, pdl_supported
 from ngrammar.runner.attention import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
@@ -57,10 +58,15 @@ def _rope_store_kv_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ROPE: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     # One program per new token. With ROPE, rotates its q heads in place (rotate-half, fp32, one
     # rounding, as ``ngrammar.runner.attention.rotate_half``) and its k heads on the way into the
-    # paged pool; v is copied as is.
+    # paged pool; v is copied as is. Under PDL everything it reads was written by earlier kernels, so
+    # it waits first: what it gains is the launch, done while the projection finishes.
+    if PDL:
+        tcuda.gdc_wait()
+        tcuda.gdc_launch_dependents()
     HALF: tl.constexpr = HEAD_DIM // 2
     t = tl.program_id(0)
     half = tl.arange(0, HALF)
@@ -225,7 +231,11 @@ def _paged_attention_kernel(
     MERGE_IN_KERNEL: tl.constexpr,
     HAS_TREE: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # q and this token's K/V come from the kernel before: wait for it (see _rope_store_kv_kernel)
+        tcuda.gdc_wait()
+        tcuda.gdc_launch_dependents()
     # grid = (query blocks, B * Hkv, num_splits); query block fastest so programs sharing K/V run
     # together. SPLIT_OUTPUT: write normalised partials + log-sum-exp per split, merged by
     # _merge_splits_kernel or, with MERGE_IN_KERNEL, by the last split of a (query block, request,
@@ -519,13 +529,16 @@ class TritonAttentionBackend:
     max_kv_splits: upper limit for the automatic choice.
     For CUDA graphs, build the plan with ``plan(meta, kv_len_bound=<bucket's max kv length>)`` (or fix
     num_kv_splits) so the captured split count suits every replay; correctness never depends on it.
+    pdl: launch the RoPE/K-V write and the attention kernel with programmatic dependent launch; None:
+    wherever the device supports it (``device_info.pdl_supported``).
     """
 
-    def __init__(self, num_kv_splits: int | None = None, max_kv_splits: int = 64) -> None:
+    def __init__(self, num_kv_splits: int | None = None, max_kv_splits: int = 64, pdl: bool | None = None) -> None:
         if num_kv_splits is not None and num_kv_splits < 1:
             raise ValueError("num_kv_splits must be >= 1")
         self.num_kv_splits = num_kv_splits
         self.max_kv_splits = max_kv_splits
+        self.pdl = pdl
 
     def plan(self, meta: AttentionMetadata, kv_len_bound: int | None = None) -> TritonAttentionPlan:
         if meta.page_size & (meta.page_size - 1):
@@ -574,12 +587,13 @@ class TritonAttentionBackend:
             return out
 
         cos, sin = rope if rope is not None else (q, q)  # unused pointers without RoPE
+        pdl = pdl_supported(q.device) if self.pdl is None else self.pdl
         _rope_store_kv_kernel[(tokens,)](
             q, k, v, k_cache, v_cache, meta.slot_mapping, cos, sin, num_q_heads, num_kv_heads,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_HQ=_next_pow2(num_q_heads),
-            BLOCK_H=_next_pow2(num_kv_heads), ROPE=rope is not None,
+            BLOCK_H=_next_pow2(num_kv_heads), ROPE=rope is not None, PDL=pdl, launch_pdl=pdl,
         )  # fmt: skip
 
         cfg, part_o, part_lse, counters = plan.launch(num_q_heads, num_kv_heads, head_dim, q.device)
@@ -607,8 +621,8 @@ class TritonAttentionBackend:
             GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             PAGE_SIZE=page_size, MIN_TILES=cfg.min_tiles_per_split, SPLIT_OUTPUT=split,
             MERGE_IN_KERNEL=cfg.merge_in_kernel, HAS_TREE=tree is not None,
-            IEEE_DOT=layer_cache.dtype == torch.float32,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            IEEE_DOT=layer_cache.dtype == torch.float32, PDL=pdl,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
         )  # fmt: skip
         if split and not cfg.merge_in_kernel:
             _merge_splits_kernel[(tokens, num_q_heads)](

@@ -215,6 +215,7 @@ class CUDAGraphRunner:
         self._entries: dict[tuple[int, int], _Entry] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.replays: Counter[tuple[int, int]] = Counter()  # steps served per (bucket, width)
+        self._last_tokens = 0  # real tokens of the last step served
         self.accept_replays: Counter[tuple[int, int]] = Counter()  # acceptor runs per (bucket, width)
 
     # ------------------------------------------------------------- set-up
@@ -281,7 +282,13 @@ class CUDAGraphRunner:
             meta = self._metadata(entry.bucket, w, max_kv_len)
             self._compute(entry.tokens, meta, self.runner.backend.plan(meta))
         self.replays[(entry.bucket, w)] += 1
+        self._last_tokens = b * w
         return self._logits[: b * w]
+
+    def last_slots(self) -> torch.Tensor:
+        """[B * W] int64: the KV slots of the last served step's real tokens (a view of the static
+        buffer, valid until the next step is staged)."""
+        return self._dev.slots[: self._last_tokens]
 
     @torch.inference_mode()
     def accept(self, batch_size: int, width: int) -> Any:

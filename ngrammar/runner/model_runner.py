@@ -117,6 +117,8 @@ class ModelRunner:
         self.on_forward: Callable[[], None] | None = None  # test hook: called when a forward is launched
         self.on_to_host: Callable[[], None] | None = None  # test hook: called on every device->host read
         self.graphs: CUDAGraphRunner | None = None  # set by the engine: serves uniform decode/verify steps
+        # Slot mapping of the last eager forward; None after a graph-served one (or none yet).
+        self._last_slots: torch.Tensor | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -159,8 +161,10 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.accepts(step):
             if self.on_forward is not None:
                 self.on_forward()
+            self._last_slots = None  # the graph runner's static slots (``last_slots``)
             return self.graphs.forward(step)
         meta = self.metadata(step)
+        self._last_slots = meta.slot_mapping
         if step.input_ids is not None:
             ids = step.input_ids
         else:
@@ -188,12 +192,33 @@ class ModelRunner:
         event.record()
         return PendingRead(out, event, self.on_to_host)
 
+    def last_slots(self) -> torch.Tensor:
+        """[tokens] int64 (device): the flat KV slot each new token of the last forward wrote, in
+        packed token order; valid until the next forward (a view of the graph runner's static
+        buffer when a graph served it)."""
+        if self._last_slots is None:
+            assert self.graphs is not None, "no forward has run"
+            return self.graphs.last_slots()
+        return self._last_slots
+
     @torch.inference_mode()
-    def move_kv(self, src_slots: Sequence[int], dst_slots: Sequence[int]) -> None:
-        """Copy KV between flat slots in every layer (accepted draft path -> contiguous prefix)."""
-        if not src_slots:
-            return
+    def compact_accepted_kv(self, slots: torch.Tensor, nodes: torch.Tensor, lens: torch.Tensor) -> None:
+        """Move each request's accepted draft path to the slots right after its prefix, on the device.
+
+        slots [B, W] int64: the KV slot of tree node i of request b in the last verify step (node i
+        sits at kv index start + i, so slot j is also where path position j belongs); nodes [B, W]:
+        the accepted path's node indices, root first (-1 past the path); lens [B]: accepted drafts +
+        1, so path positions 0..lens-1 are the root and the accepted drafts. Afterwards slot
+        slots[b, j] holds the KV of node nodes[b, j] for 1 <= j < lens[b]; the root is in place
+        already. (A request that keeps fewer tokens - EOS, a stop string - has moved KV past its
+        length, which nothing reads.)
+
+        Fixed shapes and no host read: every position moves, the ones off the path onto themselves
+        (their slots are never a path destination, and all reads happen before any write)."""
+        w = slots.shape[1]
+        j = torch.arange(w, device=slots.device)
+        on_path = (j >= 1) & (j < lens[:, None])
+        src = torch.where(on_path, slots.gather(1, nodes.clamp(min=0)), slots)
         c = self.kv_cache
         flat = c.view(c.shape[0], 2, c.shape[2] * c.shape[3], c.shape[4], c.shape[5])
-        src, dst = self._tensor(src_slots), self._tensor(dst_slots)
-        flat.index_copy_(2, dst, flat.index_select(2, src))
+        flat.index_copy_(2, slots.reshape(-1), flat.index_select(2, src.reshape(-1)))

@@ -7,8 +7,9 @@ One verify step for B sequences with D nodes each:
      DFS -> bitmask [B*D, V/32], copied in
      non-blocking and applied to all B*D logits rows;
   4. greedy or target-only sampling acceptance on the device;
-  5. one device->host read of the accepted tokens; commit (stop strings, EOS, max_tokens and grammar
-     termination cut the run), compact the accepted path's KV, release the rest.
+  5. the accepted path's KV is moved next to the prefix on the device; one device->host read of the
+     accepted tokens; commit (stop strings, EOS, max_tokens and grammar termination cut the run),
+     release the pages past the kept KV.
 """
 
 from __future__ import annotations
@@ -180,6 +181,10 @@ class NgramSpecWorker:
             result = runner.graphs.accept(len(seqs), width).head(len(seqs))
         else:
             result = self._accept(seqs, candidates, meta_mask, logits, width, greedy)
+        # The accepted paths' KV moves next to their prefixes on the device, before the read: the
+        # host never computes slots, and the copy is queued while the verify forward still runs.
+        runner.compact_accepted_kv(runner.last_slots().view(len(seqs), width), result.accept_nodes,
+                                   result.accept_len)
         lp = eng.logprob_tensors(seqs, logits, result.accept_index, result.accept_tokens)
         host = runner.to_host(result.accept_tokens, result.accept_len, result.accept_nodes, *lp)
         self._commit(seqs, tree, depths, host)
@@ -269,7 +274,6 @@ class NgramSpecWorker:
         has_child[np.arange(len(seqs))[:, None], parents + 1] = True
         has_child = has_child[:, 1:]
         tree_depths = depths.max(axis=1).tolist()
-        src, dst = [], []
         emitted = 0
         # What the policy learns is the model's agreement with the drafts (lens - 1 accepted),
         # not what the request kept of it (EOS, a stop string or max_tokens may cut the run).
@@ -281,18 +285,14 @@ class NgramSpecWorker:
             # (Only a grammar that failed to settle finishes a sequence mid-step: it keeps nothing.)
             kept = 0 if seq.is_finished else seq.append_tokens(tokens[b][: lens[b]],
                                                                 None if logprobs is None else logprobs[b])
-            # Keep KV of the root and the first kept-1 accepted drafts; the last kept token is the next root.
-            for j in range(1, kept):
-                if nodes[b][j] != j:
-                    src.append(eng.blocks.slot(seq, start + nodes[b][j]))
-                    dst.append(eng.blocks.slot(seq, start + j))
+            # KV of the root and the first kept-1 accepted drafts is kept (compact_accepted_kv put
+            # it in place); the last kept token is the next root.
             seq.num_cached = start + max(kept, 1)
             seq.spec_verify_steps += 1
             seq.spec_accepted_tokens += kept
             seq.spec_draft_tokens += width - 1
             emitted += kept
-        eng.runner.move_kv(src, dst)
-        for seq in seqs:  # after the move: a rejected draft's page may hold an accepted node's KV
+        for seq in seqs:  # the move is queued already: pages past the kept KV may go
             eng.blocks.trim(seq, seq.num_cached)
         eng.stats.verify_steps += len(seqs)
         eng.stats.verify_emitted += emitted
