@@ -66,10 +66,12 @@ def _sweep(m: int) -> list[Any]:
 def bench_linear(shapes: dict[str, ModelConfig], ms: tuple[int, ...] = (1, 2, 4, 16)) -> list[dict[str, Any]]:
     import torch.nn.functional as F
 
+    from ngrammar.kernels.device_info import pdl_supported
     from ngrammar.kernels.fused_linear import Prologue, choose_tiles, fused_linear
     from ngrammar.kernels.fused_ops import rms_norm, silu_and_mul
 
     dev, dt = torch.device("cuda"), torch.bfloat16
+    pdl = pdl_supported(dev)
     rows = []
     for model, cfg in shapes.items():
         for name, n, k, prologue in _projections(cfg):
@@ -80,9 +82,9 @@ def bench_linear(shapes: dict[str, ModelConfig], ms: tuple[int, ...] = (1, 2, 4,
                 res = torch.randn(m, k, device=dev, dtype=dt) if prologue == Prologue.ADD_NORM else None
                 norm_w = g if prologue == Prologue.ADD_NORM else None
 
-                def fused(tiles: Any = None) -> Any:
+                def fused(tiles: Any = None, pdl: bool = False) -> Any:
                     return fused_linear(x, w, prologue=prologue, norm_weight=norm_w, residual=res, eps=1e-5,
-                                        tiles=tiles)
+                                        tiles=tiles, pdl=pdl)
 
                 def unfused() -> Any:
                     if prologue == Prologue.ADD_NORM:
@@ -102,16 +104,19 @@ def bench_linear(shapes: dict[str, ModelConfig], ms: tuple[int, ...] = (1, 2, 4,
                     if us < best_us:
                         best_us, best = us, tiles
                 chosen_us = graph_us(fused)
+                # Back-to-back calls in one graph: with PDL each call's weight load overlaps the last call.
+                pdl_us = graph_us(lambda: fused(pdl=True)) if pdl else None
                 cublas_us = graph_us(unfused)
                 wbytes = n * k * 2
                 rows.append({"model": model, "proj": name, "m": m, "n": n, "k": k, "chosen_us": chosen_us,
+                             "pdl_us": pdl_us,
                              "chosen": repr(chosen), "best_us": min(best_us, chosen_us), "best": repr(best),
                              "unfused_us": cublas_us, "chosen_gb_s": wbytes / chosen_us / 1e3,
                              "unfused_gb_s": wbytes / cublas_us / 1e3})
     print_table("fused linear vs unfused (elementwise kernel + cuBLAS), µs per call in a CUDA graph",
-                ["model", "proj", "m", "fused", "best sweep", "unfused", "fused GB/s", "best tiles"],
-                [[r["model"], r["proj"], r["m"], r["chosen_us"], r["best_us"], r["unfused_us"], r["chosen_gb_s"],
-                  r["best"]] for r in rows])
+                ["model", "proj", "m", "fused", "fused+PDL", "best sweep", "unfused", "fused GB/s", "best tiles"],
+                [[r["model"], r["proj"], r["m"], r["chosen_us"], r["pdl_us"] or "", r["best_us"], r["unfused_us"],
+                  r["chosen_gb_s"], r["best"]] for r in rows])
     return rows
 
 

@@ -58,7 +58,10 @@ def machine() -> dict[str, Any]:
     info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
                             "torch": torch.__version__, "threads": torch.get_num_threads()}
     if torch.cuda.is_available():
+        from ngrammar.kernels.device_info import pdl_supported
+
         info["gpu"] = torch.cuda.get_device_name()
+        info["pdl"] = pdl_supported(torch.device("cuda"))  # programmatic dependent launch (NGRAMMAR_PDL)
     return info
 
 

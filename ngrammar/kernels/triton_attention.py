@@ -384,8 +384,12 @@ def _merge_splits_kernel(
     num_splits,
     SPLITS_POW2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # grid = (T, Hq): weights each split's normalised output by exp2(lse_s - max lse).
+    if PDL:  # the partials come from the attention kernel just before
+        tcuda.gdc_wait()
+        tcuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     splits = tl.arange(0, SPLITS_POW2)
@@ -529,8 +533,8 @@ class TritonAttentionBackend:
     max_kv_splits: upper limit for the automatic choice.
     For CUDA graphs, build the plan with ``plan(meta, kv_len_bound=<bucket's max kv length>)`` (or fix
     num_kv_splits) so the captured split count suits every replay; correctness never depends on it.
-    pdl: launch the RoPE/K-V write and the attention kernel with programmatic dependent launch; None:
-    wherever the device supports it (``device_info.pdl_supported``).
+    pdl: launch the RoPE/K-V write, attention and merge kernels with programmatic dependent launch;
+    None: wherever the device supports it (``device_info.pdl_supported``).
     """
 
     def __init__(self, num_kv_splits: int | None = None, max_kv_splits: int = 64, pdl: bool | None = None) -> None:
@@ -629,8 +633,8 @@ class TritonAttentionBackend:
                 part_o, part_lse, out,
                 po_strides[0], po_strides[1], po_strides[2], pl_strides[0], pl_strides[1],
                 out.stride(0), out.stride(1), cfg.num_splits,
-                SPLITS_POW2=_next_pow2(cfg.num_splits), HEAD_DIM=head_dim,
-                num_warps=1 if head_dim <= 64 else 2,
+                SPLITS_POW2=_next_pow2(cfg.num_splits), HEAD_DIM=head_dim, PDL=pdl,
+                num_warps=1 if head_dim <= 64 else 2, launch_pdl=pdl,
             )  # fmt: skip
         return out
 
