@@ -147,6 +147,8 @@ def test_pdl_decode_graph_replays_equal_serial_ones() -> None:
         torch.manual_seed(2)
         backend = TritonAttentionBackend(num_kv_splits=4, pdl=pdl)
         model = LlamaForCausalLM(config, backend, TritonOps(pdl=pdl)).to(DEVICE, torch.bfloat16)
+        model.rotary.__init__(config)  # RoPE tables stay fp32
+        model.rotary.to(DEVICE)
         for p in model.parameters():
             torch.nn.init.normal_(p, 0.0, 0.05)
         cache = torch.randn(16, 2, pages.shape[1], page_size, 3, 64, device=DEVICE).to(torch.bfloat16)

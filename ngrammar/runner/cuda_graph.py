@@ -243,6 +243,7 @@ class CUDAGraphRunner:
         # Recorded after each upload: the host buffer is refilled only once the last copy has read it.
         self._uploaded = torch.cuda.Event() if pinned else None
         self._arange = np.arange(self.widths[-1], dtype=np.int64)  # [W_max] token index inside a row
+        self._rows = np.arange(self.max_batch_size, dtype=np.int64)[:, None]  # [max_bs, 1] row index
         # (first, bucket, width) of the padding now staged: a step with the same triple skips
         # re-staging it (real rows only write rows < first; other triples restage).
         self._padded: tuple[int, int, int] | None = None
@@ -404,9 +405,12 @@ class CUDAGraphRunner:
         table = h.page_table
         for i, pages in enumerate(step.page_tables):
             table[i, : len(pages)] = pages
-        kv_idx = starts[:, None] + self._arange[:width]  # [B, W] kv index of each new token
-        pages = np.take_along_axis(table[:b], kv_idx // self.page_size, axis=1)
-        h.slots[:n] = (pages * self.page_size + kv_idx % self.page_size).reshape(-1)
+        ps = self.page_size
+        if width == 1:  # a plain step: one slot per row, cheapest from the host lists
+            h.slots[:n] = [pages[s // ps] * ps + s % ps for pages, s in zip(step.page_tables, step.starts)]
+        else:
+            kv_idx = starts[:, None] + self._arange[:width]  # [B, W] kv index of each new token
+            h.slots[:n] = (table[self._rows[:b], kv_idx // ps] * ps + kv_idx % ps).reshape(-1)
         if width > 1:
             h.tree_mask[: n * width] = np.asarray(step.tree_mask, dtype=np.bool_).reshape(-1)
         if self._padded != (b, bucket, width):  # else rows b..bucket-1 still hold this padding
