@@ -184,3 +184,19 @@ def test_pdl_decode_graph_replays_equal_serial_ones() -> None:
     assert torch.equal(serial, overlapped)
     assert torch.equal(serial_cache, overlapped_cache)
     assert serial.std(dim=0).max() > 0  # the replays saw different inputs
+
+
+def test_pdl_is_chosen_for_one_token_steps_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default the kernels launch with PDL in one-token steps (a chain of Triton kernels) and not
+    in bigger ones, where cuBLAS sits between them; an explicit setting overrides that, and
+    NGRAMMAR_PDL=0 turns it off before any device query."""
+    from ngrammar.kernels import device_info
+
+    dev = torch.device("cuda")
+    monkeypatch.setenv("NGRAMMAR_PDL", "0")
+    assert not device_info.pdl_supported(dev) and not device_info.pdl_for_step(dev, 1)
+    monkeypatch.setattr(device_info, "pdl_supported", lambda device: True)
+    assert device_info.pdl_for_step(dev, 1) and not device_info.pdl_for_step(dev, 2)
+    one, many = torch.empty(1, 8), torch.empty(8, 8)
+    assert TritonOps()._pdl(one) and not TritonOps()._pdl(many)
+    assert TritonOps(pdl=True)._pdl(many) and not TritonOps(pdl=False)._pdl(one)

@@ -38,3 +38,13 @@ def pdl_supported(device: torch.device) -> bool:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _cuda_capability(index) >= (9, 0)
+
+
+def pdl_for_step(device: torch.device, tokens: int) -> bool:
+    """Whether a step of ``tokens`` packed tokens launches its Triton kernels with PDL by default.
+
+    One-token steps only. There every projection is a fused Triton kernel, so a layer is a chain of
+    six Triton kernels and each overlaps the next: on the H200 batch-1 decode went from 1,265-1,455
+    to 1,546-1,835 tok/s. In bigger steps cuBLAS sits between them, and with PDL the engine measured
+    1.3-2.2% slower at batch 8 and 32 (BENCHMARKS.md, session 8)."""
+    return tokens == 1 and pdl_supported(device)

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import cuda as tcuda
 
-from ngrammar.kernels.device_info import pdl_supported
+from ngrammar.kernels.device_info import pdl_for_step
 from ngrammar.kernels.fused_linear import Prologue, fused_linear, use_fused_linear
 
 
@@ -76,7 +76,7 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, pdl: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [T, n] (unit stride along n) -> (w * norm(x + residual), x + residual or None); ``pdl``:
-    programmatic dependent launch (``device_info.pdl_supported``)."""
+    programmatic dependent launch (``device_info.pdl_for_step``)."""
     t, n = x.shape
     out = torch.empty((t, n), dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(out) if residual is not None else None
@@ -110,8 +110,8 @@ class TritonOps:
     Where ``use_fused_linear`` says it pays (one-token steps, small weights) each projection is one
     kernel with its elementwise prologue fused in (``ngrammar.kernels.fused_linear``); elsewhere the
     elementwise kernels above run, then cuBLAS. ``fuse_linear=False`` keeps the unfused path for
-    every step (benchmarks compare). ``pdl``: launch the fused projections with programmatic
-    dependent launch; None: wherever the device supports it (``device_info.pdl_supported``).
+    every step (benchmarks compare). ``pdl``: launch the kernels with programmatic dependent launch;
+    None: in one-token steps on devices that support it (``device_info.pdl_for_step``).
     """
 
     def __init__(self, fuse_linear: bool = True, pdl: bool | None = None) -> None:
@@ -122,7 +122,7 @@ class TritonOps:
         return self.fuse_linear and use_fused_linear(x.shape[0], weight)
 
     def _pdl(self, x: torch.Tensor) -> bool:
-        return pdl_supported(x.device) if self.pdl is None else self.pdl
+        return pdl_for_step(x.device, x.shape[0]) if self.pdl is None else self.pdl
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None

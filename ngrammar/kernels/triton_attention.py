@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import cuda as tcuda
 
-from ngrammar.kernels.device_info import num_sms, pdl_supported
+from ngrammar.kernels.device_info import num_sms, pdl_for_step
 from ngrammar.runner.attention import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
@@ -534,7 +534,7 @@ class TritonAttentionBackend:
     For CUDA graphs, build the plan with ``plan(meta, kv_len_bound=<bucket's max kv length>)`` (or fix
     num_kv_splits) so the captured split count suits every replay; correctness never depends on it.
     pdl: launch the RoPE/K-V write, attention and merge kernels with programmatic dependent launch;
-    None: wherever the device supports it (``device_info.pdl_supported``).
+    None: in one-token steps on devices that support it (``device_info.pdl_for_step``).
     """
 
     def __init__(self, num_kv_splits: int | None = None, max_kv_splits: int = 64, pdl: bool | None = None) -> None:
@@ -591,7 +591,7 @@ class TritonAttentionBackend:
             return out
 
         cos, sin = rope if rope is not None else (q, q)  # unused pointers without RoPE
-        pdl = pdl_supported(q.device) if self.pdl is None else self.pdl
+        pdl = pdl_for_step(q.device, tokens) if self.pdl is None else self.pdl
         _rope_store_kv_kernel[(tokens,)](
             q, k, v, k_cache, v_cache, meta.slot_mapping, cos, sin, num_q_heads, num_kv_heads,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
