@@ -43,9 +43,9 @@ ENGINE_PHASES: tuple[tuple[str, str, str], ...] = (
     ("    step input", "ngrammar.spec.worker.NgramSpecWorker", "_step_input"),
     ("    index outputs", "ngrammar.spec.worker.NgramSpecWorker", "index_outputs"),
     ("    accept graph", "ngrammar.runner.cuda_graph.CUDAGraphRunner", "accept"),
+    ("    compact KV", "ngrammar.runner.model_runner.ModelRunner", "compact_accepted_kv"),
     ("    to_host (waits)", "ngrammar.runner.model_runner.ModelRunner", "to_host"),
     ("    verify commit", "ngrammar.spec.worker.NgramSpecWorker", "_commit"),
-    ("    compact KV", "ngrammar.runner.model_runner.ModelRunner", "compact_accepted_kv"),
     ("  outputs", "ngrammar.engine.engine.LLMEngine", "_collect_outputs"),
 )
 
@@ -83,11 +83,15 @@ class PhaseTimer:
         return timed
 
     def __enter__(self) -> "PhaseTimer":
-        for name, owner, attr in self.phases:
-            cls = _resolve(owner)
-            original = cls.__dict__[attr]
-            self._saved.append((cls, attr, original))
-            setattr(cls, attr, self._wrap(name, original))
+        try:
+            for name, owner, attr in self.phases:
+                cls = _resolve(owner)
+                original = cls.__dict__[attr]
+                self._saved.append((cls, attr, original))
+                setattr(cls, attr, self._wrap(name, original))
+        except Exception:
+            self.__exit__()  # a name that does not resolve: leave no method wrapped
+            raise
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -97,6 +101,8 @@ class PhaseTimer:
 
     def per_step(self, steps: int) -> Iterator[tuple[str, float, float]]:
         """(phase, µs per engine step, calls per engine step) for every phase that ran."""
+        if steps <= 0:
+            raise ValueError("no engine step ran")
         for name, _, _ in self.phases:
             if self.calls.get(name):
                 yield name, 1e6 * self.seconds[name] / steps, self.calls[name] / steps

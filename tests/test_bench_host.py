@@ -35,5 +35,5 @@ def test_phase_timer_times_engine_phases_and_restores_them(tmp_path: Path) -> No
     steps = llm.engine.stats.steps - steps0
     table = {name: (us, calls) for name, us, calls in timer.per_step(steps)}
     assert table["step"][1] == 1.0 and table["step"][0] > 0
-    assert table["  verify"][1] * steps == llm.engine.stats.spec_steps  # every decode step verified
+    assert timer.calls["  verify"] == llm.engine.stats.spec_steps > 0  # every decode step verified
     assert set(table) <= {name for name, _, _ in ENGINE_PHASES}

@@ -187,16 +187,22 @@ def test_pdl_decode_graph_replays_equal_serial_ones() -> None:
 
 
 def test_pdl_is_chosen_for_one_token_steps_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """By default the kernels launch with PDL in one-token steps (a chain of Triton kernels) and not
-    in bigger ones, where cuBLAS sits between them; an explicit setting overrides that, and
-    NGRAMMAR_PDL=0 turns it off before any device query."""
+    """By default the kernels launch with PDL in one-token steps (a chain of Triton kernels) on
+    sm_90+ and not in bigger ones, where cuBLAS sits between them; NGRAMMAR_PDL=0 turns it off,
+    and an explicit setting overrides the default."""
     from ngrammar.kernels import device_info
 
-    dev = torch.device("cuda")
-    monkeypatch.setenv("NGRAMMAR_PDL", "0")
-    assert not device_info.pdl_supported(dev) and not device_info.pdl_for_step(dev, 1)
+    dev = torch.device("cuda", 0)  # an explicit index: no CUDA query beyond the capability below
+    monkeypatch.setattr(device_info, "_cuda_capability", lambda index: (9, 0))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for switch, expected in (("0", False), ("1", True)):
+        monkeypatch.setenv("NGRAMMAR_PDL", switch)
+        device_info._pdl_allowed.cache_clear()
+        assert device_info.pdl_for_step(dev, 1) is expected and not device_info.pdl_for_step(dev, 2)
+    monkeypatch.setattr(device_info, "_cuda_capability", lambda index: (8, 0))
+    assert not device_info.pdl_supported(dev)  # Ampere: no griddepcontrol
     monkeypatch.setattr(device_info, "pdl_supported", lambda device: True)
-    assert device_info.pdl_for_step(dev, 1) and not device_info.pdl_for_step(dev, 2)
     one, many = torch.empty(1, 8), torch.empty(8, 8)
     assert TritonOps()._pdl(one) and not TritonOps()._pdl(many)
     assert TritonOps(pdl=True)._pdl(many) and not TritonOps(pdl=False)._pdl(one)
+    device_info._pdl_allowed.cache_clear()  # monkeypatch restores the variables after this test

@@ -356,12 +356,15 @@ def test_accepted_path_kv_is_compacted_on_the_device_as_the_host_loop_would() ->
     nodes = torch.tensor([[0, 2, 5, -1, -1, -1],  # root, then nodes 2 and 5 (not in place)
                           [0, -1, -1, -1, -1, -1]])  # nothing accepted
     lens = torch.tensor([3, 1])
+    narrow = types.SimpleNamespace(kv_cache=cache.clone())
     ModelRunner.compact_accepted_kv(runner, slots, nodes, lens)  # type: ignore[arg-type]
+    # Only the first 3 positions can be on a path this deep; node 5 still lies beyond them.
+    ModelRunner.compact_accepted_kv(narrow, slots, nodes[:, :3], lens)  # type: ignore[arg-type]
     want = cache.clone()
     flat_want = want.view(2, 2, 32, 1, 3)
     flat_old = cache.view(2, 2, 32, 1, 3)
     for b in range(2):
         for j in range(1, int(lens[b])):
             flat_want[:, :, slots[b, j]] = flat_old[:, :, slots[b, nodes[b, j]]]
-    assert torch.equal(runner.kv_cache, want)
+    assert torch.equal(runner.kv_cache, want) and torch.equal(narrow.kv_cache, want)
     assert not torch.equal(want, cache)  # something did move

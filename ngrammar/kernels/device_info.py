@@ -26,15 +26,22 @@ def _cuda_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+@functools.lru_cache(maxsize=1)
+def _pdl_allowed() -> bool:
+    """The process-wide switches, read once (each kernel launch asks)."""
+    return os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get("NGRAMMAR_PDL") != "0"
+
+
 def pdl_supported(device: torch.device) -> bool:
     """Whether kernels on ``device`` may be launched with programmatic dependent launch (PDL).
 
     PDL lets a kernel start while the one before it on the stream is still finishing: its
-    programs load what no earlier kernel writes (weights), then wait (``gdc_wait``) for the
-    previous grid to complete before touching activations. It needs Hopper or newer (sm_90+);
-    Triton's CPU interpreter runs programs one by one and has no such instructions.
-    ``NGRAMMAR_PDL=0`` turns it off (benchmarks compare; a way out should a driver misbehave)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("NGRAMMAR_PDL") == "0":
+    programs may load what no kernel writes (weights), then wait (``gdc_wait``) for the previous
+    grid to complete before touching activations. It needs Hopper or newer (sm_90+); Triton's CPU
+    interpreter runs programs one by one and has no such instructions. ``NGRAMMAR_PDL=0`` turns it
+    off (benchmarks compare; a way out should a driver misbehave); both variables are read once per
+    process."""
+    if device.type != "cuda" or not _pdl_allowed():
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _cuda_capability(index) >= (9, 0)
@@ -43,8 +50,10 @@ def pdl_supported(device: torch.device) -> bool:
 def pdl_for_step(device: torch.device, tokens: int) -> bool:
     """Whether a step of ``tokens`` packed tokens launches its Triton kernels with PDL by default.
 
-    One-token steps only. There every projection is a fused Triton kernel, so a layer is a chain of
-    six Triton kernels and each overlaps the next: on the H200 batch-1 decode went from 1,265-1,455
-    to 1,546-1,835 tok/s. In bigger steps cuBLAS sits between them, and with PDL the engine measured
-    1.3-2.2% slower at batch 8 and 32 (BENCHMARKS.md, session 8)."""
+    One-token steps only. For SmolLM2 every projection is then a fused Triton kernel, so a layer is
+    a chain of six Triton kernels, each overlapping the next: on the H200 batch-1 decode went from
+    1,265-1,455 to 1,546-1,835 tok/s. In bigger steps cuBLAS sits between them, and with PDL the
+    engine measured 1.3-2.2% slower at batch 8 and 32 (BENCHMARKS.md, session 8). One-token steps
+    of models whose weights are too big for the fused kernel also have cuBLAS in between; they were
+    measured only as whole random-weight steps (Llama-3-8B shape: 4.55 -> 4.48 ms with PDL)."""
     return tokens == 1 and pdl_supported(device)

@@ -195,7 +195,8 @@ def fused_linear(
     x [M, K] ([M, 2K] for SILU_MUL) with unit stride along its last axis; weight [N, K] contiguous;
     norm_weight [K] and eps for NORM / ADD_NORM; residual [M, K] for ADD_NORM. ``tiles`` overrides the launch
     shape (benchmarks sweep it). ``pdl``: launch with programmatic dependent launch, so the weight
-    load overlaps the previous kernel (only where ``device_info.pdl_supported``; the ops decide per step).
+    load overlaps the previous kernel. The caller decides (``TritonOps`` asks
+    ``device_info.pdl_for_step``); the instructions need sm_90 or newer.
     """
     m = x.shape[0]
     n, k = weight.shape

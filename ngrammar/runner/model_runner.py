@@ -206,19 +206,20 @@ class ModelRunner:
         """Move each request's accepted draft path to the slots right after its prefix, on the device.
 
         slots [B, W] int64: the KV slot of tree node i of request b in the last verify step (node i
-        sits at kv index start + i, so slot j is also where path position j belongs); nodes [B, W]:
-        the accepted path's node indices, root first (-1 past the path); lens [B]: accepted drafts +
-        1, so path positions 0..lens-1 are the root and the accepted drafts. Afterwards slot
-        slots[b, j] holds the KV of node nodes[b, j] for 1 <= j < lens[b]; the root is in place
-        already. (A request that keeps fewer tokens - EOS, a stop string - has moved KV past its
-        length, which nothing reads.)
+        sits at kv index start + i, so slot j is also where path position j belongs); nodes [B, P]
+        (P <= W, at least the longest path): the accepted path's node indices, root first (-1 past
+        the path); lens [B]: accepted drafts + 1, so path positions 0..lens-1 are the root and the
+        accepted drafts. Afterwards slot slots[b, j] holds the KV of node nodes[b, j] for
+        1 <= j < lens[b]; the root is in place already. (A request that keeps fewer tokens - EOS, a
+        stop string - has moved KV past its length, which nothing reads.)
 
-        Fixed shapes and no host read: every position moves, the ones off the path onto themselves
-        (their slots are never a path destination, and all reads happen before any write)."""
-        w = slots.shape[1]
-        j = torch.arange(w, device=slots.device)
+        Fixed shapes and no host read: each of the first P positions moves, the ones off the path
+        onto themselves (their slots are never a path destination, and all reads happen before any
+        write)."""
+        dst = slots[:, : nodes.shape[1]]
+        j = torch.arange(dst.shape[1], device=slots.device)
         on_path = (j >= 1) & (j < lens[:, None])
-        src = torch.where(on_path, slots.gather(1, nodes.clamp(min=0)), slots)
+        src = torch.where(on_path, slots.gather(1, nodes.clamp(min=0)), dst)
         c = self.kv_cache
         flat = c.view(c.shape[0], 2, c.shape[2] * c.shape[3], c.shape[4], c.shape[5])
-        flat.index_copy_(2, slots.reshape(-1), flat.index_select(2, src.reshape(-1)))
+        flat.index_copy_(2, dst.reshape(-1), flat.index_select(2, src.reshape(-1)))

@@ -172,6 +172,7 @@ class NgramSpecWorker:
             if self.readback_links:
                 self._read_links_back(tree)
             logits = eng.timed_forward(step)  # [B*D, V]; launched before any host-side tree work
+            slots = runner.last_slots().view(len(seqs), width)  # [B, D] this forward's KV slots
         self.index_outputs(seqs)
         t1 = time.perf_counter()
         self._apply_grammar(seqs, tree, logits)
@@ -183,8 +184,9 @@ class NgramSpecWorker:
             result = self._accept(seqs, candidates, meta_mask, logits, width, greedy)
         # The accepted paths' KV moves next to their prefixes on the device, before the read: the
         # host never computes slots, and the copy is queued while the verify forward still runs.
-        runner.compact_accepted_kv(runner.last_slots().view(len(seqs), width), result.accept_nodes,
-                                   result.accept_len)
+        # A path is at most as long as the deepest tree: only those positions can move.
+        span = int(depths.max()) + 1
+        runner.compact_accepted_kv(slots, result.accept_nodes[:, :span], result.accept_len)
         lp = eng.logprob_tensors(seqs, logits, result.accept_index, result.accept_tokens)
         host = runner.to_host(result.accept_tokens, result.accept_len, result.accept_nodes, *lp)
         self._commit(seqs, tree, depths, host)
