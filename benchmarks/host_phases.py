@@ -12,6 +12,7 @@ so the table is read as a tree, not summed. ``op_costs`` times single CUDA calls
 from __future__ import annotations
 
 import functools
+import pkgutil
 import time
 from collections import defaultdict
 from typing import Any, Callable, Iterator, Sequence
@@ -50,12 +51,6 @@ ENGINE_PHASES: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def _resolve(dotted: str) -> type:
-    module, _, name = dotted.rpartition(".")
-    obj: Any = __import__(module, fromlist=[name])
-    return getattr(obj, name)
-
-
 class PhaseTimer:
     """While entered, each listed method accumulates its inclusive wall time and call count.
 
@@ -85,7 +80,7 @@ class PhaseTimer:
     def __enter__(self) -> "PhaseTimer":
         try:
             for name, owner, attr in self.phases:
-                cls = _resolve(owner)
+                cls = pkgutil.resolve_name(owner)
                 original = cls.__dict__[attr]
                 self._saved.append((cls, attr, original))
                 setattr(cls, attr, self._wrap(name, original))

@@ -18,7 +18,7 @@ import pstats
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -104,7 +104,7 @@ def profile_variant(llm: LLM, label: str, prompts: list[Any], max_tokens: int, o
     ps.sort_stats("tottime").print_stats(40)
     ps.sort_stats("cumtime").print_stats(60)
     (out / f"{label}.prof.txt").write_text(text.getvalue())
-    width = 1 if llm.engine.spec is None else llm.engine.spec.policy.max_width
+    width = _max_width(llm)
     res = {"tok_s": tok_s, "steps": steps, "verify_steps": verify_steps, "chained_steps": chained,
            "accept_len": accept,
            "step_ms": step_ms, "forward_call_ms": forward_ms, "verify_step_ms": verify_ms,
@@ -113,6 +113,20 @@ def profile_variant(llm: LLM, label: str, prompts: list[Any], max_tokens: int, o
            "graph_replay_verify_ms": None if width == 1 else _graph_replay_ms(llm, len(prompts), width)}
     print(label, json.dumps(res), flush=True)
     return res
+
+
+def _variants(plain: LLM, spec: LLM, batch_sizes: list[int]) -> Iterator[tuple[str, LLM, list[Any]]]:
+    """("plain|ngram/b{bs}/{grounded|open}", engine, prompts) for every batch size, in table order."""
+    for bs in batch_sizes:
+        for kind in ("grounded", "open"):
+            prompts = _prompts(kind, bs)
+            for name, llm in (("plain", plain), ("ngram", spec)):
+                yield f"{name}/b{bs}/{kind}", llm, prompts
+
+
+def _max_width(llm: LLM) -> int:
+    """The widest verify step the engine may run (1 without speculation)."""
+    return 1 if llm.engine.spec is None else llm.engine.spec.policy.max_width
 
 
 def phase_variant(llm: LLM, prompts: list[Any], max_tokens: int) -> dict[str, Any]:
@@ -126,12 +140,8 @@ def phase_variant(llm: LLM, prompts: list[Any], max_tokens: int) -> dict[str, An
 
 def run_phases(plain: LLM, spec: LLM, batch_sizes: list[int], max_tokens: int) -> dict[str, Any]:
     """The phase table of plain and NGRAM decoding at each batch size, plus single CUDA call costs."""
-    log: dict[str, Any] = {}
-    for bs in batch_sizes:
-        for kind in ("grounded", "open"):
-            prompts = _prompts(kind, bs)
-            for name, llm in (("plain", plain), ("ngram", spec)):
-                log[f"{name}/b{bs}/{kind}"] = phase_variant(llm, prompts, max_tokens)
+    log: dict[str, Any] = {label: phase_variant(llm, prompts, max_tokens)
+                           for label, llm, prompts in _variants(plain, spec, batch_sizes)}
     names = [n for n, _, _ in ENGINE_PHASES if any(n in v["phases"] for v in log.values())]
     rows = [[n] + [f"{v['phases'][n][0]:.0f} ({v['phases'][n][1]:.2f})" if n in v["phases"] else ""
                    for v in log.values()] for n in names]
@@ -142,7 +152,7 @@ def run_phases(plain: LLM, spec: LLM, batch_sizes: list[int], max_tokens: int) -
     graphs = plain.engine.runner.graphs
     if graphs is not None and graphs.capture:
         ops["graph replay() b1 W1"] = graph_launch_us(_padding_graph(plain, 1, 1))
-        width = spec.engine.spec.policy.max_width if spec.engine.spec else 1
+        width = _max_width(spec)
         if width > 1:
             ops[f"graph replay() b1 W{width}"] = graph_launch_us(_padding_graph(spec, 1, width))
     if ops:
@@ -155,14 +165,10 @@ def run_profile(plain: LLM, spec: LLM, batch_sizes: list[int], max_tokens: int, 
                 kernels: bool = False) -> dict[str, Any]:
     """Profile plain and NGRAM decoding at each batch size; prints the breakdown table last."""
     out.mkdir(parents=True, exist_ok=True)
-    log: dict[str, Any] = {}
-    for bs in batch_sizes:
-        for kind in ("grounded", "open"):
-            prompts = _prompts(kind, bs)
-            log[f"plain/b{bs}/{kind}"] = profile_variant(plain, f"plain_b{bs}_{kind}", prompts, max_tokens, out)
-            log[f"ngram/b{bs}/{kind}"] = profile_variant(spec, f"ngram_b{bs}_{kind}", prompts, max_tokens, out)
+    log: dict[str, Any] = {label: profile_variant(llm, label.replace("/", "_"), prompts, max_tokens, out)
+                           for label, llm, prompts in _variants(plain, spec, batch_sizes)}
     if kernels:
-        for bs, width in ((1, 1), (8, 1), (1, spec.engine.spec.policy.max_width if spec.engine.spec else 1)):
+        for bs, width in ((1, 1), (8, 1), (1, _max_width(spec))):
             kernel_table(spec if width > 1 else plain, bs, width, out)
     rows = [[k, v["tok_s"], f"{v['verify_steps']}/{v['chained_steps']}/{v['steps']}", v["accept_len"], v["step_ms"],
              v["forward_call_ms"],
