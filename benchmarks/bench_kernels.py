@@ -61,8 +61,7 @@ def _sweep(m: int) -> list[Any]:
     if m == 1:
         return [LinearTiles(1, bn, bk, w) for bn, bk, w in itertools.product((2, 4, 8), (256, 512, 1024), (1, 2, 4))]
     block_m = max(DOT_MIN, 1 << (m - 1).bit_length())
-    return [LinearTiles(block_m, bn, bk, w, tensor_cores=True, num_stages=st)
-            for bn, bk, w, st in itertools.product((16, 32), (256, 1024, 2048), (4, 8), (1, 2))]
+    return [LinearTiles(block_m, bn, bk, 4, tensor_cores=True) for bn, bk in itertools.product((16, 32, 64), (64, 128, 256))]
 
 
 def bench_linear(shapes: dict[str, ModelConfig], ms: tuple[int, ...] = (1, 2, 4, 8, 16),

@@ -176,7 +176,6 @@ class LinearTiles:
     block_k: int
     num_warps: int
     tensor_cores: bool = False  # tl.dot (every block dimension >= DOT_MIN) or a CUDA-core reduction
-    num_stages: int | None = None  # software-pipelining depth of the K loop (None: Triton's default)
 
     def __post_init__(self) -> None:
         if self.tensor_cores and min(self.block_m, self.block_n, self.block_k) < DOT_MIN:
@@ -196,8 +195,9 @@ def choose_tiles(m: int, n: int, k: int) -> LinearTiles:
         block_k = max(16, min(_pow2_at_least(k), 1024))
         return LinearTiles(1, block_n=4, block_k=block_k, num_warps=2 if n >= 2048 else 4)
     block_m = max(DOT_MIN, _pow2_at_least(min(m, 64)))
-    block_k = max(DOT_MIN, min(_pow2_at_least(k), 2048))
-    return LinearTiles(block_m, DOT_MIN, block_k, num_warps=4, tensor_cores=True, num_stages=1)
+    block_n = 32 if n >= 2048 else DOT_MIN
+    block_k = max(DOT_MIN, min(_pow2_at_least(k), 128))
+    return LinearTiles(block_m, block_n, block_k, num_warps=4, tensor_cores=True)
 
 
 def use_fused_linear(m: int, weight: torch.Tensor) -> bool:
@@ -258,7 +258,6 @@ def fused_linear(
         PROLOGUE=int(prologue), HAS_BIAS=bias is not None,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, DOT=t.tensor_cores,
         IEEE=weight.dtype == torch.float32, PDL=pdl, num_warps=t.num_warps,
-        **({} if t.num_stages is None else {"num_stages": t.num_stages}),
         launch_pdl=pdl,
     )  # fmt: skip
     return out, res_out
