@@ -4,8 +4,8 @@ Part 1 (``linear``): every projection shape of SmolLM2-135M and of Llama-3-8B at
 inside a CUDA graph of back-to-back calls (as the model runs them): the fused kernel with the tiles
 ``choose_tiles`` picks, the best tiles of a small sweep, and the unfused pair it replaces (Triton
 RMSNorm or SiLU·mul, then cuBLAS). Prints µs per call and the weight bandwidth it reaches.
-Part 2 (``steps``): random-weight models of both shapes, one decode (q = 1) or verify (q > 1) step
-as a CUDA graph, for the kernel variants of ``_step_variants``; ms per step.
+Part 2 (``steps``): random-weight models of both shapes, one decode (q = 1) or verify (q = 16) step
+as a CUDA graph, with the projections' prologues fused and not; ms per step and tok/s of decoding.
 
     python -m benchmarks.gpu_bench --parts kernels --out $OUT/kernels.json
     python -m benchmarks.gpu_bench --parts kernel_steps --out $OUT/kernels.json   (steps only)
@@ -56,20 +56,18 @@ def _projections(c: ModelConfig) -> list[tuple[str, int, int, Any]]:
 
 
 def _sweep(m: int) -> list[Any]:
-    from ngrammar.kernels.fused_linear import DOT_MIN, LinearTiles
+    from ngrammar.kernels.fused_linear import LinearTiles
 
-    if m == 1:
-        return [LinearTiles(1, bn, bk, w) for bn, bk, w in itertools.product((2, 4, 8), (256, 512, 1024), (1, 2, 4))]
-    block_m = max(DOT_MIN, 1 << (m - 1).bit_length())
-    return [LinearTiles(block_m, bn, bk, 4, tensor_cores=True) for bn, bk in itertools.product((16, 32, 64), (64, 128, 256))]
+    block_m = 1 << (min(m, 4) - 1).bit_length()
+    return [LinearTiles(block_m, bn, bk, w) for bn, bk, w in itertools.product((2, 4, 8), (256, 512, 1024), (1, 2, 4))
+            if block_m * bk <= 1024]
 
 
-def bench_linear(shapes: dict[str, ModelConfig], ms: tuple[int, ...] = (1, 2, 4, 8, 16),
-                 sweep_ms: tuple[int, ...] = (16,)) -> list[dict[str, Any]]:
+def bench_linear(shapes: dict[str, ModelConfig], ms: tuple[int, ...] = (1, 2, 4, 16)) -> list[dict[str, Any]]:
     import torch.nn.functional as F
 
     from ngrammar.kernels.device_info import pdl_supported
-    from ngrammar.kernels.fused_linear import Prologue, choose_tiles, fused_linear, use_fused_linear
+    from ngrammar.kernels.fused_linear import Prologue, choose_tiles, fused_linear
     from ngrammar.kernels.fused_ops import rms_norm, silu_and_mul
 
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -97,9 +95,7 @@ def bench_linear(shapes: dict[str, ModelConfig], ms: tuple[int, ...] = (1, 2, 4,
 
                 chosen = choose_tiles(m, n, k)
                 best_us, best = graph_us(fused), chosen
-                # The sweep (one Triton compile per tile) only at sweep_ms and where the engine would fuse
-                # (an 8B model's weights go to cuBLAS).
-                sweep = _sweep(m) if m in sweep_ms and use_fused_linear(m, w) else []
+                sweep = _sweep(m) if m == 1 else []
                 for tiles in sweep:
                     try:
                         us = graph_us(lambda t=tiles: fused(t), calls=20, replays=10)
@@ -124,52 +120,35 @@ def bench_linear(shapes: dict[str, ModelConfig], ms: tuple[int, ...] = (1, 2, 4,
     return rows
 
 
-# Step shapes (batch, new tokens per request): decode of growing batches, batch-1 verify widths, and
-# batch 8 / 32 verify at D = 16 (SmolLM2 only: an 8B model's big steps say nothing new here).
-STEP_SHAPES = {"smollm2": ((1, 1), (1, 4), (1, 8), (1, 16), (2, 1), (4, 1), (8, 1), (16, 1), (32, 1), (8, 16),
-                           (32, 16)),
-               "llama3_8b": ((1, 1), (1, 16), (8, 1))}
-
-
-def _step_variants(bs: int, q: int) -> list[tuple[str, Any, Any]]:
-    """(label, ops, attention backend) for one step shape. "session 8": projections fused at one
-    token only, PDL at one token only, verify splits merged by the merge kernel; "unfused": no
-    fusion, no PDL; then this code's kernels without PDL and with its default PDL rule."""
+def bench_steps(shapes: dict[str, ModelConfig], batches: tuple[int, ...] = (1, 8, 32),
+                qs: tuple[int, ...] = (1, 16), ctx: int = 512, kv_len_bound: int = 8192) -> dict[str, Any]:
+    """Plans are built for kv_len_bound, as the engine's CUDA graphs are (SmolLM2's context is 8192).
+    Variants: unfused, fused projections, and fused with programmatic dependent launch (PDL: each
+    Triton kernel starts, and loads its weights, while the one before finishes)."""
+    from benchmarks.gpu_bench import random_model, step_time
     from ngrammar.kernels.device_info import pdl_supported
     from ngrammar.kernels.fused_ops import TritonOps
     from ngrammar.kernels.triton_attention import TritonAttentionBackend
 
-    one = bs * q == 1 and pdl_supported(torch.device("cuda"))
-    out = [("unfused", TritonOps(fuse_linear=False, pdl=False), TritonAttentionBackend(pdl=False, in_kernel_merge_max_q=1)),
-           ("session 8", TritonOps(pdl=one, max_fused_tokens=1), TritonAttentionBackend(pdl=one, in_kernel_merge_max_q=1)),
-           ("fused", TritonOps(pdl=False), TritonAttentionBackend(pdl=False))]
+    variants = [("unfused", False, False), ("fused", True, False)]
     if pdl_supported(torch.device("cuda")):
-        out.append(("fused+PDL (default)", TritonOps(), TritonAttentionBackend()))
-    return out
-
-
-def bench_steps(shapes: dict[str, ModelConfig], ctx: int = 512, kv_len_bound: int = 8192) -> dict[str, Any]:
-    """Whole steps with random weights, one CUDA graph each, for every shape in ``STEP_SHAPES`` and
-    every variant of ``_step_variants``. Plans are built for kv_len_bound, as the engine's CUDA
-    graphs are (SmolLM2's context is 8192)."""
-    from benchmarks.gpu_bench import random_model, step_time
-
+        variants.append(("fused+PDL", True, True))
     res: dict[str, Any] = {}
     rows = []
     for model_name, cfg in shapes.items():
-        for bs, q in STEP_SHAPES[model_name]:
-            row: list[Any] = [model_name, bs, q]
-            for label, ops, backend in _step_variants(bs, q):
-                model, backend = random_model(cfg, ops, backend)
-                ms = step_time(model, backend, cfg, bs, q, ctx, kv_len_bound) * 1e3
-                res[f"{model_name}/{label}/b{bs}/q{q}_ms"] = ms
-                row.append(ms)
-                del model
-                torch.cuda.empty_cache()
-            rows.append(row)
-    labels = [label for label, _, _ in _step_variants(1, 1)]
-    print_table(f"step ms, random weights, context {ctx}, plan for {kv_len_bound} (q > 1: a verify step)",
-                ["model", "batch", "q"] + labels, rows)
+        for label, fuse, pdl in variants:
+            model, backend = random_model(cfg, TritonOps(fuse_linear=fuse, pdl=pdl), TritonAttentionBackend(pdl=pdl))
+            for bs in batches:
+                for q in qs:
+                    if bs * q > 512:
+                        continue
+                    ms = step_time(model, backend, cfg, bs, q, ctx, kv_len_bound) * 1e3
+                    res[f"{model_name}/{label}/b{bs}/q{q}_ms"] = ms
+                    rows.append([model_name, label, bs, q, ms, bs / ms * 1e3])
+            del model
+            torch.cuda.empty_cache()
+    print_table(f"decode (q=1) / verify (q=16) step, random weights, context {ctx}, plan for {kv_len_bound}",
+                ["model", "kernels", "batch", "q", "ms", "decode tok/s (q=1)"], rows)
     return res
 
 

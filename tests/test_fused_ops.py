@@ -186,15 +186,11 @@ def test_pdl_decode_graph_replays_equal_serial_ones() -> None:
     assert serial.std(dim=0).max() > 0  # the replays saw different inputs
 
 
-def test_pdl_is_chosen_for_small_steps_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """By default the kernels launch with PDL in steps whose projections are fused (a chain of
-    Triton kernels) on sm_90+ and not in bigger ones, where cuBLAS sits between them;
-    NGRAMMAR_PDL=0 turns it off, and an explicit setting overrides the default."""
+def test_pdl_is_chosen_for_one_token_steps_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default the kernels launch with PDL in one-token steps (a chain of Triton kernels) on
+    sm_90+ and not in bigger ones, where cuBLAS sits between them; NGRAMMAR_PDL=0 turns it off,
+    and an explicit setting overrides the default."""
     from ngrammar.kernels import device_info
-    from ngrammar.kernels.fused_linear import FUSED_MAX_TOKENS
-
-    big = device_info.PDL_MAX_TOKENS + 1
-    assert device_info.PDL_MAX_TOKENS == FUSED_MAX_TOKENS
 
     dev = torch.device("cuda", 0)  # an explicit index: no CUDA query beyond the capability below
     monkeypatch.setattr(device_info, "_cuda_capability", lambda index: (9, 0))
@@ -202,12 +198,11 @@ def test_pdl_is_chosen_for_small_steps_only(monkeypatch: pytest.MonkeyPatch) -> 
     for switch, expected in (("0", False), ("1", True)):
         monkeypatch.setenv("NGRAMMAR_PDL", switch)
         device_info._pdl_allowed.cache_clear()
-        assert device_info.pdl_for_step(dev, 1) is expected and not device_info.pdl_for_step(dev, big)
-        assert device_info.pdl_for_step(dev, device_info.PDL_MAX_TOKENS) is expected
+        assert device_info.pdl_for_step(dev, 1) is expected and not device_info.pdl_for_step(dev, 2)
     monkeypatch.setattr(device_info, "_cuda_capability", lambda index: (8, 0))
     assert not device_info.pdl_supported(dev)  # Ampere: no griddepcontrol
     monkeypatch.setattr(device_info, "pdl_supported", lambda device: True)
-    one, many = torch.empty(1, 8), torch.empty(big, 8)
+    one, many = torch.empty(1, 8), torch.empty(8, 8)
     assert TritonOps()._pdl(one) and not TritonOps()._pdl(many)
     assert TritonOps(pdl=True)._pdl(many) and not TritonOps(pdl=False)._pdl(one)
     device_info._pdl_allowed.cache_clear()  # monkeypatch restores the variables after this test

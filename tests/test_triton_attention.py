@@ -165,8 +165,6 @@ def test_tree_verify_matches_reference(heads: tuple[int, int, int], dtype, depth
     kv_lens = [p + ql for p, ql in zip(TREE_PREFIX, q_lens, strict=False)]
     case = make_case(q_lens, kv_lens, page_size=16, heads=heads, dtype=dtype, tree=True, seed=depth)
     check_against_reference(*case)
-    # Splits merged by the merge kernel instead of the last split (as prefill blocks are).
-    check_against_reference(*case, backend=TritonAttentionBackend(num_kv_splits=3, in_kernel_merge_max_q=0))
     if not INTERPRET:  # the interpreter's automatic choice already splits (it assumes 4 SMs)
         check_against_reference(*case, backend=TritonAttentionBackend(num_kv_splits=2))
 
@@ -210,15 +208,11 @@ def test_launch_config_is_host_only_and_splits_small_batches():
     assert big_batch.num_splits == 1
     tree = choose_launch_config(32, 3, 64, 2, 3, kv_len_bound=100, num_sms=132)
     assert tree.block_m // 3 * tree.num_q_blocks >= 32
-    # Decode and verify steps merge their splits in the kernel; prefill blocks in the merge kernel.
+    # Decode steps merge their splits in the kernel; tree verify blocks, however small, keep the merge kernel.
     assert decode.merge_in_kernel and decode.min_tiles_per_split * decode.block_n == 128
-    for width in (2, 8, 16, 32):
+    for width in (2, 8, 16):
         verify = choose_launch_config(width, 3, 64, 1, 3, kv_len_bound=8192, num_sms=132)
-        assert verify.num_splits > 1 and verify.merge_in_kernel
-    prefill = choose_launch_config(128, 3, 64, 1, 3, kv_len_bound=8192, num_sms=132)
-    assert prefill.num_splits > 1 and not prefill.merge_in_kernel
-    kernel_merge = choose_launch_config(16, 3, 64, 1, 3, kv_len_bound=8192, num_sms=132, in_kernel_merge_max_q=0)
-    assert not kernel_merge.merge_in_kernel
+        assert verify.num_splits > 1 and not verify.merge_in_kernel
 
 
 @pytest.mark.skipif(INTERPRET, reason="CUDA graphs and sync checks need a GPU")

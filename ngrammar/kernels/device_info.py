@@ -47,19 +47,13 @@ def pdl_supported(device: torch.device) -> bool:
     return _cuda_capability(index) >= (9, 0)
 
 
-# Steps of at most this many packed tokens launch with PDL by default: the steps whose projections
-# are all fused Triton kernels for a small model (``fused_linear.FUSED_MAX_TOKENS``, kept equal).
-PDL_MAX_TOKENS = 16
-
-
 def pdl_for_step(device: torch.device, tokens: int) -> bool:
     """Whether a step of ``tokens`` packed tokens launches its Triton kernels with PDL by default.
 
-    Steps of up to ``PDL_MAX_TOKENS`` tokens. For SmolLM2 every projection of such a step is a fused
-    Triton kernel, so a layer is a chain of six Triton kernels, each overlapping the next: on the
-    H200 batch-1 decode went from 1,265-1,455 to 1,546-1,835 tok/s (session 8). In bigger steps
-    cuBLAS sits between them, and with PDL the engine measured 1.3-2.2% slower at batch 8 and 32
-    when those steps still ran cuBLAS (session 8). Small steps of models whose weights are too big
-    for the fused kernel also have cuBLAS in between; they were measured only as whole
-    random-weight steps (Llama-3-8B shape, one token: 4.55 -> 4.48 ms with PDL)."""
-    return tokens <= PDL_MAX_TOKENS and pdl_supported(device)
+    One-token steps only. For SmolLM2 every projection is then a fused Triton kernel, so a layer is
+    a chain of six Triton kernels, each overlapping the next: on the H200 batch-1 decode went from
+    1,265-1,455 to 1,546-1,835 tok/s. In bigger steps cuBLAS sits between them, and with PDL the
+    engine measured 1.3-2.2% slower at batch 8 and 32 (BENCHMARKS.md, session 8). One-token steps
+    of models whose weights are too big for the fused kernel also have cuBLAS in between; they were
+    measured only as whole random-weight steps (Llama-3-8B shape: 4.55 -> 4.48 ms with PDL)."""
+    return tokens == 1 and pdl_supported(device)

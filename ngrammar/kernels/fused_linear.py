@@ -19,20 +19,15 @@ The prologue rounds to the storage dtype exactly where ``ngrammar.model.ops.Torc
 sum, the normalised row, its product with the norm weight, the SiLU, the SiLU·up product); the
 product accumulates in fp32 like cuBLAS, so results agree with the unfused ops up to summation order.
 
-Grid: (column blocks, row blocks). Two ways to multiply, chosen by the tiles:
-
-- one token (``LinearTiles.tensor_cores`` False): broadcast and reduce over K on the CUDA cores; with
-  no tensor-core tile minimum, column blocks are 4 rows of W wide and a one-token step's grid covers
-  the SMs several times over;
-- 2-16 tokens (``tensor_cores`` True): ``tl.dot`` of a [16, BLOCK_K] prologue tile with a
-  [BLOCK_K, BLOCK_N] weight tile, rows past M masked. This is what a batch-1 tree verify step (D
-  tokens) and a small batch's decode step run; the CUDA-core reduction got slower than cuBLAS from
-  4 tokens on, since it re-reads every weight per row.
+Grid: (column blocks, row blocks). A program multiplies by broadcasting and reducing over K on the
+CUDA cores: with no tensor-core tile minimum, column blocks are 4 rows of W wide and a one-token
+step's grid covers the SMs several times over.
 
 Where it pays (H200, bf16, ``python -m benchmarks.gpu_bench --parts kernels``): one token and weights
 of a few MB, where each projection is 1-3 µs faster than the elementwise kernel + cuBLAS pair it
-replaces. ``use_fused_linear`` serves steps of at most ``FUSED_MAX_TOKENS`` tokens and weights of
-at most ``FUSED_MAX_WEIGHT_ELEMENTS``; an 8B model's weights go to cuBLAS.
+replaces. Two tokens are mixed (three of SmolLM2's four projections faster, gate/up slower); with
+4-16 tokens, or with an 8B model's weights, cuBLAS wins. ``use_fused_linear`` serves one-token
+steps only, which is what the engine was measured with.
 """
 
 from __future__ import annotations
@@ -46,12 +41,9 @@ import triton.language as tl
 from triton.language.extra import cuda as tcuda
 
 
-# The fused kernel serves steps of at most this many tokens (decode of a small batch, a batch-1 tree
-# verify) and weights of at most this many elements (SmolLM2's largest is 1.8 M; an 8B model's
-# smallest is 16.8 M).
-FUSED_MAX_TOKENS = 16
-# Tensor-core tiles are at least this big in every dimension (tl.dot's minimum).
-DOT_MIN = 16
+# The fused kernel serves steps of this many tokens (one-token decode) and weights of at most this
+# many elements (SmolLM2's largest is 1.8 M; an 8B model's smallest is 16.8 M).
+FUSED_MAX_TOKENS = 1
 FUSED_MAX_WEIGHT_ELEMENTS = 4 << 20
 
 
@@ -76,11 +68,8 @@ def _load_summed(x_rows, r_rows, kk, ok, HAS_RESIDUAL: tl.constexpr):
 def _chunk_product(
     x_rows, r_rows, norm_w_ptr, w, inv, kk, row_ok, K, dtype,
     PROLOGUE: tl.constexpr,
-    DOT: tl.constexpr,
-    IEEE: tl.constexpr,
 ):  # fmt: skip
-    """prologue(x)[:, kk] @ w.T for one K chunk: [BLOCK_M, BLOCK_N] fp32 (w: [BLOCK_N, BLOCK_K]).
-    DOT: on the tensor cores (fp32 accumulation; IEEE: full fp32 products, not tf32)."""
+    """prologue(x)[:, kk] @ w.T for one K chunk: [BLOCK_M, BLOCK_N] fp32 (w: [BLOCK_N, BLOCK_K])."""
     k_ok = kk < K
     ok = row_ok[:, None] & k_ok[None, :]
     if PROLOGUE == 3:
@@ -95,10 +84,6 @@ def _chunk_product(
         a = (g[None, :] * normed.to(tl.float32)).to(dtype)
     else:
         a = tl.load(x_rows + kk[None, :], mask=ok, other=0.0).to(dtype)
-    if DOT:
-        if IEEE:
-            return tl.dot(a, tl.trans(w), input_precision="ieee")
-        return tl.dot(a, tl.trans(w))
     # [BLOCK_M, 1, BLOCK_K] * [1, BLOCK_N, BLOCK_K] summed over K.
     return tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
 
@@ -114,8 +99,6 @@ def _small_m_linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    DOT: tl.constexpr,
-    IEEE: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
@@ -156,11 +139,11 @@ def _small_m_linear_kernel(
             sum_sq += tl.sum(xf * xf, axis=1)
         inv = tl.rsqrt(sum_sq / K + eps)
 
-    acc = _chunk_product(x_rows, r_rows, norm_w_ptr, w_first, inv, offs_k, row_ok, K, dtype, PROLOGUE, DOT, IEEE)
+    acc = _chunk_product(x_rows, r_rows, norm_w_ptr, w_first, inv, offs_k, row_ok, K, dtype, PROLOGUE)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + offs_k
         w = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & (kk < K)[None, :], other=0.0)
-        acc += _chunk_product(x_rows, r_rows, norm_w_ptr, w, inv, kk, row_ok, K, dtype, PROLOGUE, DOT, IEEE)
+        acc += _chunk_product(x_rows, r_rows, norm_w_ptr, w, inv, kk, row_ok, K, dtype, PROLOGUE)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + rows[:, None].to(tl.int64) * stride_o + cols[None, :]
@@ -175,11 +158,6 @@ class LinearTiles:
     block_n: int
     block_k: int
     num_warps: int
-    tensor_cores: bool = False  # tl.dot (every block dimension >= DOT_MIN) or a CUDA-core reduction
-
-    def __post_init__(self) -> None:
-        if self.tensor_cores and min(self.block_m, self.block_n, self.block_k) < DOT_MIN:
-            raise ValueError(f"tensor-core tiles need every block dimension >= {DOT_MIN}: {self}")
 
 
 def _pow2_at_least(x: int) -> int:
@@ -187,17 +165,12 @@ def _pow2_at_least(x: int) -> int:
 
 
 def choose_tiles(m: int, n: int, k: int) -> LinearTiles:
-    """One token: four W rows per program and up to 1024 columns of K per load (one load for a
-    576-wide hidden size); two warps for wide outputs (the best of the benchmark's sweep for every
-    SmolLM2 projection, within run-to-run noise). More tokens: tensor-core tiles of 16 rows, 16
-    columns of W (32 for wide outputs, so the grid stays near the SM count) and 128 of K."""
-    if m == 1:
-        block_k = max(16, min(_pow2_at_least(k), 1024))
-        return LinearTiles(1, block_n=4, block_k=block_k, num_warps=2 if n >= 2048 else 4)
-    block_m = max(DOT_MIN, _pow2_at_least(min(m, 64)))
-    block_n = 32 if n >= 2048 else DOT_MIN
-    block_k = max(DOT_MIN, min(_pow2_at_least(k), 128))
-    return LinearTiles(block_m, block_n, block_k, num_warps=4, tensor_cores=True)
+    """Four W rows per program and up to 1024 columns of K per load (one load for a 576-wide
+    hidden size); two warps for wide outputs. The best of the benchmark's sweep for every SmolLM2
+    projection at one token, within run-to-run noise."""
+    block_m = _pow2_at_least(min(m, 4))
+    block_k = max(16, min(_pow2_at_least(k), 1024 // block_m))
+    return LinearTiles(block_m, block_n=4, block_k=block_k, num_warps=2 if n >= 2048 else 4)
 
 
 def use_fused_linear(m: int, weight: torch.Tensor) -> bool:
@@ -256,11 +229,10 @@ def fused_linear(
         bias if bias is not None else weight, out,
         m, n, k, x.stride(0), r.stride(0), ro.stride(0), weight.stride(0), out.stride(0), eps or 0.0,
         PROLOGUE=int(prologue), HAS_BIAS=bias is not None,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, DOT=t.tensor_cores,
-        IEEE=weight.dtype == torch.float32, PDL=pdl, num_warps=t.num_warps,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, PDL=pdl, num_warps=t.num_warps,
         launch_pdl=pdl,
     )  # fmt: skip
     return out, res_out
 
 
-__all__ = ["FUSED_MAX_TOKENS", "LinearTiles", "Prologue", "choose_tiles", "fused_linear", "use_fused_linear"]
+__all__ = ["LinearTiles", "Prologue", "choose_tiles", "fused_linear", "use_fused_linear"]

@@ -3,7 +3,7 @@
 Why: at batch 1 a decode step of a small model is a chain of ~40 tiny kernels per layer when these
 ops run as separate torch ops (RMSNorm alone is seven), and on an H200 each costs ~2 µs even inside a
 CUDA graph. With these kernels a layer is ~11 kernels; with the norm and SiLU·mul folded into the
-projections of small steps (``ngrammar.kernels.fused_linear``) and RoPE into the K/V write
+projections of one-token steps (``ngrammar.kernels.fused_linear``) and RoPE into the K/V write
 (``ngrammar.kernels.triton_attention``), 6 (two more with Qwen3's q/k norms). Each Triton kernel
 rounds exactly where the torch reference (``ngrammar.model.ops.TorchOps``) rounds, so results agree
 to the last bit of the storage dtype up to fp32 contraction differences.
@@ -21,7 +21,7 @@ import triton.language as tl
 from triton.language.extra import cuda as tcuda
 
 from ngrammar.kernels.device_info import pdl_for_step
-from ngrammar.kernels.fused_linear import FUSED_MAX_TOKENS, Prologue, fused_linear, use_fused_linear
+from ngrammar.kernels.fused_linear import Prologue, fused_linear, use_fused_linear
 
 
 @triton.jit
@@ -107,22 +107,19 @@ def silu_and_mul(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
 class TritonOps:
     """``ngrammar.model.ops.LayerOps`` with Triton kernels.
 
-    Where ``use_fused_linear`` says it pays (steps of at most ``max_fused_tokens`` tokens, small
-    weights) each projection is one kernel with its elementwise prologue fused in
-    (``ngrammar.kernels.fused_linear``); elsewhere the elementwise kernels above run, then cuBLAS.
-    ``fuse_linear=False`` keeps the unfused path for every step (benchmarks compare). ``pdl``:
-    launch the kernels with programmatic dependent launch; None: in small steps on devices that
-    support it (``device_info.pdl_for_step``).
+    Where ``use_fused_linear`` says it pays (one-token steps, small weights) each projection is one
+    kernel with its elementwise prologue fused in (``ngrammar.kernels.fused_linear``); elsewhere the
+    elementwise kernels above run, then cuBLAS. ``fuse_linear=False`` keeps the unfused path for
+    every step (benchmarks compare). ``pdl``: launch the kernels with programmatic dependent launch;
+    None: in one-token steps on devices that support it (``device_info.pdl_for_step``).
     """
 
-    def __init__(self, fuse_linear: bool = True, pdl: bool | None = None,
-                 max_fused_tokens: int = FUSED_MAX_TOKENS) -> None:
+    def __init__(self, fuse_linear: bool = True, pdl: bool | None = None) -> None:
         self.fuse_linear = fuse_linear
         self.pdl = pdl
-        self.max_fused_tokens = max_fused_tokens
 
     def _fused(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        return self.fuse_linear and x.shape[0] <= self.max_fused_tokens and use_fused_linear(x.shape[0], weight)
+        return self.fuse_linear and use_fused_linear(x.shape[0], weight)
 
     def _pdl(self, x: torch.Tensor) -> bool:
         return pdl_for_step(x.device, x.shape[0]) if self.pdl is None else self.pdl

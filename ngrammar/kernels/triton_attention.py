@@ -20,11 +20,10 @@ for every kv length replayed through it.
 
 Split-KV (flash decoding): with few programs (small batch decode), the kv range of each program is cut
 into ``num_splits`` equal chunks of tiles; each chunk writes a normalised partial output and its
-log-sum-exp. In decode and tree-verify steps (at most ``IN_KERNEL_MERGE_MAX_Q`` query tokens per
-request) each split bumps a counter and the one that finishes last merges the partials (at batch 1
-a second launch costs more than the merge), and splits beyond the kv length exit at once; prefill
-blocks are merged by a second small kernel, in parallel over tokens and heads. With one split the
-kernel writes the output directly.
+log-sum-exp. In decode steps (one query token per request) each split bumps a counter and the one that finishes last
+merges the partials (at batch 1 a second launch costs more than the merge), and splits beyond the
+kv length exit at once; bigger blocks are merged by a second small kernel, in parallel over tokens
+and heads. With one split the kernel writes the output directly.
 """
 
 from __future__ import annotations
@@ -46,10 +45,6 @@ _MIN_KV_PER_SPLIT = 128
 # (Measured on an H200, bf16: bs=1 decode at 8k context is fastest near 64 splits.)
 _SPLIT_BELOW_PROGRAMS_PER_SM = 2
 _SPLIT_TARGET_PROGRAMS_PER_SM = 4
-# Steps with at most this many query tokens per request merge their splits in the attention kernel.
-# A batch-1 verify graph (D = 16) spent 6.5 µs per layer in the merge kernel, which read every one
-# of the 64 splits its graph was captured with, most of them empty at real contexts.
-IN_KERNEL_MERGE_MAX_Q = 32
 
 
 @triton.jit
@@ -424,9 +419,9 @@ class LaunchConfig:
     num_splits: int
     num_warps: int
     num_stages: int
-    # The last split merges (no merge kernel) in decode and verify steps, where the launch costs
-    # more than the merge. Prefill blocks merge in _merge_splits_kernel, in parallel over tokens and
-    # heads.
+    # The last split merges (no merge kernel) in decode steps (one query token per request), where
+    # the launch costs more than the merge. Tree verify and prefill blocks merge in
+    # _merge_splits_kernel, in parallel over tokens and heads.
     merge_in_kernel: bool = False
 
     @property
@@ -448,7 +443,6 @@ def choose_launch_config(
     num_sms: int,
     num_splits: int | None = None,
     max_splits: int = 64,
-    in_kernel_merge_max_q: int = IN_KERNEL_MERGE_MAX_Q,
 ) -> LaunchConfig:
     """Tile sizes and split count from host ints only (no tensor is read).
 
@@ -480,9 +474,9 @@ def choose_launch_config(
         num_warps = 2 if kv_len_bound >= 1024 * num_splits else 4
     else:
         num_warps = 8 if block_m * head_dim >= 128 * 128 else 4
-    # At batch 1 the decode kernel took 3.6 µs against 4.0 + 1.9 µs with the merge kernel (kernel
-    # tables, BENCHMARKS.md session 7).
-    merge_in_kernel = max_q_len <= in_kernel_merge_max_q
+    # Decode steps only: at batch 1 the kernel took 3.6 µs against 4.0 + 1.9 µs with the merge kernel
+    # (kernel tables, BENCHMARKS.md session 7); verify blocks were not measured with it.
+    merge_in_kernel = max_q_len == 1
     return LaunchConfig(block_m, block_n, num_q_blocks, num_splits, num_warps, num_stages, merge_in_kernel)
 
 
@@ -501,7 +495,6 @@ class TritonAttentionPlan:
     num_splits: int | None
     max_splits: int
     num_sms: int
-    in_kernel_merge_max_q: int
     # Per (Hq, Hkv, d): the launch config and the split scratch buffers, filled by the first layer
     # and reused by the rest (layers run in order on one stream, so sharing scratch is safe).
     _cache: dict[tuple[int, int, int], _Launch] = field(default_factory=dict, compare=False, repr=False)
@@ -516,7 +509,7 @@ class TritonAttentionPlan:
             meta = self.meta
             cfg = choose_launch_config(
                 meta.max_q_len, num_q_heads // num_kv_heads, head_dim, meta.batch_size, num_kv_heads,
-                self.kv_len_bound, self.num_sms, self.num_splits, self.max_splits, self.in_kernel_merge_max_q,
+                self.kv_len_bound, self.num_sms, self.num_splits, self.max_splits,
             )  # fmt: skip
             part_o = part_lse = counters = None
             if cfg.num_splits > 1:
@@ -541,24 +534,15 @@ class TritonAttentionBackend:
     For CUDA graphs, build the plan with ``plan(meta, kv_len_bound=<bucket's max kv length>)`` (or fix
     num_kv_splits) so the captured split count suits every replay; correctness never depends on it.
     pdl: launch the RoPE/K-V write, attention and merge kernels with programmatic dependent launch;
-    None: in small steps on devices that support it (``device_info.pdl_for_step``).
-    in_kernel_merge_max_q: steps with at most this many query tokens per request merge their kv
-    splits in the attention kernel (0: always in the merge kernel; benchmarks compare).
+    None: in one-token steps on devices that support it (``device_info.pdl_for_step``).
     """
 
-    def __init__(
-        self,
-        num_kv_splits: int | None = None,
-        max_kv_splits: int = 64,
-        pdl: bool | None = None,
-        in_kernel_merge_max_q: int = IN_KERNEL_MERGE_MAX_Q,
-    ) -> None:
+    def __init__(self, num_kv_splits: int | None = None, max_kv_splits: int = 64, pdl: bool | None = None) -> None:
         if num_kv_splits is not None and num_kv_splits < 1:
             raise ValueError("num_kv_splits must be >= 1")
         self.num_kv_splits = num_kv_splits
         self.max_kv_splits = max_kv_splits
         self.pdl = pdl
-        self.in_kernel_merge_max_q = in_kernel_merge_max_q
 
     def plan(self, meta: AttentionMetadata, kv_len_bound: int | None = None) -> TritonAttentionPlan:
         if meta.page_size & (meta.page_size - 1):
@@ -575,7 +559,6 @@ class TritonAttentionBackend:
             num_splits=self.num_kv_splits,
             max_splits=self.max_kv_splits,
             num_sms=num_sms(meta.kv_lens.device),
-            in_kernel_merge_max_q=self.in_kernel_merge_max_q,
         )
 
     def forward(
