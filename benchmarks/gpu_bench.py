@@ -67,7 +67,7 @@ def _engine_kwargs(model: str | None, graphs: bool) -> dict[str, Any]:
 
 
 def bench_small_model(model: str | None, batch_sizes: list[int], max_tokens: int, repeats: int,
-                      graphs: bool = True) -> dict[str, Any]:
+                      graphs: bool = True, transformers: bool = True) -> dict[str, Any]:
     res: dict[str, Any] = {"cuda_graphs": graphs}
     t = time.perf_counter()
     plain = LLM(**_engine_kwargs(model, graphs))
@@ -107,7 +107,8 @@ def bench_small_model(model: str | None, batch_sizes: list[int], max_tokens: int
                 "ngram_identical_to_plain": sum(same) / len(same),
             }
         res[f"b{bs}/json"] = _grammar_variants(plain, spec, bs, max_tokens, repeats)
-    res["transformers_b1"] = bench_transformers(plain, model, max_tokens)
+    if transformers:
+        res["transformers_b1"] = bench_transformers(plain, model, max_tokens)
     return res
 
 
@@ -389,6 +390,7 @@ def main() -> int:
     p.add_argument("--out", default="gpu_bench.json")
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--no-transformers", action="store_true", help="skip transformers generate (A/B runs)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--parts", default="smollm2,8b")
     args = p.parse_args()
@@ -396,7 +398,8 @@ def main() -> int:
     parts = args.parts.split(",")
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     if "smollm2" in parts:
-        _safe("smollm2", lambda: bench_small_model(args.model, sizes, args.max_tokens, args.repeats), log)
+        _safe("smollm2", lambda: bench_small_model(args.model, sizes, args.max_tokens, args.repeats,
+                                                   transformers=not args.no_transformers), log)
         if "error" in log["smollm2"]:  # recorded above; measure the eager path too rather than nothing
             _safe("smollm2_eager", lambda: bench_small_model(args.model, sizes, args.max_tokens, args.repeats,
                                                              graphs=False), log)
