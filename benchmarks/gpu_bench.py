@@ -106,7 +106,11 @@ def bench_small_model(model: str | None, batch_sizes: list[int], max_tokens: int
                 "ngram_chained_share": chained_share,  # of the last NGRAM run's engine steps
                 "ngram_identical_to_plain": sum(same) / len(same),
             }
-        res[f"b{bs}/json"] = _grammar_variants(plain, spec, bs, max_tokens, repeats)
+        try:
+            res[f"b{bs}/json"] = _grammar_variants(plain, spec, bs, max_tokens, repeats)
+        except Exception as e:  # a broken grammar run must not take the batch's other figures with it
+            res[f"b{bs}/json"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            print(traceback.format_exc(), file=sys.stderr)
     if transformers:
         res["transformers_b1"] = bench_transformers(plain, model, max_tokens)
     return res
@@ -118,7 +122,8 @@ def bench_spec_overhead(model: str | None, batch_sizes: list[int], max_tokens: i
     NGRAM engine but can never verify (its only width is 1), so plain -> D=1 is the engine's
     bookkeeping cost, and D=1 -> D=16 what the policy's verify steps and the chain breaks they
     cause gain or lose. Per variant: tok/s (median), the share of steps that were chained (launched
-    before the previous one was read back), verify steps per run."""
+    before the previous one was read back), verify steps per run, and chains the policy broke for
+    a verify step that it then called off (``EngineStats.false_drains``) per run."""
     kw = _engine_kwargs(model, True)
     engines = {"plain": LLM(**kw), "ngram D=1": LLM(**kw, speculative="ngram", num_draft_tokens=1),
                "ngram D=16": LLM(**kw, speculative="ngram", num_draft_tokens=16)}
@@ -131,25 +136,27 @@ def bench_spec_overhead(model: str | None, batch_sizes: list[int], max_tokens: i
     for bs in batch_sizes:
         for cat in ("open", "code_edit"):
             batch = [cats[cat][i % len(cats[cat])] for i in range(bs)]
-            runs: dict[str, list[tuple[float, float, int]]] = {name: [] for name in engines}
+            runs: dict[str, list[tuple[float, float, int, int]]] = {name: [] for name in engines}
             for _ in range(repeats):
                 for name, llm in engines.items():
                     st = llm.engine.stats
-                    steps, chained, verify = st.steps, st.chained_steps, st.spec_steps
+                    steps, chained, verify, false = st.steps, st.chained_steps, st.spec_steps, st.false_drains
                     tok_s = _run(llm, batch, greedy)[0]
                     runs[name].append((tok_s, (st.chained_steps - chained) / max(st.steps - steps, 1),
-                                       st.spec_steps - verify))
+                                       st.spec_steps - verify, st.false_drains - false))
             cell = {}
             for name, r in runs.items():
                 cell[name] = {"tok_s": statistics.median(x[0] for x in r),
                               "chained": statistics.median(x[1] for x in r),
                               "verify_steps": statistics.median(x[2] for x in r),
+                              "false_drains": statistics.median(x[3] for x in r),
                               "ratio_to_plain": statistics.median(x[0] / p[0] for x, p in zip(r, runs["plain"]))}
                 rows.append([f"b{bs}/{cat}", name, cell[name]["tok_s"], cell[name]["ratio_to_plain"],
-                             cell[name]["chained"], cell[name]["verify_steps"]])
+                             cell[name]["chained"], cell[name]["verify_steps"], cell[name]["false_drains"]])
             res[f"b{bs}/{cat}"] = cell
     print_table(f"NGRAM overhead vs plain ({max_tokens} tokens per request, {repeats} interleaved runs, medians)",
-                ["batch/workload", "engine", "tok/s", "x plain (paired)", "chained share", "verify steps/run"], rows)
+                ["batch/workload", "engine", "tok/s", "x plain (paired)", "chained share", "verify steps/run",
+                 "false drains/run"], rows)
     return res
 
 

@@ -188,6 +188,24 @@ def test_invalid_grammars_raise_grammar_error(backend: GrammarBackend, spec: Gra
     assert spec not in backend.cached_specs()
 
 
+def test_a_missing_module_is_not_reported_as_bad_input(tokenizer: Tokenizer,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: without jsonschema installed, every JSON schema was "invalid JSON schema: No module
+    named 'jsonschema'" (a client error for a server fault)."""
+    from ngrammar.grammar import backend as backend_module
+
+    def missing(schema: object) -> None:
+        raise ModuleNotFoundError("No module named 'jsonschema'")
+
+    monkeypatch.setattr(backend_module, "check_json_schema", missing)
+    b = GrammarBackend(tokenizer, VOCAB)
+    try:
+        with pytest.raises(ModuleNotFoundError, match="jsonschema"):
+            b.compile(GrammarSpec("json_schema", json.dumps({"type": "object"})))
+    finally:
+        b.close()
+
+
 def test_compile_cache_hits_and_counts(tokenizer: Tokenizer) -> None:
     small = GrammarBackend(tokenizer, VOCAB, cache_size=2)
     try:

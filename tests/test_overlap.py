@@ -169,16 +169,14 @@ def test_preemption_under_a_tiny_pool_with_overlap() -> None:
     assert small.engine.blocks.allocator.num_free == small.engine.blocks.allocator.num_pages
 
 
-def test_a_decision_ahead_bounds_each_match_length_one_longer(spec_llm: LLM) -> None:
-    """With a token in flight the policy decides for the step after it: plain only if plain wins
-    whatever that token is, so each match length is priced at its bound (one longer)."""
+def test_a_decision_ahead_sees_the_committed_match_lengths(spec_llm: LLM) -> None:
+    """With a token in flight the policy decides for the step after it from the match lengths of
+    the committed tokens (it prices the token in flight itself, see the next test)."""
     eng = spec_llm.engine
     assert eng.spec is not None
     worker = eng.spec
     rid = eng.add_request([5, 6, 7, 8, 2, 5, 6, 7], SamplingParams(max_tokens=4, temperature=0))
     seq = eng.requests[rid].seqs[0]
-    seen: list[list[int]] = []
-
     other = eng.add_request([5, 6, 7, 8, 9, 5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0))
     longer = eng.requests[other].seqs[0]
     seen: list[tuple[list[int], bool]] = []
@@ -198,7 +196,59 @@ def test_a_decision_ahead_bounds_each_match_length_one_longer(spec_llm: LLM) -> 
         eng.abort(other)
         eng.step()
     # "5 6 7" was followed by 8 (length 3), "5 6 7 8" by 9 (4 = MAX_MATCH, the cap)
-    assert seen == [([3, 4], False), ([4, 4], True)]
+    assert seen == [([3, 4], False), ([3, 4], True)]
+
+
+def _timed_policy(plain: float, verify: float) -> Any:
+    from ngrammar.spec.policy import AdaptiveDraftPolicy
+
+    policy = AdaptiveDraftPolicy(8)
+    for w in policy.widths:  # every width timed twice: decisions go through the probe
+        for _ in range(2):
+            policy.observe(1, w, plain if w == 1 else verify)
+    return policy
+
+
+def test_ahead_a_member_is_priced_by_what_the_token_in_flight_may_make_of_its_match() -> None:
+    """At committed length n the token in flight continues the match (length n + 1) with the
+    continuation rate of length n, else leaves length 1 at most: the value is that mixture, not
+    the n + 1 bound."""
+    from ngrammar.spec.policy import MAX_MATCH, expected_run
+
+    policy = _timed_policy(0.01, 0.015)
+    rates = [r.p for r in policy.accept]
+    for n in range(MAX_MATCH + 1):
+        got = policy._expected(["a"], [n], (8,), ahead=True)[8][0]
+        up = min(n + 1, MAX_MATCH)
+        hit = rates[n] if n else 0.0
+        want = hit * expected_run(rates[up], 8) + (1 - hit) * expected_run(rates[1], 8)
+        assert got == pytest.approx(want)
+        assert expected_run(rates[1], 8) - 1e-12 <= got <= expected_run(rates[up], 8) + 1e-12
+
+
+def test_a_committed_length_one_does_not_drain_the_chain_when_only_its_bound_would_pay(spec_llm: LLM) -> None:
+    """Regression: priced at the bound (length 2), a member at committed length 1 made the ahead
+    decision break the overlap chain for a verify step that the committed token then called off
+    (length 1 again), on 12 of 65 steps of an open-ended batch of 8. Now a member at length 1
+    decides plain ahead, while one observed at length 2 still speculates."""
+    eng = spec_llm.engine
+    assert eng.spec is not None
+    worker = eng.spec
+    one = eng.add_request([40001, 40002, 40003, 40004, 40002], SamplingParams(max_tokens=4, temperature=0))
+    two = eng.add_request([40011, 40012, 40013, 40011, 40012], SamplingParams(max_tokens=4, temperature=0))
+    at_one, at_two = eng.requests[one].seqs[0], eng.requests[two].seqs[0]
+    policy = worker.policy
+    try:
+        assert [worker.corpus.match_length(s.token_ids, 4) for s in (at_one, at_two)] == [1, 2]
+        worker.policy = _timed_policy(0.01, 0.015)
+        assert worker.choose_width([at_two]) > 1  # the bound's case, observed: speculation pays
+        worker.policy = _timed_policy(0.01, 0.015)
+        assert worker.choose_width([at_one], ahead=True) == 1
+    finally:
+        worker.policy = policy
+        eng.abort(one)
+        eng.abort(two)
+        eng.step()
 
 
 def test_bounds_decided_ahead_do_not_feed_the_outlook() -> None:

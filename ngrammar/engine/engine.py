@@ -74,6 +74,8 @@ class _InFlight:
 class EngineStats:
     steps: int = 0
     chained_steps: int = 0  # plain decode steps launched before the previous step was read back
+    policy_drains: int = 0  # chains the draft policy broke for a verify step (overlap scheduling)
+    false_drains: int = 0  # ... after which the policy, seeing the committed token, chose plain after all
     prefill_tokens: int = 0
     decode_tokens: int = 0
     verify_steps: int = 0  # sequence-steps verified with a draft tree
@@ -117,6 +119,7 @@ class LLMEngine:
         self._in_flight: _InFlight | None = None  # overlap scheduling: the plain step not read back yet
         self._step_start = 0.0  # perf_counter() at the start of the current engine step
         self._last_commit = 0.0  # perf_counter() when the last step's tokens were committed
+        self._policy_drained = False  # the chain was just broken because the policy wanted a verify step
         self.spec: NgramSpecWorker | None = None
         if config.speculative is not None:
             from ngrammar.spec.worker import NgramSpecWorker
@@ -282,6 +285,9 @@ class LLMEngine:
         self._finish_overlong()
         self._retire()  # aborted or overlong sequences must not be scheduled again
         batch = self.scheduler.schedule(self._decode_width)
+        if self._policy_drained and batch.decode and batch.width == 1:
+            self.stats.false_drains += 1
+        self._policy_drained = False
         for seq in batch.failed:
             seq.finish("error", "the KV cache is too small for this request")
         if batch.failed and self.spec is not None:
@@ -386,6 +392,9 @@ class LLMEngine:
         # The policy sees the committed tokens, one behind the step it decides for: chain only when
         # plain decoding wins whatever the token in flight is; otherwise drain and decide afresh.
         plain = self.spec is None or self.spec.choose_width(seqs, ahead=True) == 1
+        if not plain:
+            self.stats.policy_drains += 1
+            self._policy_drained = True
         return plain and sched.reserve_decode(seqs, 1)
 
     def _drain(self) -> None:

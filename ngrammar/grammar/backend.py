@@ -324,7 +324,9 @@ class GrammarBackend:
             self.compile_count += 1
         try:
             return compile_fn()
-        except GrammarError:
+        except (GrammarError, ImportError):
+            # A missing module is the deployment's fault, not the request's: it must not read as
+            # "invalid JSON schema" (it did on a GPU box staged without jsonschema).
             raise
         except Exception as e:  # xgrammar raises RuntimeError (and a few others) for bad input
             raise GrammarError(f"invalid {what}: {_xgrammar_message(e)}") from None

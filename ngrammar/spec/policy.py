@@ -73,6 +73,15 @@ def bucket_of(batch_size: int, constrained: bool) -> Bucket:
     return 1 << max(batch_size - 1, 0).bit_length(), constrained
 
 
+def _clamp(p: float) -> float:
+    return min(max(p, 0.0), MAX_CONTINUE)
+
+
+def _run(p: float, levels: float) -> float:
+    """``expected_run`` for a p already clamped."""
+    return 0.0 if p <= 0.0 else p * (1.0 - p**levels) / (1.0 - p)
+
+
 def _rate(cost: float | None, width: int, drafts: float) -> float:
     """Expected tokens per second per sequence of a step costing ``cost`` seconds (per bucket
     slot) at this width, given its mean accepted drafts."""
@@ -191,8 +200,9 @@ class AdaptiveDraftPolicy:
 
         ``remaining`` (tokens each sequence may still emit, computed on demand) is given when the
         batch is draining (nothing waits to join it): then only the members on its critical path
-        count (``_drafts``). ``ahead``: the match lengths are bounds, not observations (a token is
-        still in flight), so they do not feed the members' outlooks."""
+        count (``_drafts``). ``ahead``: a token per member is still in flight, so the lengths are
+        one token old and each member is priced by what that token may make of it (``_expected``);
+        such estimates do not feed the members' outlooks."""
         if not seq_ids:
             return 1
         if not self.adaptive or self.max_width == 1:
@@ -282,7 +292,7 @@ class AdaptiveDraftPolicy:
         (None when no member has a match); updates each member's outlook unless ``ahead``."""
         lengths = match_lengths()
         self._lengths.update(zip(seq_ids, lengths))
-        expected = self._expected(seq_ids, lengths) if any(lengths) else None
+        expected = self._expected(seq_ids, lengths, ahead=ahead) if ahead or any(lengths) else None
         if ahead:
             return lengths, expected
         widest = None if expected is None else expected[self.max_width]
@@ -294,22 +304,38 @@ class AdaptiveDraftPolicy:
         return lengths, expected
 
     def _expected(
-        self, seq_ids: Sequence[str], lengths: Sequence[int], widths: Sequence[int] | None = None
+        self, seq_ids: Sequence[str], lengths: Sequence[int], widths: Sequence[int] | None = None,
+        ahead: bool = False,
     ) -> dict[int, list[float]]:
         """width -> accepted drafts expected from one verify step of each sequence at its match
         length, for ``widths`` (default: every draft width the policy picks). ``expected_run`` of
         its continuation rate, inlined: this runs on most decode steps for every member of the
-        batch, over every width."""
+        batch, over every width.
+
+        ``ahead``: the lengths are one token old (that token is in flight). A member at length n > 0
+        reaches n + 1 if the token continues its match, which it does with the continuation rate of
+        length n (the same agreement of model and corpus that accepts a draft); otherwise, and from
+        n = 0, it is at length 1 at most. Its value is that mixture. (Pricing every member at n + 1,
+        the bound, drained the overlap chain for verify steps that the committed token then
+        called off: 12 of 65 steps of an open-ended batch of 8, none of them verified.)"""
         rates, bias = self._continuation(), self.seq_bias
         widths = self.widths[1:] if widths is None else widths
         out = {w: [0.0] * len(seq_ids) for w in widths}
         columns = [(out[w], self._levels(w)) for w in widths]
         for i, (seq_id, n) in enumerate(zip(seq_ids, lengths)):
+            own = bias.get(seq_id)
+            shift = 0.0 if own is None else own.value
+            if ahead:
+                hit = _clamp(rates[min(n, MAX_MATCH)] + shift) if n else 0.0
+                up = min(n + 1, MAX_MATCH)
+                p_up, p_one = _clamp(rates[up] + shift), _clamp(rates[1] + shift)
+                for column, depth in columns:
+                    column[i] = hit * _run(p_up, depth[up]) + (1.0 - hit) * _run(p_one, depth[1])
+                continue
             if not n:
                 continue  # no match: a padding-only tree accepts nothing
             n = min(n, MAX_MATCH)
-            own = bias.get(seq_id)
-            p = min(max(rates[n] + (0.0 if own is None else own.value), 0.0), MAX_CONTINUE)
+            p = _clamp(rates[n] + shift)
             if p <= 0.0:
                 continue
             for column, depth in columns:

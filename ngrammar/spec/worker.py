@@ -132,17 +132,14 @@ class NgramSpecWorker:
     # ------------------------------------------------------------- policy
     def choose_width(self, seqs: list[Sequence], ahead: bool = False) -> int:
         """The next decode step's width. ``ahead``: one token per sequence is still in flight (overlap
-        scheduling), so each match length is taken at its bound after that token, one longer:
-        the answer is 1 only if plain decoding wins whatever the token turns out to be. (Keeping an
-        unmatched sequence at 0 was tried once, H200 run L: open-ended batch 1 did not gain, x0.94
-        as in run K; its grounded batch-1 cells came out lower, code edits x1.14 against x1.56,
-        though on a slower host.)"""
+        scheduling): the match lengths are those of the committed tokens, and the policy prices
+        what the token in flight may make of them (``AdaptiveDraftPolicy._expected``)."""
         self._constrained = any(s.grammar is not None for s in seqs)
         draining = not self.engine.scheduler.waiting
         corpus, grow = self.corpus, int(ahead)
         return self.policy.choose(
             [s.seq_id for s in seqs],
-            lambda: [min(corpus.match_length(s.token_ids, MAX_MATCH) + grow, MAX_MATCH) for s in seqs],
+            lambda: [corpus.match_length(s.token_ids, MAX_MATCH) for s in seqs],
             self._constrained,
             (lambda: [s.params.max_tokens - s.num_output_tokens - grow for s in seqs]) if draining else None,
             ahead,
