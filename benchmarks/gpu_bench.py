@@ -9,7 +9,7 @@ graphs) against the bandwidth floor measured in the same run.
 Part ``kernels`` (not run by default): ``benchmarks.bench_kernels``, the fused small-step linear
 kernel against the unfused ops, and whole steps with it on and off (``kernel_steps``: the steps only; ``kernel_splits``: batch-1 decode by split cap and context).
 Part ``overhead`` (not run by default; runs on a CPU too): plain against NGRAM with one draft width
-(corpus and policy bookkeeping, never a verify step) and NGRAM with D = 16 (``bench_spec_overhead``).
+(corpus upkeep only, never a verify step) and NGRAM with D = 16 (``bench_spec_overhead``).
 
     python -m benchmarks.gpu_bench --model /tmp/ngm/model.gguf --out $OUT/gpu_bench.json
 """
@@ -118,12 +118,13 @@ def bench_small_model(model: str | None, batch_sizes: list[int], max_tokens: int
 
 def bench_spec_overhead(model: str | None, batch_sizes: list[int], max_tokens: int, repeats: int) -> dict[str, Any]:
     """Where NGRAM loses against plain decoding when it should not: three engines on the same
-    batches, interleaved run by run. "ngram D=1" indexes the corpus and consults the policy like the
-    NGRAM engine but can never verify (its only width is 1), so plain -> D=1 is the engine's
-    bookkeeping cost, and D=1 -> D=16 what the policy's verify steps and the chain breaks they
-    cause gain or lose. Per variant: tok/s (median), the share of steps that were chained (launched
-    before the previous one was read back), verify steps per run, and chains the policy broke for
-    a verify step that it then called off (``EngineStats.false_drains``) per run."""
+    batches, interleaved run by run. "ngram D=1" indexes prompts and outputs into the corpus like
+    the NGRAM engine but can never verify (its only width is 1; the policy answers at once, without
+    probing match lengths), so plain -> D=1 is the corpus upkeep's cost, and D=1 -> D=16 what the
+    policy (its probes included), its verify steps and the chain breaks they cause gain or lose.
+    Per variant: tok/s (median), the share of steps that were chained (launched before the
+    previous one was read back), verify steps per run, and chains the policy broke for a verify
+    step that it then called off (``EngineStats.false_drains``) per run."""
     kw = _engine_kwargs(model, True)
     engines = {"plain": LLM(**kw), "ngram D=1": LLM(**kw, speculative="ngram", num_draft_tokens=1),
                "ngram D=16": LLM(**kw, speculative="ngram", num_draft_tokens=16)}
@@ -136,20 +137,22 @@ def bench_spec_overhead(model: str | None, batch_sizes: list[int], max_tokens: i
     for bs in batch_sizes:
         for cat in ("open", "code_edit"):
             batch = [cats[cat][i % len(cats[cat])] for i in range(bs)]
-            runs: dict[str, list[tuple[float, float, int, int]]] = {name: [] for name in engines}
+            runs: dict[str, list[tuple[float, float, int, int, int]]] = {name: [] for name in engines}
             for _ in range(repeats):
                 for name, llm in engines.items():
                     st = llm.engine.stats
-                    steps, chained, verify, false = st.steps, st.chained_steps, st.spec_steps, st.false_drains
+                    before = (st.steps, st.chained_steps, st.spec_steps, st.false_drains, st.policy_drains)
                     tok_s = _run(llm, batch, greedy)[0]
-                    runs[name].append((tok_s, (st.chained_steps - chained) / max(st.steps - steps, 1),
-                                       st.spec_steps - verify, st.false_drains - false))
-            cell = {}
+                    runs[name].append((tok_s, (st.chained_steps - before[1]) / max(st.steps - before[0], 1),
+                                       st.spec_steps - before[2], st.false_drains - before[3],
+                                       st.policy_drains - before[4]))
+            cell: dict[str, dict[str, float]] = {}
             for name, r in runs.items():
                 cell[name] = {"tok_s": statistics.median(x[0] for x in r),
                               "chained": statistics.median(x[1] for x in r),
                               "verify_steps": statistics.median(x[2] for x in r),
                               "false_drains": statistics.median(x[3] for x in r),
+                              "policy_drains": statistics.median(x[4] for x in r),
                               "ratio_to_plain": statistics.median(x[0] / p[0] for x, p in zip(r, runs["plain"]))}
                 rows.append([f"b{bs}/{cat}", name, cell[name]["tok_s"], cell[name]["ratio_to_plain"],
                              cell[name]["chained"], cell[name]["verify_steps"], cell[name]["false_drains"]])
@@ -409,7 +412,8 @@ def main() -> int:
                                                    transformers=not args.no_transformers), log)
         if "error" in log["smollm2"]:  # recorded above; measure the eager path too rather than nothing
             _safe("smollm2_eager", lambda: bench_small_model(args.model, sizes, args.max_tokens, args.repeats,
-                                                             graphs=False), log)
+                                                             graphs=False, transformers=not args.no_transformers),
+                  log)
     if "overhead" in parts:
         _safe("spec_overhead", lambda: bench_spec_overhead(args.model, sizes, args.max_tokens, args.repeats), log)
     if "8b" in parts and torch.cuda.is_available():

@@ -75,7 +75,9 @@ class EngineStats:
     steps: int = 0
     chained_steps: int = 0  # plain decode steps launched before the previous step was read back
     policy_drains: int = 0  # chains the draft policy broke for a verify step (overlap scheduling)
-    false_drains: int = 0  # ... after which the policy, seeing the committed token, chose plain after all
+    # ... after which the next decode step was plain after all: the policy, seeing the committed
+    # token, called the verify step off (or the batch changed: a member finished on that token)
+    false_drains: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
     verify_steps: int = 0  # sequence-steps verified with a draft tree
@@ -389,8 +391,9 @@ class LLMEngine:
             if (seq.is_finished or seq.num_output_tokens + 1 >= seq.params.max_tokens
                     or len(seq.token_ids) + 1 >= self.max_model_len):
                 return False
-        # The policy sees the committed tokens, one behind the step it decides for: chain only when
-        # plain decoding wins whatever the token in flight is; otherwise drain and decide afresh.
+        # The policy sees the committed tokens, one behind the step it decides for, and prices the
+        # token in flight: chain unless a verify step is expected to pay; otherwise drain and decide
+        # afresh with that token.
         plain = self.spec is None or self.spec.choose_width(seqs, ahead=True) == 1
         if not plain:
             self.stats.policy_drains += 1

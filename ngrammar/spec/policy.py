@@ -56,12 +56,20 @@ OUTLOOK_ALPHA = 0.2  # per probe: a sequence's outlook follows its match lengths
 CRITICAL_SHARE = 0.9  # a draining batch's critical members: projected to need this share of the most steps
 
 
+def _clamp(p: float) -> float:
+    return min(max(p, 0.0), MAX_CONTINUE)
+
+
+def _run(p: float, levels: float) -> float:
+    """``expected_run`` for a p already clamped."""
+    return 0.0 if p <= 0.0 else p * (1.0 - p**levels) / (1.0 - p)
+
+
 def expected_run(p: float, width: int, depth: float | None = None) -> float:
     """Accepted drafts expected from a tree of ``width`` nodes and ``depth`` levels below its root
     (a chain when None) when each level's draft continues the run with chance p."""
-    p = min(max(p, 0.0), MAX_CONTINUE)
     levels = width - 1 if depth is None else min(width - 1, max(depth, 0.0))
-    return p * (1.0 - p**levels) / (1.0 - p)
+    return _run(_clamp(p), levels)
 
 
 Bucket = tuple[int, bool]  # (batch size rounded up to a power of two, whether a grammar constrains it)
@@ -71,15 +79,6 @@ def bucket_of(batch_size: int, constrained: bool) -> Bucket:
     # A constrained verify step also builds a grammar bitmask for every tree node on the host, so
     # it costs more than an unconstrained one of the same shape: timed apart.
     return 1 << max(batch_size - 1, 0).bit_length(), constrained
-
-
-def _clamp(p: float) -> float:
-    return min(max(p, 0.0), MAX_CONTINUE)
-
-
-def _run(p: float, levels: float) -> float:
-    """``expected_run`` for a p already clamped."""
-    return 0.0 if p <= 0.0 else p * (1.0 - p**levels) / (1.0 - p)
 
 
 def _rate(cost: float | None, width: int, drafts: float) -> float:
@@ -289,7 +288,8 @@ class AdaptiveDraftPolicy:
         self, seq_ids: Sequence[str], match_lengths: MatchLengths, ahead: bool = False
     ) -> tuple[Sequence[int], dict[int, list[float]] | None]:
         """The batch's match lengths, and the drafts each member is expected to accept per width
-        (None when no member has a match); updates each member's outlook unless ``ahead``."""
+        (None when no member has a match, and never ``ahead``, where a length-0 member may reach
+        length 1); updates each member's outlook unless ``ahead``."""
         lengths = match_lengths()
         self._lengths.update(zip(seq_ids, lengths))
         expected = self._expected(seq_ids, lengths, ahead=ahead) if ahead or any(lengths) else None
@@ -308,16 +308,19 @@ class AdaptiveDraftPolicy:
         ahead: bool = False,
     ) -> dict[int, list[float]]:
         """width -> accepted drafts expected from one verify step of each sequence at its match
-        length, for ``widths`` (default: every draft width the policy picks). ``expected_run`` of
-        its continuation rate, inlined: this runs on most decode steps for every member of the
-        batch, over every width.
+        length, for ``widths`` (default: every draft width the policy picks): ``expected_run`` of
+        its continuation rate (clamped once per member: this runs on most decode steps for every
+        member of the batch, over every width).
 
         ``ahead``: the lengths are one token old (that token is in flight). A member at length n > 0
         reaches n + 1 if the token continues its match, which it does with the continuation rate of
-        length n (the same agreement of model and corpus that accepts a draft); otherwise, and from
-        n = 0, it is at length 1 at most. Its value is that mixture. (Pricing every member at n + 1,
-        the bound, drained the overlap chain for verify steps that the committed token then
-        called off: 12 of 65 steps of an open-ended batch of 8, none of them verified.)"""
+        length n (the same agreement of model and corpus that accepts a draft); otherwise it is
+        priced at length 1. That is exact from n <= 1 (a missed continuation leaves at most the
+        token itself matched) and an approximation from n >= 2, where a shorter suffix followed by
+        that token elsewhere in the corpus can leave up to n. From n = 0 the token reaches length 1
+        at most: priced at 1. (Pricing every member at n + 1, the bound, broke the overlap chain for
+        verify steps that the committed token then called off: 3 times per 64-token run of
+        open-ended text at batch 1 on the H200.)"""
         rates, bias = self._continuation(), self.seq_bias
         widths = self.widths[1:] if widths is None else widths
         out = {w: [0.0] * len(seq_ids) for w in widths}
@@ -339,7 +342,7 @@ class AdaptiveDraftPolicy:
             if p <= 0.0:
                 continue
             for column, depth in columns:
-                column[i] = p * (1.0 - p ** depth[n]) / (1.0 - p)
+                column[i] = _run(p, depth[n])
         return out
 
     def _continuation(self) -> list[float]:

@@ -133,7 +133,11 @@ class NgramSpecWorker:
     def choose_width(self, seqs: list[Sequence], ahead: bool = False) -> int:
         """The next decode step's width. ``ahead``: one token per sequence is still in flight (overlap
         scheduling): the match lengths are those of the committed tokens, and the policy prices
-        what the token in flight may make of them (``AdaptiveDraftPolicy._expected``)."""
+        what the token in flight may make of them (``AdaptiveDraftPolicy._expected``). Until
+        session 9 each length was taken at its bound, one longer, which broke chains for verify
+        steps the committed token then called off. (Session 7's run L, keeping unmatched sequences
+        at 0 and the rest at the bound, measured grounded batch-1 cells lower on a slower host; the
+        A/B of the present rule is in BENCHMARKS.md, session 9.)"""
         self._constrained = any(s.grammar is not None for s in seqs)
         draining = not self.engine.scheduler.waiting
         corpus, grow = self.corpus, int(ahead)
