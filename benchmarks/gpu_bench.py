@@ -46,6 +46,11 @@ def _categories() -> dict[str, list[Any]]:
     return cats
 
 
+def _batch(prompts: list[Any], bs: int) -> list[Any]:
+    """bs prompts, cycling through the category's."""
+    return [prompts[i % len(prompts)] for i in range(bs)]
+
+
 def _run(llm: LLM, prompts: list[Any], params: SamplingParams) -> tuple[float, list[Any]]:
     forget_outputs(llm)
     outs = llm.chat(prompts, params, use_tqdm=False)
@@ -82,7 +87,7 @@ def bench_small_model(model: str | None, batch_sizes: list[int], max_tokens: int
     _run(spec, cats["open"][:2], greedy)
     for bs in batch_sizes:
         for cat, prompts in cats.items():
-            batch = [prompts[i % len(prompts)] for i in range(bs)]
+            batch = _batch(prompts, bs)
             # Interleaved pairs: a slow spell of the host hits both sides of a pair.
             p, s, q = [], [], []
             stats = spec.engine.stats
@@ -136,7 +141,7 @@ def bench_spec_overhead(model: str | None, batch_sizes: list[int], max_tokens: i
     rows = []
     for bs in batch_sizes:
         for cat in ("open", "code_edit"):
-            batch = [cats[cat][i % len(cats[cat])] for i in range(bs)]
+            batch = _batch(cats[cat], bs)
             runs: dict[str, list[tuple[float, float, int, int, int]]] = {name: [] for name in engines}
             for _ in range(repeats):
                 for name, llm in engines.items():

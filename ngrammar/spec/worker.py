@@ -186,11 +186,11 @@ class NgramSpecWorker:
         # The accepted paths' KV moves next to their prefixes on the device, before the read: the
         # host never computes slots, and the copy is queued while the verify forward still runs.
         # A path is at most as long as the deepest tree: only those positions can move.
-        span = int(depths.max()) + 1
-        runner.compact_accepted_kv(slots, result.accept_nodes[:, :span], result.accept_len)
+        tree_depths = depths.max(axis=1).tolist()  # [B] levels below each root
+        runner.compact_accepted_kv(slots, result.accept_nodes[:, : max(tree_depths) + 1], result.accept_len)
         lp = eng.logprob_tensors(seqs, logits, result.accept_index, result.accept_tokens)
         host = runner.to_host(result.accept_tokens, result.accept_len, result.accept_nodes, *lp)
-        self._commit(seqs, tree, depths, host)
+        self._commit(seqs, tree, tree_depths, host)
         eng.stats.spec_steps += 1
         eng.stats.verify_seconds += time.perf_counter() - t0
 
@@ -264,8 +264,9 @@ class NgramSpecWorker:
             candidates, mask, probs, coins, final, c.threshold_single, c.threshold_acc
         )
 
-    def _commit(self, seqs: list[Sequence], tree: DraftTree, depths: np.ndarray, host: list[torch.Tensor]) -> None:
-        """Append each sequence's accepted run; ``depths`` [B, D]: each tree node's depth."""
+    def _commit(self, seqs: list[Sequence], tree: DraftTree, tree_depths: list[int], host: list[torch.Tensor]) -> None:
+        """Append each sequence's accepted run; ``tree_depths`` [B]: how many levels each tree has
+        below its root."""
         eng = self.engine
         width = tree.draft_token_num
         tokens, lens, nodes = host[0].tolist(), host[1].tolist(), host[2].tolist()
@@ -276,7 +277,6 @@ class NgramSpecWorker:
         has_child = np.zeros((len(seqs), width + 1), dtype=bool)
         has_child[np.arange(len(seqs))[:, None], parents + 1] = True
         has_child = has_child[:, 1:]
-        tree_depths = depths.max(axis=1).tolist()
         emitted = 0
         # What the policy learns is the model's agreement with the drafts (lens - 1 accepted),
         # not what the request kept of it (EOS, a stop string or max_tokens may cut the run).
