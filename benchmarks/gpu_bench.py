@@ -17,12 +17,12 @@ Part ``overhead`` (not run by default; runs on a CPU too): plain against NGRAM w
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
 import time
 import traceback
-from dataclasses import fields
 from typing import Any, Callable
 
 import torch
@@ -31,6 +31,7 @@ from benchmarks.bench_grammar import RECORD_SCHEMA, extraction_prompts
 from benchmarks.common import chat, decode_seconds, forget_outputs, load_workload, machine, print_table
 from ngrammar import LLM, SamplingParams
 from ngrammar.config import EngineConfig
+from ngrammar.engine.engine import StepRecord
 from ngrammar.model.config import ModelConfig
 from ngrammar.runner.attention import AttentionMetadata
 
@@ -66,7 +67,7 @@ def _accept(outs: list[Any]) -> float:
 def _engine_kwargs(model: str | None, graphs: bool) -> dict[str, Any]:
     kw: dict[str, Any] = {"model": model, "device": "cuda" if torch.cuda.is_available() else "cpu",
                           "kv_cache_tokens": 262144 if torch.cuda.is_available() else 16384}
-    if "cuda_graph" in {f.name for f in fields(EngineConfig)}:
+    if "cuda_graph" in {f.name for f in dataclasses.fields(EngineConfig)}:
         kw["cuda_graph"] = graphs
     return kw
 
@@ -88,6 +89,9 @@ def bench_small_model(model: str | None, batch_sizes: list[int], max_tokens: int
     for bs in batch_sizes:
         for cat, prompts in cats.items():
             batch = _batch(prompts, bs)
+            # A first run of the cell, not in its figures: the policy times its draft widths once
+            # per batch-size bucket (a server pays that once), which would land in the first pair.
+            first = _run(spec, batch, greedy)[0] / _run(plain, batch, greedy)[0]
             # Interleaved pairs: a slow spell of the host hits both sides of a pair.
             p, s, q = [], [], []
             stats = spec.engine.stats
@@ -110,6 +114,7 @@ def bench_small_model(model: str | None, batch_sizes: list[int], max_tokens: int
                 "accept_len": _accept(s[-1][1]),
                 "ngram_chained_share": chained_share,  # of the last NGRAM run's engine steps
                 "ngram_identical_to_plain": sum(same) / len(same),
+                "first_run_ratio": first,  # NGRAM / plain in the cell's untimed first run
             }
         try:
             res[f"b{bs}/json"] = _grammar_variants(plain, spec, bs, max_tokens, repeats)
@@ -143,29 +148,51 @@ def bench_spec_overhead(model: str | None, batch_sizes: list[int], max_tokens: i
         for cat in ("open", "code_edit"):
             batch = _batch(cats[cat], bs)
             runs: dict[str, list[tuple[float, float, int, int, int]]] = {name: [] for name in engines}
-            for _ in range(repeats):
+            # A first run of the cell, not in its figures (see bench_small_model); its ratios are kept.
+            first = {name: _run(llm, batch, greedy)[0] for name, llm in engines.items()}
+            traces: dict[str, list[StepRecord]] = {}
+            for rep in range(repeats):
                 for name, llm in engines.items():
                     st = llm.engine.stats
                     before = (st.steps, st.chained_steps, st.spec_steps, st.false_drains, st.policy_drains)
+                    if rep == repeats - 1:  # the last run's steps, one by one
+                        llm.engine.step_trace = traces[name] = []
                     tok_s = _run(llm, batch, greedy)[0]
+                    llm.engine.step_trace = None
                     runs[name].append((tok_s, (st.chained_steps - before[1]) / max(st.steps - before[0], 1),
                                        st.spec_steps - before[2], st.false_drains - before[3],
                                        st.policy_drains - before[4]))
-            cell: dict[str, dict[str, float]] = {}
+            cell: dict[str, dict[str, Any]] = {}
             for name, r in runs.items():
-                cell[name] = {"tok_s": statistics.median(x[0] for x in r),
-                              "chained": statistics.median(x[1] for x in r),
-                              "verify_steps": statistics.median(x[2] for x in r),
-                              "false_drains": statistics.median(x[3] for x in r),
-                              "policy_drains": statistics.median(x[4] for x in r),
-                              "ratio_to_plain": statistics.median(x[0] / p[0] for x, p in zip(r, runs["plain"]))}
-                rows.append([f"b{bs}/{cat}", name, cell[name]["tok_s"], cell[name]["ratio_to_plain"],
-                             cell[name]["chained"], cell[name]["verify_steps"], cell[name]["false_drains"]])
+                c = cell[name] = {"tok_s": statistics.median(x[0] for x in r),
+                                  "chained": statistics.median(x[1] for x in r),
+                                  "verify_steps": statistics.median(x[2] for x in r),
+                                  "false_drains": statistics.median(x[3] for x in r),
+                                  "policy_drains": statistics.median(x[4] for x in r),
+                                  "ratio_to_plain": statistics.median(x[0] / p[0] for x, p in zip(r, runs["plain"])),
+                                  "first_run_ratio": first[name] / first["plain"],
+                                  "runs": [list(x) for x in r],  # per run: tok/s, chained, verify steps, drains
+                                  "steps": _trace_summary(traces[name])}
+                rows.append([f"b{bs}/{cat}", name, c["tok_s"], c["ratio_to_plain"], c["first_run_ratio"],
+                             c["chained"], c["verify_steps"], c["false_drains"]])
             res[f"b{bs}/{cat}"] = cell
+            res[f"b{bs}/{cat}/trace"] = {name: [dataclasses.astuple(r) for r in t] for name, t in traces.items()}
+            print(f"b{bs}/{cat} last run, ms per step kind: " + json.dumps(
+                {n: {k: v["total_ms"] for k, v in c["steps"].items()} for n, c in cell.items()}), flush=True)
     print_table(f"NGRAM overhead vs plain ({max_tokens} tokens per request, {repeats} interleaved runs, medians)",
-                ["batch/workload", "engine", "tok/s", "x plain (paired)", "chained share", "verify steps/run",
-                 "false drains/run"], rows)
+                ["batch/workload", "engine", "tok/s", "x plain (paired)", "x plain (first run)", "chained share",
+                 "verify steps/run", "false drains/run"], rows)
     return res
+
+
+def _trace_summary(trace: list[StepRecord]) -> dict[str, dict[str, float]]:
+    """Per step kind (a verify step's kind names its width): count, total and median ms, host ms."""
+    kinds: dict[str, list[StepRecord]] = {}
+    for r in trace:
+        kinds.setdefault(r.kind if r.kind != "verify" else f"verify{r.width}", []).append(r)
+    return {k: {"n": len(rs), "total_ms": round(1e3 * sum(r.seconds for r in rs), 3),
+                "median_ms": round(1e3 * statistics.median(r.seconds for r in rs), 3),
+                "host_ms": round(1e3 * sum(r.host_seconds for r in rs), 3)} for k, rs in kinds.items()}
 
 
 def _grammar_variants(plain: LLM, spec: LLM, bs: int, max_tokens: int, repeats: int) -> dict[str, Any]:
@@ -384,7 +411,8 @@ def summarize(log: dict[str, Any]) -> None:
             ratio = v.get("ratio", v["ngram_tok_s"] / v["plain_tok_s"])  # median of paired runs when logged
             chained = v.get("ngram_chained_share")
             rows.append([key, f"ngram (x{ratio:.2f}, same {v['ngram_identical_to_plain']:.0%}"
-                              + ("" if chained is None else f", chained {chained:.0%}") + ")",
+                              + ("" if chained is None else f", chained {chained:.0%}")
+                              + ("" if "first_run_ratio" not in v else f", first run x{v['first_run_ratio']:.2f}") + ")",
                          v["ngram_tok_s"], v["accept_len"]])
     for cat, v in small.get("transformers_b1", {}).items():
         if isinstance(v, dict):

@@ -67,6 +67,24 @@ def test_spec_metrics_and_stop_inside_accepted_run(spec_llm: LLM, llm: LLM) -> N
     assert spec_stop.text == plain_stop.text and spec_stop.finish_reason == "stop"
 
 
+def test_the_step_trace_records_every_step_by_kind(spec_llm: LLM) -> None:
+    eng = spec_llm.engine
+    steps, spec_steps = eng.stats.steps, eng.stats.spec_steps
+    eng.step_trace = trace = []
+    try:
+        spec_llm.generate(GROUNDED[:2], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    finally:
+        eng.step_trace = None
+    assert len(trace) == eng.stats.steps - steps
+    assert trace[0].kind == "prefill" and trace[0].batch_size == 2
+    verify = [r for r in trace if r.kind == "verify"]
+    assert len(verify) == eng.stats.spec_steps - spec_steps > 0  # copying prompts are verified
+    assert all(r.width > 1 and r.batch_size in (1, 2) for r in verify)
+    assert all(r.width == 1 for r in trace if r.kind != "verify")
+    assert all(r.seconds > 0 and 0 <= r.host_seconds <= r.seconds for r in trace)
+    assert all(a.start + a.seconds <= b.start for a, b in zip(trace, trace[1:]))
+
+
 def test_speculative_sampling_respects_top_k(spec_llm: LLM) -> None:
     # Draft trees depend on the shared corpus, so seeded sampled outputs are reproducible only for
     # the same corpus state; the distribution itself is exact (tests/test_verify.py).

@@ -138,6 +138,24 @@ def test_mask_from_parents_is_ancestor_or_self() -> None:
         assert set(np.flatnonzero(mask[i]).tolist()) == row
 
 
+@pytest.mark.parametrize("bs,d", [(1, 1), (1, 16), (3, 33), (8, 16), (16, 16), (17, 16), (32, 16), (2, 64), (2, 65)])
+def test_mask_from_parents_matches_walking_up_the_tree(bs: int, d: int) -> None:
+    """Both ways of building the mask (int bit sets for small batches, a numpy pass per node index
+    for large batches or trees wider than 64) against each node's ancestors found by walking up."""
+    rng = np.random.default_rng(bs * 100 + d)
+    parents = np.stack([random_parents(rng, d, TREE_KINDS[b % len(TREE_KINDS)]) for b in range(bs)])
+    parents[:, 0] = rng.integers(-1, 3, size=bs)  # ignored at the root
+    mask = mask_from_parents(parents)
+    assert mask.dtype == np.bool_ and mask.shape == (bs, d, d)
+    for b in range(bs):
+        for i in range(d):
+            ancestors, node = {i}, i
+            while node > 0:
+                node = int(parents[b, node])
+                ancestors.add(node)
+            assert set(np.flatnonzero(mask[b, i]).tolist()) == ancestors
+
+
 def test_draft_tree_helpers() -> None:
     parents = np.array([[-1, 0, 0, 1], [-1, 0, 1, 2]])
     tree = DraftTree.from_parents(np.arange(8), parents)

@@ -70,6 +70,18 @@ class _InFlight:
     launched: float  # perf_counter() at the start of the engine step that launched it
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step, for ``LLMEngine.step_trace`` (where a benchmark's time goes, step by step)."""
+
+    kind: str  # "chain" (plain, launched before the previous step was read back), "decode", "verify", "prefill", "idle"
+    batch_size: int  # sequences in the step (prefill: chunks)
+    width: int  # draft width (1: plain)
+    start: float  # perf_counter() at the start of the engine step
+    seconds: float  # the engine step's wall time
+    host_seconds: float  # of which host drafting / corpus indexing and grammar masks
+
+
 @dataclass
 class EngineStats:
     steps: int = 0
@@ -122,6 +134,7 @@ class LLMEngine:
         self._step_start = 0.0  # perf_counter() at the start of the current engine step
         self._last_commit = 0.0  # perf_counter() when the last step's tokens were committed
         self._policy_drained = False  # the chain was just broken because the policy wanted a verify step
+        self.step_trace: list[StepRecord] | None = None  # a list: every step is recorded in it
         self.spec: NgramSpecWorker | None = None
         if config.speculative is not None:
             from ngrammar.spec.worker import NgramSpecWorker
@@ -262,12 +275,18 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled forward; returns outputs of requests that progressed or finished."""
         start = self._step_start = time.perf_counter()
-        if self._in_flight is None or not self._chain_decode():
+        host = self.stats.draft_seconds + self.stats.grammar_seconds
+        if self._in_flight is not None and self._chain_decode():
+            kind, size, width = "chain", len(self._in_flight.seqs), 1
+        else:
             self._drain()
-            self._schedule_and_run()
+            kind, size, width = self._schedule_and_run()
         self.stats.steps += 1
         self.stats.last_step_seconds = time.perf_counter() - start
         self.stats.step_seconds += self.stats.last_step_seconds
+        if self.step_trace is not None:
+            host = self.stats.draft_seconds + self.stats.grammar_seconds - host
+            self.step_trace.append(StepRecord(kind, size, width, start, self.stats.last_step_seconds, host))
         return self._collect_outputs()
 
     def _observe(self, batch_size: int, width: int, launched: float) -> None:
@@ -282,8 +301,9 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.observe_step(batch_size, width, seconds)
 
-    def _schedule_and_run(self) -> None:
-        """Schedule and run one step from committed state."""
+    def _schedule_and_run(self) -> tuple[str, int, int]:
+        """Schedule and run one step from committed state; returns its kind, size and width
+        (``StepRecord``)."""
         self._finish_overlong()
         self._retire()  # aborted or overlong sequences must not be scheduled again
         batch = self.scheduler.schedule(self._decode_width)
@@ -297,12 +317,15 @@ class LLMEngine:
         if batch.prefill:
             self._run_prefill(batch.prefill)
             self._last_commit = time.perf_counter()
-        elif batch.decode:
-            if batch.width > 1 and self.spec is not None:
-                self.spec.run_verify(batch.decode, batch.width)
-                self._observe(len(batch.decode), batch.width, self._step_start)
-            else:
-                self._run_decode(batch.decode)
+            return "prefill", len(batch.prefill), 1
+        if not batch.decode:
+            return "idle", 0, 1
+        if batch.width > 1 and self.spec is not None:
+            self.spec.run_verify(batch.decode, batch.width)
+            self._observe(len(batch.decode), batch.width, self._step_start)
+            return "verify", len(batch.decode), batch.width
+        self._run_decode(batch.decode)
+        return "decode", len(batch.decode), 1
 
     def _decode_width(self, seqs: list[Sequence]) -> int:
         return 1 if self.spec is None or not seqs else self.spec.choose_width(seqs)
