@@ -90,6 +90,26 @@ def test_a_step_left_in_flight_by_a_finished_batch_is_dropped(overlap_llm: LLM) 
     assert eng.stats.decode_tokens - before == sum(len(o.token_ids) - 1 for o in outs)  # the first is prefill's
 
 
+def test_members_reaching_max_tokens_leave_the_chain_without_breaking_it(llm: LLM, overlap_llm: LLM) -> None:
+    """A member whose token in flight is its last is left out of the next launch; the others go on
+    chained (each such drain used to cost a step's worth of host time on the H200)."""
+    eng = overlap_llm.engine
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (4, 9, 6, 13)]
+    before = eng.stats.decode_tokens
+    eng.step_trace = trace = []
+    try:
+        got = overlap_llm.generate(PROMPTS, params)
+    finally:
+        eng.step_trace = None
+    assert _summary(got) == _summary(llm.generate(PROMPTS, params))
+    kinds = [r.kind for r in trace]
+    # One unchained decode step (the first after prefill); the batch shrinks 4 -> 3 -> 2 -> 1 while chained.
+    assert kinds == ["prefill", "decode"] + ["chain"] * 11 + ["idle"]
+    assert [r.batch_size for r in trace[1:-1]] == [4, 4, 4, 3, 3, 2, 2, 2, 1, 1, 1, 1]
+    assert eng.stats.decode_tokens - before == sum(n - 1 for n in (4, 9, 6, 13))
+    assert eng._in_flight is None and not eng.scheduler.running
+
+
 def test_a_full_batch_keeps_chaining_while_requests_wait(llm: LLM) -> None:
     """Requests that cannot be admitted (the batch is at max_running_requests) do not stop overlap."""
     capped = LLM(device="cpu", dtype="float32", kv_cache_tokens=16384, overlap_schedule=True, max_running_requests=2)

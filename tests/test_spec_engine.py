@@ -7,6 +7,7 @@ import gc
 import pytest
 
 from ngrammar import LLM, SamplingParams
+from ngrammar.engine.sequence import Sequence
 from ngrammar.spec.policy import AdaptiveDraftPolicy, bucket_of
 
 GROUNDED = [
@@ -317,6 +318,26 @@ def test_plain_steps_skip_indexing_where_it_would_cost_a_share_of_the_step() -> 
     spec.generate(prompts, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     assert calls[0] == 1 and calls[1:] and set(calls[1:]) == {2}
     assert worker._index_cost < 1.0
+
+
+def test_a_budgeted_catch_up_indexes_the_sequences_it_left_out_first_next_time(spec_llm: LLM) -> None:
+    # A verify step on a GPU indexes only while its forward runs (the budget); a sequence cut off
+    # must come first next time, or the same members would never be indexed.
+    eng = spec_llm.engine
+    worker = eng.spec
+    seqs = [Sequence(f"budget-{i}", 0, list(range(100 + i, 140 + i)), SamplingParams(max_tokens=4),
+                     eng.tokenizer, seed=0) for i in range(3)]
+    corpus = worker.corpus
+    try:
+        for turn in range(3):
+            worker.index_outputs(seqs, budget=0.0)  # spent at once: one sequence per call
+            assert [corpus.indexed_length(s.seq_id) > 0 for s in seqs] == [i <= turn for i in range(3)]
+        for s in seqs:
+            s.token_ids.append(7)
+        worker.index_outputs(seqs, budget=None)
+        assert all(corpus.indexed_length(s.seq_id) == len(s.token_ids) for s in seqs)
+    finally:
+        worker.on_finish(seqs)
 
 
 def test_freed_pages_are_never_read(spec_llm: LLM, llm: LLM) -> None:

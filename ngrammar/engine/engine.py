@@ -39,6 +39,7 @@ from ngrammar.runner.model_runner import (
     resolve_dtype,
 )
 from ngrammar.runner.sampler import SamplingTensors, sample
+from ngrammar.runner.transfer import to_device
 from ngrammar.sampling_params import InvalidRequestError, SamplingParams
 
 if TYPE_CHECKING:
@@ -378,15 +379,21 @@ class LLMEngine:
 
     def _chain_decode(self) -> bool:
         """Overlap: launch the in-flight batch's next plain step from its device tokens, then commit
-        those tokens while the forward runs. False (nothing launched) when the batch cannot simply
-        go on: requests wait, a member finished or would finish with the token in flight, the draft
-        policy wants a verify step, or a member's KV cannot grow."""
+        those tokens while the forward runs. Members whose token in flight is their last
+        (``max_tokens``) are left out of the launch; the rest go on. False (nothing launched) when
+        the batch cannot simply go on: requests wait, a member finished or reaches the end of the
+        context, all members reach ``max_tokens``, the draft policy wants a verify step, or a
+        member's KV cannot grow."""
         assert self._in_flight is not None
         flight = self._in_flight
-        seqs = flight.seqs
-        if not self._chainable(seqs):
+        keep = self._chainable(flight.seqs)
+        if keep is None:
             return False
-        logits = self._launch_decode(seqs, flight.tokens)
+        seqs, tokens = flight.seqs, flight.tokens
+        if len(keep) < len(seqs):
+            seqs = [seqs[i] for i in keep]
+            tokens = tokens.index_select(0, to_device(keep, torch.int64, self.device))  # no host read
+        logits = self._launch_decode(seqs, tokens)
         self._commit_decode(flight)  # the read waits for the previous step only
         self._in_flight = self._sample_and_index(seqs, logits)  # after the commit: grammar rows need its tokens
         self.stats.chained_steps += 1
@@ -400,28 +407,38 @@ class LLMEngine:
             self.spec.index_plain_step(seqs)
         return flight
 
-    def _chainable(self, seqs: list[Sequence]) -> bool:
+    def _chainable(self, seqs: list[Sequence]) -> list[int] | None:
+        """The members (indices into ``seqs``) the next plain step can be launched for before the
+        tokens in flight are read back, or None: drain and schedule afresh."""
         sched = self.scheduler
         # Waiting requests stop the chain only while they could be admitted: a full batch must
         # keep overlapping under load (it drains anyway once a member finishes).
         if sched.waiting and len(sched.running) < sched.max_running:
-            return False
+            return None
         if len(sched.running) != len(seqs) or any(a is not b for a, b in zip(sched.running, seqs)):
-            return False
-        for seq in seqs:
-            # The token in flight must leave each sequence unfinished (its next step would be
-            # wasted) and inside the context (the next step writes KV at its position).
-            if (seq.is_finished or seq.num_output_tokens + 1 >= seq.params.max_tokens
-                    or len(seq.token_ids) + 1 >= self.max_model_len):
-                return False
+            return None
+        keep = []
+        for i, seq in enumerate(seqs):
+            # A finished member, or one the token in flight takes to the end of the context (the
+            # next step would write KV past it), needs the scheduler. One the token in flight
+            # takes to max_tokens finishes on commit, certainly: the step goes on without it
+            # (members of a speculating batch reach their limits at different steps, and each
+            # drain there cost the H200 about half a step).
+            if seq.is_finished or len(seq.token_ids) + 1 >= self.max_model_len:
+                return None
+            if seq.num_output_tokens + 1 < seq.params.max_tokens:
+                keep.append(i)
+        if not keep:
+            return None
+        members = seqs if len(keep) == len(seqs) else [seqs[i] for i in keep]
         # The policy sees the committed tokens, one behind the step it decides for, and prices the
         # token in flight: chain unless a verify step is expected to pay; otherwise drain and decide
         # afresh with that token.
-        plain = self.spec is None or self.spec.choose_width(seqs, ahead=True) == 1
+        plain = self.spec is None or self.spec.choose_width(members, ahead=True) == 1
         if not plain:
             self.stats.policy_drains += 1
             self._policy_drained = True
-        return plain and sched.reserve_decode(seqs, 1)
+        return keep if plain and sched.reserve_decode(members, 1) else None
 
     def _drain(self) -> None:
         """Commit the step in flight, if any (its forward and sampling are already queued)."""

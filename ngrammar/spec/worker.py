@@ -69,6 +69,7 @@ class NgramSpecWorker:
         self._max_catch_up = config.max_trie_depth // 2
         self._index_cost: float | None = None  # seconds per token indexed (moving average)
         self._plain_skips = 0  # plain steps that skipped indexing (every PLAIN_INDEX_RETRY-th re-measures)
+        self._index_turn = 0  # where in its batch a budgeted index_outputs starts (see there)
         # Captured by the CUDA-graph runner next to each verify graph (greedy batches use it).
         self.graph_acceptor = verify_tree_greedy_from_logits
 
@@ -77,7 +78,7 @@ class NgramSpecWorker:
         if self.config.index_prompt:
             self.corpus.index_prompt(seq.seq_id, seq.prompt_token_ids)
 
-    def index_outputs(self, seqs: list[Sequence]) -> None:
+    def index_outputs(self, seqs: list[Sequence], budget: float | None = None) -> None:
         """Insert the windows ending at each sequence's tokens committed since it was last indexed.
 
         Called right after a verify forward is launched (and after a plain one, see
@@ -85,13 +86,24 @@ class NgramSpecWorker:
         drafts see the trie as of the previous step (only windows ending in the newest tokens are
         missing, which a draft almost never needs). After a stretch longer than ``max_catch_up``
         tokens went unindexed only its positions among the last ``max_trie_depth`` are indexed,
-        so a catch-up stays one step's worth of work."""
+        so a catch-up stays one step's worth of work.
+
+        ``budget`` (seconds): stop once it is spent (after one sequence at least); the sequences
+        left keep their cursors and come first in the next call. A catch-up after a plain stretch
+        of a batch of 32 took ~4 ms of host time on the H200, past the end of the verify forward
+        it was meant to hide behind (a verify step then cost ~7 plain steps instead of ~3)."""
         t = time.perf_counter()
         corpus, depth = self.corpus, self.config.max_trie_depth
         tokens = 0
-        for seq in seqs:
+        n = len(seqs)
+        first = self._index_turn % n if n else 0
+        for k in range(n):
+            seq = seqs[(first + k) % n]
             tokens += min(len(seq.token_ids) - corpus.indexed_length(seq.seq_id), depth)
             corpus.update(seq.seq_id, seq.token_ids, self._max_catch_up)
+            if budget is not None and k + 1 < n and time.perf_counter() - t >= budget:
+                self._index_turn = first + k + 1  # the next call starts with the first left out
+                break
         seconds = time.perf_counter() - t
         self.engine.stats.draft_seconds += seconds
         if tokens > 0:
@@ -123,6 +135,17 @@ class NgramSpecWorker:
         self._plain_skips += 1
         if self._plain_skips % PLAIN_INDEX_RETRY == 0:
             self.index_outputs([seqs[(self._plain_skips // PLAIN_INDEX_RETRY) % len(seqs)]])
+
+    def _index_budget(self, batch_size: int) -> float | None:
+        """Host seconds a verify step may spend indexing: a plain step's time at this batch size,
+        a lower bound of the verify forward's that the indexing hides behind (None: not timed yet,
+        or no device to hide behind: on a CPU the forward has finished before indexing starts, so
+        a budget would only lose n-grams)."""
+        if self.engine.device.type == "cpu":
+            return None
+        bucket = bucket_of(batch_size, self._constrained)
+        plain = self.policy.step_cost(bucket, 1)  # normalized to the bucket's size
+        return None if plain is None else plain * batch_size / bucket[0]
 
     def on_finish(self, seqs: list[Sequence]) -> None:
         ids = [s.seq_id for s in seqs]
@@ -174,7 +197,7 @@ class NgramSpecWorker:
                 self._read_links_back(tree)
             logits = eng.timed_forward(step)  # [B*D, V]; launched before any host-side tree work
             slots = runner.last_slots().view(len(seqs), width)  # [B, D] this forward's KV slots
-        self.index_outputs(seqs)
+        self.index_outputs(seqs, self._index_budget(len(seqs)))
         t1 = time.perf_counter()
         self._apply_grammar(seqs, tree, logits)
         eng.stats.grammar_seconds += time.perf_counter() - t1
