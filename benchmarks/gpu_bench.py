@@ -108,7 +108,7 @@ def bench_small_model(model: str | None, batch_sizes: list[int], max_tokens: int
                 "ratio": statistics.median(b[0] / a[0] for a, b in zip(p, s)),
                 "plain_stepwise_tok_s": statistics.median(r[0] for r in q),
                 "overlap_gain": statistics.median(a[0] / c[0] for a, c in zip(p, q)),
-                # Members end only at max_tokens (never chained), so both engines run the same
+                # Every member ends at max_tokens, on the same step, so both engines run the same
                 # batches through the same kernels: overlap must not change a single token.
                 "overlap_identical": all(a.token_ids == c.token_ids for a, c in zip(p[-1][1], q[-1][1])),
                 "accept_len": _accept(s[-1][1]),

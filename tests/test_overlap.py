@@ -90,24 +90,62 @@ def test_a_step_left_in_flight_by_a_finished_batch_is_dropped(overlap_llm: LLM) 
     assert eng.stats.decode_tokens - before == sum(len(o.token_ids) - 1 for o in outs)  # the first is prefill's
 
 
-def test_members_reaching_max_tokens_leave_the_chain_without_breaking_it(llm: LLM, overlap_llm: LLM) -> None:
-    """A member whose token in flight is its last is left out of the next launch; the others go on
-    chained (each such drain used to cost a step's worth of host time on the H200)."""
+@pytest.mark.parametrize("sampled", [False, True])
+def test_members_that_finish_leave_the_chain_without_breaking_it(llm: LLM, overlap_llm: LLM, sampled: bool) -> None:
+    """A member whose token in flight is its last (max_tokens), or that ended on a stop string while
+    its next token was in flight, is left out of the next launch; the others go on chained (each
+    such drain cost about half a step on the H200). Seeded sampling and logprobs come out as in the
+    step-by-step engine."""
     eng = overlap_llm.engine
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (4, 9, 6, 13)]
+    extra = {"temperature": 0.9, "top_p": 0.95, "seed": 11, "logprobs": 2} if sampled else {"temperature": 0}
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, **extra) for n in (4, 9, 6)]
+    params.insert(2, SamplingParams(max_tokens=40, stop=[",", ".", " a "], **extra))
     before = eng.stats.decode_tokens
     eng.step_trace = trace = []
     try:
         got = overlap_llm.generate(PROMPTS, params)
     finally:
         eng.step_trace = None
-    assert _summary(got) == _summary(llm.generate(PROMPTS, params))
+    want = llm.generate(PROMPTS, params)
+    # Tokens, text and finish reasons are exact; logprobs within fp32 noise: the step after the
+    # stop runs one row more than the step-by-step engine's (the stopped member's token in flight).
+    assert [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in got] == \
+        [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in want]
+    for a, b in zip(got, want):
+        for x, y in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or []):
+            assert x.top[0][0] == y.top[0][0] and x.logprob == pytest.approx(y.logprob, abs=1e-4)
+    assert got[2].outputs[0].finish_reason == "stop" and len(got[2].token_ids) < 40  # ended mid-batch
+    if trace[-1].kind == "idle":  # the last member ended at max_tokens (drained), not on a stop
+        trace.pop()
     kinds = [r.kind for r in trace]
-    # One unchained decode step (the first after prefill); the batch shrinks 4 -> 3 -> 2 -> 1 while chained.
-    assert kinds == ["prefill", "decode"] + ["chain"] * 11 + ["idle"]
-    assert [r.batch_size for r in trace[1:-1]] == [4, 4, 4, 3, 3, 2, 2, 2, 1, 1, 1, 1]
-    assert eng.stats.decode_tokens - before == sum(n - 1 for n in (4, 9, 6, 13))
+    # One unchained decode step, the first after prefill; then the batch shrinks while chained.
+    assert kinds[:2] == ["prefill", "decode"] and set(kinds[2:]) == {"chain"}
+    sizes = [r.batch_size for r in trace[1:]]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] == 4 and sizes[-1] == 1
+    assert eng.stats.decode_tokens - before == sum(len(o.token_ids) - 1 for o in got)
     assert eng._in_flight is None and not eng.scheduler.running
+
+
+def test_members_reaching_max_tokens_leave_one_at_a_time() -> None:
+    """The exact launch sizes when members end at 4, 9, 6 and 13 tokens."""
+    overlap = LLM(device="cpu", dtype="float32", kv_cache_tokens=4096, overlap_schedule=True)
+    eng = overlap.engine
+    eng.step_trace = trace = []
+    overlap.generate(PROMPTS, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (4, 9, 6, 13)])
+    assert [r.kind for r in trace] == ["prefill", "decode"] + ["chain"] * 11 + ["idle"]
+    assert [r.batch_size for r in trace[1:-1]] == [4, 4, 4, 3, 3, 2, 2, 2, 1, 1, 1, 1]
+
+
+def test_a_member_leaving_lets_a_waiting_request_in_at_once() -> None:
+    """Under load a member that finishes frees a slot: the chain breaks so the scheduler admits the
+    next request now, rather than one step later."""
+    capped = LLM(device="cpu", dtype="float32", kv_cache_tokens=4096, overlap_schedule=True, max_running_requests=2)
+    eng = capped.engine
+    eng.step_trace = trace = []
+    capped.generate(PROMPTS[:3], [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 8, 4)])
+    # The first member's last token is in flight at the third decode step: the next engine step
+    # drains and admits the third request instead of launching a step for the second alone.
+    assert [r.kind for r in trace[:5]] == ["prefill", "decode", "chain", "prefill", "decode"]
 
 
 def test_a_full_batch_keeps_chaining_while_requests_wait(llm: LLM) -> None:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import gc
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from ngrammar import LLM, SamplingParams
 from ngrammar.engine.sequence import Sequence
 from ngrammar.spec.policy import AdaptiveDraftPolicy, bucket_of
+from ngrammar.spec.worker import NgramSpecWorker
 
 GROUNDED = [
     "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the river bank.\n",
@@ -320,9 +323,9 @@ def test_plain_steps_skip_indexing_where_it_would_cost_a_share_of_the_step() -> 
     assert worker._index_cost < 1.0
 
 
-def test_a_budgeted_catch_up_indexes_the_sequences_it_left_out_first_next_time(spec_llm: LLM) -> None:
-    # A verify step on a GPU indexes only while its forward runs (the budget); a sequence cut off
-    # must come first next time, or the same members would never be indexed.
+def test_a_budgeted_catch_up_indexes_the_sequences_furthest_behind_first(spec_llm: LLM) -> None:
+    # A verify step on a GPU indexes only while its forward runs (the budget); the members cut off
+    # stay behind and must come first next time, or the same members would never be indexed.
     eng = spec_llm.engine
     worker = eng.spec
     seqs = [Sequence(f"budget-{i}", 0, list(range(100 + i, 140 + i)), SamplingParams(max_tokens=4),
@@ -332,12 +335,25 @@ def test_a_budgeted_catch_up_indexes_the_sequences_it_left_out_first_next_time(s
         for turn in range(3):
             worker.index_outputs(seqs, budget=0.0)  # spent at once: one sequence per call
             assert [corpus.indexed_length(s.seq_id) > 0 for s in seqs] == [i <= turn for i in range(3)]
-        for s in seqs:
-            s.token_ids.append(7)
+        seqs[0].token_ids.append(7)
+        seqs[2].token_ids.extend([7, 8, 9])
+        worker.index_outputs(seqs, budget=0.0)
+        assert [corpus.indexed_length(s.seq_id) == len(s.token_ids) for s in seqs] == [False, True, True]
         worker.index_outputs(seqs, budget=None)
         assert all(corpus.indexed_length(s.seq_id) == len(s.token_ids) for s in seqs)
     finally:
         worker.on_finish(seqs)
+
+
+def test_the_catch_up_budget_is_a_plain_step_at_the_batch_size_and_only_on_cuda() -> None:
+    policy = AdaptiveDraftPolicy(max_width=16)
+    for _ in range(2):
+        policy.observe(6, 1, 0.003)  # 3 ms for 6 sequences: 4 ms per step of the bucket of 8
+    stub = SimpleNamespace(engine=SimpleNamespace(device=torch.device("cuda")), policy=policy, _constrained=False)
+    assert NgramSpecWorker._index_budget(stub, 5) == pytest.approx(0.0025)  # type: ignore[arg-type]
+    assert NgramSpecWorker._index_budget(stub, 16) is None  # type: ignore[arg-type]  # bucket not timed
+    stub.engine.device = torch.device("cpu")
+    assert NgramSpecWorker._index_budget(stub, 5) is None  # type: ignore[arg-type]
 
 
 def test_freed_pages_are_never_read(spec_llm: LLM, llm: LLM) -> None:

@@ -156,6 +156,13 @@ def test_mask_from_parents_matches_walking_up_the_tree(bs: int, d: int) -> None:
             assert set(np.flatnonzero(mask[b, i]).tolist()) == ancestors
 
 
+@pytest.mark.parametrize("bad", [[-1, 0, 2], [-1, -1, 0], [-1, 0, 3]])
+@pytest.mark.parametrize("bs", [1, 100])  # the bit-set path and the numpy one
+def test_mask_from_parents_rejects_a_parent_not_before_its_child(bad: list[int], bs: int) -> None:
+    with pytest.raises(ValueError, match="parent"):
+        mask_from_parents(np.array([bad] * bs))
+
+
 def test_draft_tree_helpers() -> None:
     parents = np.array([[-1, 0, 0, 1], [-1, 0, 1, 2]])
     tree = DraftTree.from_parents(np.arange(8), parents)

@@ -17,7 +17,7 @@ import itertools
 import random
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence as Seq
+from typing import TYPE_CHECKING, Any, Literal, Sequence as Seq
 
 import torch
 
@@ -75,7 +75,9 @@ class _InFlight:
 class StepRecord:
     """One engine step, for ``LLMEngine.step_trace`` (where a benchmark's time goes, step by step)."""
 
-    kind: str  # "chain" (plain, launched before the previous step was read back), "decode", "verify", "prefill", "idle"
+    # "chain": a plain step launched before the previous one was read back; "decode": a plain one
+    # launched from committed state
+    kind: Literal["chain", "decode", "verify", "prefill", "idle"]
     batch_size: int  # sequences in the step (prefill: chunks)
     width: int  # draft width (1: plain)
     start: float  # perf_counter() at the start of the engine step
@@ -302,7 +304,7 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.observe_step(batch_size, width, seconds)
 
-    def _schedule_and_run(self) -> tuple[str, int, int]:
+    def _schedule_and_run(self) -> tuple[Literal["decode", "verify", "prefill", "idle"], int, int]:
         """Schedule and run one step from committed state; returns its kind, size and width
         (``StepRecord``)."""
         self._finish_overlong()
@@ -379,11 +381,9 @@ class LLMEngine:
 
     def _chain_decode(self) -> bool:
         """Overlap: launch the in-flight batch's next plain step from its device tokens, then commit
-        those tokens while the forward runs. Members whose token in flight is their last
-        (``max_tokens``) are left out of the launch; the rest go on. False (nothing launched) when
-        the batch cannot simply go on: requests wait, a member finished or reaches the end of the
-        context, all members reach ``max_tokens``, the draft policy wants a verify step, or a
-        member's KV cannot grow."""
+        those tokens while the forward runs. Members that finished, or finish with the token in
+        flight, are left out of the launch (``_chainable``); False (nothing launched) when the
+        batch cannot simply go on."""
         assert self._in_flight is not None
         flight = self._in_flight
         keep = self._chainable(flight.seqs)
@@ -409,27 +409,34 @@ class LLMEngine:
 
     def _chainable(self, seqs: list[Sequence]) -> list[int] | None:
         """The members (indices into ``seqs``) the next plain step can be launched for before the
-        tokens in flight are read back, or None: drain and schedule afresh."""
+        tokens in flight are read back, or None: drain and schedule afresh.
+
+        Members leave the chain without breaking it when they finished while their token was in
+        flight (EOS, a stop string, an abort: that token is dropped at commit) or when the token in
+        flight is their last (``max_tokens``): the members of a speculating batch, or of any batch
+        ending on EOS, finish at different steps, and each drain there cost the H200 about half a
+        step. The chain breaks for requests that wait while the batch has room or gets room now, a
+        member the token in flight takes to the end of the context (the next step would write KV
+        past it), a verify step the policy wants, or KV that cannot grow."""
         sched = self.scheduler
         # Waiting requests stop the chain only while they could be admitted: a full batch must
-        # keep overlapping under load (it drains anyway once a member finishes).
+        # keep overlapping under load.
         if sched.waiting and len(sched.running) < sched.max_running:
             return None
-        if len(sched.running) != len(seqs) or any(a is not b for a, b in zip(sched.running, seqs)):
-            return None
+        live = [i for i, seq in enumerate(seqs) if not seq.is_finished]  # finished ones were retired
+        running = sched.running
+        if len(running) != len(live) or any(running[k] is not seqs[i] for k, i in enumerate(live)):
+            return None  # requests joined (or left some other way): the scheduler decides
         keep = []
-        for i, seq in enumerate(seqs):
-            # A finished member, or one the token in flight takes to the end of the context (the
-            # next step would write KV past it), needs the scheduler. One the token in flight
-            # takes to max_tokens finishes on commit, certainly: the step goes on without it
-            # (members of a speculating batch reach their limits at different steps, and each
-            # drain there cost the H200 about half a step).
-            if seq.is_finished or len(seq.token_ids) + 1 >= self.max_model_len:
+        for i in live:
+            seq = seqs[i]
+            if seq.num_output_tokens + 1 >= seq.params.max_tokens:
+                continue  # finishes on commit, whatever else holds
+            if len(seq.token_ids) + 1 >= self.max_model_len:
                 return None
-            if seq.num_output_tokens + 1 < seq.params.max_tokens:
-                keep.append(i)
-        if not keep:
-            return None
+            keep.append(i)
+        if not keep or (sched.waiting and len(keep) < len(seqs)):
+            return None  # nothing left, or a member leaves and a waiting request can take its place
         members = seqs if len(keep) == len(seqs) else [seqs[i] for i in keep]
         # The policy sees the committed tokens, one behind the step it decides for, and prices the
         # token in flight: chain unless a verify step is expected to pay; otherwise drain and decide

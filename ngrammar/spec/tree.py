@@ -95,6 +95,9 @@ def mask_from_parents(parents: np.ndarray) -> np.ndarray:
         return np.zeros((bs, d, d), dtype=np.bool_)
     if d <= 64 and bs * d <= _BITSET_NODES:
         return _mask_by_bitsets(parents.tolist(), bs, d)
+    below = parents[:, 1:]
+    if ((below < 0) | (below >= np.arange(1, d))).any():
+        raise ValueError(_BAD_PARENT)
     mask = np.zeros((bs, d, d), dtype=np.bool_)
     rows = np.arange(bs)
     mask[:, 0, 0] = True
@@ -105,6 +108,7 @@ def mask_from_parents(parents: np.ndarray) -> np.ndarray:
 
 
 _BITSET_NODES = 256  # up to this many nodes per batch the bit-set loop beats the numpy one
+_BAD_PARENT = "parent indices must satisfy 0 <= parent(i) < i for every node i >= 1"
 
 
 def _mask_by_bitsets(parents: list[list[int]], bs: int, d: int) -> np.ndarray:
@@ -114,7 +118,10 @@ def _mask_by_bitsets(parents: list[list[int]], bs: int, d: int) -> np.ndarray:
     for row in parents:
         bits[base] = 1
         for i in range(1, d):
-            bits[base + i] = bits[base + row[i]] | (1 << i)
+            p = row[i]
+            if not 0 <= p < i:
+                raise ValueError(_BAD_PARENT)
+            bits[base + i] = bits[base + p] | (1 << i)
         base += d
     words = np.array(bits, dtype=np.uint64).astype("<u8", copy=False)  # little-endian: bit j in byte j // 8
     unpacked = np.unpackbits(words.view(np.uint8).reshape(-1, 8), axis=1, bitorder="little")

@@ -69,7 +69,6 @@ class NgramSpecWorker:
         self._max_catch_up = config.max_trie_depth // 2
         self._index_cost: float | None = None  # seconds per token indexed (moving average)
         self._plain_skips = 0  # plain steps that skipped indexing (every PLAIN_INDEX_RETRY-th re-measures)
-        self._index_turn = 0  # where in its batch a budgeted index_outputs starts (see there)
         # Captured by the CUDA-graph runner next to each verify graph (greedy batches use it).
         self.graph_acceptor = verify_tree_greedy_from_logits
 
@@ -88,21 +87,21 @@ class NgramSpecWorker:
         tokens went unindexed only its positions among the last ``max_trie_depth`` are indexed,
         so a catch-up stays one step's worth of work.
 
-        ``budget`` (seconds): stop once it is spent (after one sequence at least); the sequences
-        left keep their cursors and come first in the next call. A catch-up after a plain stretch
-        of a batch of 32 took ~4 ms of host time on the H200, past the end of the verify forward
-        it was meant to hide behind (a verify step then cost ~7 plain steps instead of ~3)."""
+        ``budget`` (seconds): the sequences furthest behind go first, and indexing stops once the
+        budget is spent (after one sequence at least). A sequence left out stays behind, so it
+        comes earlier next time; if it falls more than ``max_catch_up`` tokens behind, the stretch
+        before its last ``max_trie_depth`` positions is never indexed (as after any long plain
+        stretch). A catch-up after a plain stretch of a batch of 32 took ~4 ms of host time on the
+        H200, past the end of the verify forward it was meant to hide behind."""
         t = time.perf_counter()
         corpus, depth = self.corpus, self.config.max_trie_depth
         tokens = 0
-        n = len(seqs)
-        first = self._index_turn % n if n else 0
-        for k in range(n):
-            seq = seqs[(first + k) % n]
+        if budget is not None:
+            seqs = sorted(seqs, key=lambda s: corpus.indexed_length(s.seq_id) - len(s.token_ids))
+        for seq in seqs:
             tokens += min(len(seq.token_ids) - corpus.indexed_length(seq.seq_id), depth)
             corpus.update(seq.seq_id, seq.token_ids, self._max_catch_up)
-            if budget is not None and k + 1 < n and time.perf_counter() - t >= budget:
-                self._index_turn = first + k + 1  # the next call starts with the first left out
+            if budget is not None and time.perf_counter() - t >= budget:
                 break
         seconds = time.perf_counter() - t
         self.engine.stats.draft_seconds += seconds
@@ -138,10 +137,11 @@ class NgramSpecWorker:
 
     def _index_budget(self, batch_size: int) -> float | None:
         """Host seconds a verify step may spend indexing: a plain step's time at this batch size,
-        a lower bound of the verify forward's that the indexing hides behind (None: not timed yet,
-        or no device to hide behind: on a CPU the forward has finished before indexing starts, so
-        a budget would only lose n-grams)."""
-        if self.engine.device.type == "cpu":
+        a lower bound of the verify forward's that the indexing hides behind (the grammar masks
+        and the KV compaction queue after it, in what remains of the forward). None: not timed
+        yet, or not on CUDA, where the forward has finished before indexing starts (a CPU), so a
+        budget would only lose n-grams."""
+        if self.engine.device.type != "cuda":
             return None
         bucket = bucket_of(batch_size, self._constrained)
         plain = self.policy.step_cost(bucket, 1)  # normalized to the bucket's size
