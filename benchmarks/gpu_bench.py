@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections import Counter
 from typing import Any, Callable
 
 import torch
@@ -177,8 +178,9 @@ def bench_spec_overhead(model: str | None, batch_sizes: list[int], max_tokens: i
                              c["chained"], c["verify_steps"], c["false_drains"]])
             res[f"b{bs}/{cat}"] = cell
             res[f"b{bs}/{cat}/trace"] = {name: [dataclasses.astuple(r) for r in t] for name, t in traces.items()}
-            print(f"b{bs}/{cat} last run, ms per step kind: " + json.dumps(
-                {n: {k: v["total_ms"] for k, v in c["steps"].items()} for n, c in cell.items()}), flush=True)
+            print(f"b{bs}/{cat} last run, ms per step kind (verify steps: the policy's reasons): " + json.dumps(
+                {n: {k: [v["total_ms"], v["reasons"]] if k.startswith("verify") else v["total_ms"]
+                     for k, v in c["steps"].items()} for n, c in cell.items()}), flush=True)
     print_table(f"NGRAM overhead vs plain ({max_tokens} tokens per request, {repeats} interleaved runs, medians)",
                 ["batch/workload", "engine", "tok/s", "x plain (paired)", "x plain (first run)", "chained share",
                  "verify steps/run", "false drains/run"], rows)
@@ -186,13 +188,15 @@ def bench_spec_overhead(model: str | None, batch_sizes: list[int], max_tokens: i
 
 
 def _trace_summary(trace: list[StepRecord]) -> dict[str, dict[str, float]]:
-    """Per step kind (a verify step's kind names its width): count, total and median ms, host ms."""
+    """Per step kind (a verify step's kind names its width): count, total and median ms, host ms,
+    and how many steps each policy decision made (``StepRecord.reason``)."""
     kinds: dict[str, list[StepRecord]] = {}
     for r in trace:
         kinds.setdefault(r.kind if r.kind != "verify" else f"verify{r.width}", []).append(r)
     return {k: {"n": len(rs), "total_ms": round(1e3 * sum(r.seconds for r in rs), 3),
                 "median_ms": round(1e3 * statistics.median(r.seconds for r in rs), 3),
-                "host_ms": round(1e3 * sum(r.host_seconds for r in rs), 3)} for k, rs in kinds.items()}
+                "host_ms": round(1e3 * sum(r.host_seconds for r in rs), 3),
+                "reasons": dict(Counter(r.reason for r in rs if r.reason))} for k, rs in kinds.items()}
 
 
 def _grammar_variants(plain: LLM, spec: LLM, bs: int, max_tokens: int, repeats: int) -> dict[str, Any]:

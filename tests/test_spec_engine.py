@@ -10,7 +10,7 @@ import torch
 
 from ngrammar import LLM, SamplingParams
 from ngrammar.engine.sequence import Sequence
-from ngrammar.spec.policy import AdaptiveDraftPolicy, bucket_of
+from ngrammar.spec.policy import REASONS, AdaptiveDraftPolicy, bucket_of
 from ngrammar.spec.worker import NgramSpecWorker
 
 GROUNDED = [
@@ -84,9 +84,37 @@ def test_the_step_trace_records_every_step_by_kind(spec_llm: LLM) -> None:
     verify = [r for r in trace if r.kind == "verify"]
     assert len(verify) == eng.stats.spec_steps - spec_steps > 0  # copying prompts are verified
     assert all(r.width > 1 and r.batch_size in (1, 2) for r in verify)
+    assert {r.reason for r in trace if r.kind != "prefill"} == {"fixed"}  # the fixture is not adaptive
+    assert all(r.reason == "" for r in trace if r.kind in ("prefill", "idle"))
     assert all(r.width == 1 for r in trace if r.kind != "verify")
     assert all(r.seconds > 0 and 0 <= r.host_seconds <= r.seconds for r in trace)
     assert all(a.start + a.seconds <= b.start for a, b in zip(trace, trace[1:]))
+
+
+def test_the_policy_says_why_it_chose_a_width() -> None:
+    policy = AdaptiveDraftPolicy(max_width=4)  # widths 1 and 4
+    seen = []
+
+    def choose(length: int) -> int:
+        width = policy.choose(["s"], lambda: [length])
+        seen.append(policy.reason)
+        assert policy.reason in REASONS
+        return width
+
+    assert choose(3) == 1 and seen[-1] == "time"  # plain is timed first
+    policy.observe(1, 1, 0.010)
+    policy.observe(1, 1, 0.010)
+    assert choose(3) == 4 and seen[-1] == "time"  # then each width
+    for _ in range(2):
+        policy._lengths["s"] = 3
+        policy.observe(1, 4, 0.011, {"s": 3}, censored={"s"})
+    assert choose(3) == 4 and seen[-1] == "exploit"  # 4 tokens for 1.1 steps
+    assert choose(0) == 1 and seen[-1] == "no match"
+    costly = AdaptiveDraftPolicy(max_width=4)
+    for width, seconds in ((1, 0.01), (1, 0.01), (4, 1.0), (4, 1.0)):
+        costly.observe(1, width, seconds, {"s": 0} if width > 1 else None)  # a verify step: re-try later
+    assert costly.choose(["s"], lambda: [3]) == 1 and costly.reason == "hopeless"  # 100 steps' cost
+    assert costly.choose([], lambda: []) == 1 and costly.reason == "empty"
 
 
 def test_speculative_sampling_respects_top_k(spec_llm: LLM) -> None:

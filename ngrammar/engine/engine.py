@@ -83,6 +83,7 @@ class StepRecord:
     start: float  # perf_counter() at the start of the engine step
     seconds: float  # the engine step's wall time
     host_seconds: float  # of which host drafting / corpus indexing and grammar masks
+    reason: str = ""  # decode steps with NGRAM: why the draft policy chose the width (``policy.REASONS``)
 
 
 @dataclass
@@ -289,7 +290,9 @@ class LLMEngine:
         self.stats.step_seconds += self.stats.last_step_seconds
         if self.step_trace is not None:
             host = self.stats.draft_seconds + self.stats.grammar_seconds - host
-            self.step_trace.append(StepRecord(kind, size, width, start, self.stats.last_step_seconds, host))
+            # The policy's last decision is this step's: the schedule's, or the chain's decided ahead.
+            reason = self.spec.policy.reason if self.spec is not None and kind in ("chain", "decode", "verify") else ""
+            self.step_trace.append(StepRecord(kind, size, width, start, self.stats.last_step_seconds, host, reason))
         return self._collect_outputs()
 
     def _observe(self, batch_size: int, width: int, launched: float) -> None:

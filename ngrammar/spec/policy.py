@@ -72,6 +72,13 @@ def expected_run(p: float, width: int, depth: float | None = None) -> float:
     return _run(_clamp(p), levels)
 
 
+# Why ``choose`` picked its width: "fixed" (not adaptive), "time" (a width's cost is not known yet),
+# "wait" (a probe found nothing worth verifying lately), "hopeless" (no width could win even at the
+# best continuation rate), "no match" (every tree would be padding), "baseline" (plain, re-timed
+# while speculating), "exploit" (a width is expected to win), "explore" (re-trying a losing width),
+# "plain" (plain is expected to win), "empty" (no sequences).
+REASONS = ("fixed", "time", "wait", "hopeless", "no match", "baseline", "exploit", "explore", "plain", "empty")
+
 Bucket = tuple[int, bool]  # (batch size rounded up to a power of two, whether a grammar constrains it)
 
 
@@ -174,6 +181,7 @@ class AdaptiveDraftPolicy:
     _rates: list[float] | None = None  # match length -> continuation rate
     _depth_levels: dict[int, list[float]] | None = None  # width -> match length -> run levels (lazy)
 
+    reason: str = ""  # why the last choose returned what it did (one of REASONS)
     # The policy runs on every decode step, so what it reads often is precomputed:
     widths: list[int] = field(init=False)  # 1 and the draft widths it may pick
 
@@ -201,11 +209,22 @@ class AdaptiveDraftPolicy:
         batch is draining (nothing waits to join it): then only the members on its critical path
         count (``_drafts``). ``ahead``: a token per member is still in flight, so the lengths are
         one token old and each member is priced by what that token may make of it (``_expected``);
-        such estimates do not feed the members' outlooks."""
+        such estimates do not feed the members' outlooks. ``reason`` says why (see ``REASONS``)."""
+        width, self.reason = self._decide(seq_ids, match_lengths, constrained, remaining, ahead)
+        return width
+
+    def _decide(
+        self,
+        seq_ids: Sequence[str],
+        match_lengths: MatchLengths,
+        constrained: bool,
+        remaining: Callable[[], Sequence[int]] | None,
+        ahead: bool,
+    ) -> tuple[int, str]:
         if not seq_ids:
-            return 1
+            return 1, "empty"
         if not self.adaptive or self.max_width == 1:
-            return self.max_width
+            return self.max_width, "fixed"
         b = bucket_of(len(seq_ids), constrained)
         now = self._steps.get(b, 0)
         costs = self._bucket_costs(b)
@@ -213,9 +232,9 @@ class AdaptiveDraftPolicy:
             if costs[w] is None:
                 if w > 1:
                     self._probe(seq_ids, match_lengths, ahead)
-                return w
+                return w, "time"
         if now < self._probe_at.get(b, 0):
-            return 1
+            return 1, "wait"
         bar = self.margin * _rate(costs[1], 1, 0.0)  # a width must beat plain's tokens per second by the margin
         exploring = now >= self._explore_at.get(b, 0)
         if not exploring:
@@ -224,25 +243,25 @@ class AdaptiveDraftPolicy:
                 self._best_p = max(r.p for r in self.accept)
             best_p = self._best_p + max(bias, 0.0)
             if not any(_rate(costs[w], w, expected_run(best_p, w)) > bar for w in self.widths[1:]):
-                return 1  # no width could win even at the best match length: skip the probe
+                return 1, "hopeless"  # no width could win even at the best match length: skip the probe
         lengths, expected = self._probe(seq_ids, match_lengths, ahead)
         if expected is None:  # every tree would be padding: nothing to gain, nothing to explore
             self._probe_at[b] = now + b[0] // 4
-            return 1
+            return 1, "no match"
         rem = None if remaining is None else remaining()
         critical = None if rem is None else self._critical(seq_ids, rem)
         rates = {w: _rate(costs[w], w, self._drafts(expected[w], critical)) for w in self.widths[1:]}
         best = max(rates, key=rates.__getitem__)
         if rates[best] > bar:
             if now - self._last.get((b, 1), 0) >= self.baseline_every:
-                return 1  # refresh the plain cost while speculating
-            return best
+                return 1, "baseline"  # refresh the plain cost while speculating
+            return best, "exploit"
         if exploring and max(lengths) >= 2:
-            return best  # plain is winning: re-try speculation now and then, where there is a match
+            return best, "explore"  # plain is winning: re-try speculation now and then, where there is a match
         self._probe_at[b] = now + b[0] // 4
         if exploring:
             self._explore_at[b] = now + self.explore_every
-        return 1
+        return 1, "plain"
 
     def step_cost(self, bucket: Bucket, width: int) -> float | None:
         """Seconds per step at this bucket and width (normalized to the bucket size): measured

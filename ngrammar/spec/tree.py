@@ -88,7 +88,7 @@ def mask_from_parents(parents: np.ndarray) -> np.ndarray:
     step before its launch, so small batches build each row as an int bit set (one Python
     operation per node: ~10 us for one 16-node tree, where a numpy pass per node index took ~75
     us); larger ones, or trees too wide for a 64-bit word, take one numpy pass per node index
-    over the whole batch.
+    over the whole batch. Raises ValueError when a parent is not before its child.
     """
     bs, d = parents.shape
     if d == 0:
