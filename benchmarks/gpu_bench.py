@@ -187,7 +187,7 @@ def bench_spec_overhead(model: str | None, batch_sizes: list[int], max_tokens: i
     return res
 
 
-def _trace_summary(trace: list[StepRecord]) -> dict[str, dict[str, float]]:
+def _trace_summary(trace: list[StepRecord]) -> dict[str, dict[str, Any]]:
     """Per step kind (a verify step's kind names its width): count, total and median ms, host ms,
     and how many steps each policy decision made (``StepRecord.reason``)."""
     kinds: dict[str, list[StepRecord]] = {}

@@ -182,6 +182,7 @@ class AdaptiveDraftPolicy:
     _depth_levels: dict[int, list[float]] | None = None  # width -> match length -> run levels (lazy)
 
     reason: str = ""  # why the last choose returned what it did (one of REASONS)
+
     # The policy runs on every decode step, so what it reads often is precomputed:
     widths: list[int] = field(init=False)  # 1 and the draft widths it may pick
 
