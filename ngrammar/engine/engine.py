@@ -389,12 +389,12 @@ class LLMEngine:
         batch cannot simply go on."""
         assert self._in_flight is not None
         flight = self._in_flight
-        keep = self._chainable(flight.seqs)
-        if keep is None:
+        chain = self._chainable(flight.seqs)
+        if chain is None:
             return False
-        seqs, tokens = flight.seqs, flight.tokens
-        if len(keep) < len(seqs):
-            seqs = [seqs[i] for i in keep]
+        keep, seqs = chain
+        tokens = flight.tokens
+        if len(keep) < len(flight.seqs):
             tokens = tokens.index_select(0, to_device(keep, torch.int64, self.device))  # no host read
         logits = self._launch_decode(seqs, tokens)
         self._commit_decode(flight)  # the read waits for the previous step only
@@ -410,9 +410,9 @@ class LLMEngine:
             self.spec.index_plain_step(seqs)
         return flight
 
-    def _chainable(self, seqs: list[Sequence]) -> list[int] | None:
-        """The members (indices into ``seqs``) the next plain step can be launched for before the
-        tokens in flight are read back, or None: drain and schedule afresh.
+    def _chainable(self, seqs: list[Sequence]) -> tuple[list[int], list[Sequence]] | None:
+        """The members the next plain step can be launched for before the tokens in flight are
+        read back (their indices into ``seqs``, and themselves), or None: drain and schedule afresh.
 
         Members leave the chain without breaking it when they finished while their token was in
         flight (EOS, a stop string, an abort: that token is dropped at commit) or when the token in
@@ -448,7 +448,7 @@ class LLMEngine:
         if not plain:
             self.stats.policy_drains += 1
             self._policy_drained = True
-        return keep if plain and sched.reserve_decode(members, 1) else None
+        return (keep, members) if plain and sched.reserve_decode(members, 1) else None
 
     def _drain(self) -> None:
         """Commit the step in flight, if any (its forward and sampling are already queued)."""

@@ -44,6 +44,14 @@ PLAIN_INDEX_SHARE = 0.03
 PLAIN_INDEX_RETRY = 32
 
 
+def _plain_step_seconds(policy: AdaptiveDraftPolicy, batch_size: int, constrained: bool) -> float | None:
+    """A plain step's measured time at this batch size (the policy times per batch-size bucket,
+    normalized to the bucket's size), or None while untimed."""
+    bucket = bucket_of(batch_size, constrained)
+    plain = policy.step_cost(bucket, 1)
+    return None if plain is None else plain * batch_size / bucket[0]
+
+
 class NgramSpecWorker:
     def __init__(self, config: SpeculativeConfig, engine: "LLMEngine") -> None:
         self.config = config
@@ -125,10 +133,9 @@ class NgramSpecWorker:
         anyway, so that one inflated measurement cannot switch plain-step indexing off for good
         (a batch that never verifies would never re-measure it); one, because a whole batch's
         catch-up is what the budget keeps off a host-bound step."""
-        bucket = bucket_of(len(seqs), self._constrained)
-        plain = self.policy.step_cost(bucket, 1)  # normalized to the bucket's size
+        plain = _plain_step_seconds(self.policy, len(seqs), self._constrained)
         cost = self._index_cost
-        if plain is None or cost is None or cost * bucket[0] <= PLAIN_INDEX_SHARE * plain:
+        if plain is None or cost is None or cost * len(seqs) <= PLAIN_INDEX_SHARE * plain:
             self.index_outputs(seqs)
             return
         self._plain_skips += 1
@@ -143,9 +150,7 @@ class NgramSpecWorker:
         budget would only lose n-grams."""
         if self.engine.device.type != "cuda":
             return None
-        bucket = bucket_of(batch_size, self._constrained)
-        plain = self.policy.step_cost(bucket, 1)  # normalized to the bucket's size
-        return None if plain is None else plain * batch_size / bucket[0]
+        return _plain_step_seconds(self.policy, batch_size, self._constrained)
 
     def on_finish(self, seqs: list[Sequence]) -> None:
         ids = [s.seq_id for s in seqs]
