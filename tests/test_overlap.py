@@ -7,6 +7,7 @@ reorders nothing against the engine that commits every step before the next laun
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -348,3 +349,31 @@ def test_overlap_on_cuda_emits_exactly_the_step_by_step_tokens() -> None:
     got = overlapped.generate(PROMPTS, params)
     assert overlapped.engine.stats.chained_steps > 0
     assert _summary(got) == _summary(stepwise.generate(PROMPTS, params))
+
+
+def test_the_plain_step_after_a_verify_step_is_timed_from_the_verify_commit() -> None:
+    """The host work between a verify step and the plain step that restarts the chain runs while
+    the device idles; the policy charges it to the verify step, so the engine must time that plain
+    step from the verify's commit, not from the engine step that launched it."""
+    spec = LLM(device="cpu", dtype="float32", kv_cache_tokens=4096, overlap_schedule=True,
+               speculative="ngram", num_draft_tokens=4)
+    eng = spec.engine
+    assert eng.spec is not None
+    widths = [4]  # the first decode step verifies, every later one is plain
+    eng.spec.choose_width = lambda seqs, ahead=False: widths.pop() if widths else 1  # type: ignore[method-assign]
+    observed: list[tuple[int, float]] = []
+    observe = eng.spec.observe_step
+    eng.spec.observe_step = lambda bs, width, seconds: (observed.append((width, seconds)),  # type: ignore[method-assign]
+                                                        observe(bs, width, seconds))
+    eng.add_request("Count: 1, 2, 3, 4,", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    kinds = []
+    while eng.has_unfinished():
+        eng.step_trace = []
+        eng.step()
+        kinds.append(eng.step_trace[0].kind)
+        if kinds[-1] == "verify":
+            time.sleep(0.3)  # an engine slow to come back: the gap is the verify's cost
+    assert kinds[:4] == ["prefill", "verify", "decode", "chain"]
+    assert observed[0][0] == 4 and observed[1][0] == 1
+    assert observed[1][1] >= 0.3  # the plain step after it, committed by the chain step
+    assert all(s < 0.3 for _, s in observed[2:])  # later plain steps: from the commit before them

@@ -217,6 +217,31 @@ def test_losing_widths_are_retried_less_often_the_more_a_retry_costs() -> None:
     assert 1 <= dear_retries <= 3
 
 
+def test_the_plain_step_after_a_verify_step_charges_its_excess_to_the_verify_step() -> None:
+    # With overlap a verify step breaks the chain, and the plain step after it restarts it: what
+    # that step takes beyond a plain step is the verify's cost (uncharged, explorations on the
+    # H200 ran once per 64-token run at batch 8, each costing the run 3-7%).
+    policy = AdaptiveDraftPolicy(max_width=16)
+    b = bucket_of(8, False)
+    for _ in range(3):
+        policy.observe(8, 1, 0.001)
+    for _ in range(2):
+        policy.observe(8, 16, 0.002, drafts={"a": 0})
+        policy.observe(8, 1, 0.0018)  # restarting the chain took 0.8 ms beyond a plain step
+    assert policy.step_cost(b, 16) == pytest.approx(0.0028)
+    assert policy.step_cost(b, 1) == pytest.approx(0.001)
+    # The next exploration waits (2.8 - 1) / 0.02 = 90 steps after the verify step (step 5), not 50.
+    assert policy._explore_at[b] == 5 + 1 + 90
+    policy.observe(8, 1, 0.005)  # not right after a verify step: a plain sample, nothing charged
+    assert policy.step_time[(b, 16)].samples[-1] == pytest.approx(0.0028)
+    policy.observe(8, 16, 0.002, drafts={"a": 0})
+    policy.observe(8, 1, 1.0)  # an idle engine between the two: at most the verify's own time
+    assert policy.step_time[(b, 16)].samples[-1] == pytest.approx(0.004)
+    policy.observe(8, 16, 0.002, drafts={"a": 0})
+    policy.observe(16, 1, 0.005)  # another bucket's step charges nothing
+    assert policy.step_time[(b, 16)].samples[-1] == pytest.approx(0.002)
+
+
 def test_a_draining_batch_speculates_for_its_critical_members_only() -> None:
     policy = AdaptiveDraftPolicy(max_width=8)
     ids = ["copy", "prose"]
@@ -336,7 +361,7 @@ def test_plain_steps_skip_indexing_where_it_would_cost_a_share_of_the_step() -> 
     worker = spec.engine.spec
     calls = []
     index = worker.index_outputs
-    worker.index_outputs = lambda seqs: (calls.append(len(seqs)), index(seqs))  # type: ignore[method-assign]
+    worker.index_outputs = lambda seqs, budget=None: (calls.append(len(seqs)), index(seqs, budget))  # type: ignore[method-assign]
     prompts = [GROUNDED[1], GROUNDED[2]]
     spec.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert calls == [2] * 11  # cheap next to a CPU step: every decode step indexes
@@ -349,6 +374,44 @@ def test_plain_steps_skip_indexing_where_it_would_cost_a_share_of_the_step() -> 
     spec.generate(prompts, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     assert calls[0] == 1 and calls[1:] and set(calls[1:]) == {2}
     assert worker._index_cost < 1.0
+
+
+def test_plain_steps_index_while_the_host_would_wait_for_the_device(spec_llm: LLM) -> None:
+    # With overlap on a GPU the host waits for the device on every chained step (LLMEngine.read_wait):
+    # indexing there is free, however dear next to the step, as long as it fits in the wait.
+    eng = spec_llm.engine
+    worker = eng.spec
+    policy = AdaptiveDraftPolicy(max_width=16)
+    for _ in range(2):
+        policy.observe(2, 1, 0.001)  # a plain step: 1 ms at batch 2
+    seqs = [Sequence(f"idle-{i}", 0, list(range(200 + i, 230 + i)), SamplingParams(max_tokens=4),
+                     eng.tokenizer, seed=0) for i in range(2)]
+    saved = worker.engine, worker.policy
+    stub = SimpleNamespace(read_wait=0.0, stats=eng.stats, device=torch.device("cpu"))
+    try:
+        worker.engine, worker.policy = stub, policy  # type: ignore[assignment]
+        worker._index_cost = 1e-3  # 1 ms per token: 2 ms for the batch, twice the step
+        worker.index_plain_step(seqs)
+        assert [worker.corpus.indexed_length(s.seq_id) for s in seqs] == [0, 0]  # no idle time: skipped
+        stub.read_wait = 0.003  # the host waited 3 ms: 2 ms of indexing fits, with the margin
+        worker.index_plain_step(seqs)
+        assert all(worker.corpus.indexed_length(s.seq_id) == len(s.token_ids) for s in seqs)
+        for s in seqs:
+            s.token_ids.append(7)
+        worker._index_cost = 1e-3
+        stub.read_wait = 0.0002  # what indexing left of the wait, plus its own time: too little now
+        worker.index_plain_step(seqs)
+        assert all(worker.corpus.indexed_length(s.seq_id) == len(s.token_ids) - 1 for s in seqs)
+        # On CUDA the time allowed is the catch-up's budget too: the idle time, less the margin.
+        budgets: list[float | None] = []
+        worker.index_outputs = lambda seqs, budget=None: budgets.append(budget)  # type: ignore[method-assign]
+        stub.device, stub.read_wait, worker._index_cost = torch.device("cuda"), 0.003, 1e-3
+        worker.index_plain_step(seqs)
+        assert budgets == [pytest.approx(0.003 - 0.25 * 0.001)]
+    finally:
+        del worker.index_outputs  # the class's method again
+        worker.engine, worker.policy = saved
+        worker.on_finish(seqs)
 
 
 def test_a_budgeted_catch_up_indexes_the_sequences_furthest_behind_first(spec_llm: LLM) -> None:

@@ -68,7 +68,7 @@ class _InFlight:
     seqs: list[Sequence]
     tokens: torch.Tensor  # [B] int64 on the device: each sequence's sampled token
     read: PendingRead  # the tokens (and logprob tensors) on their way to the host
-    launched: float  # perf_counter() at the start of the engine step that launched it
+    launched: float  # perf_counter() from which its time counts (``_observe``): the engine step that launched it
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,10 @@ class LLMEngine:
         self._step_start = 0.0  # perf_counter() at the start of the current engine step
         self._last_commit = 0.0  # perf_counter() when the last step's tokens were committed
         self._policy_drained = False  # the chain was just broken because the policy wanted a verify step
+        self._verified = False  # the last step scheduled was a verify step
+        # Seconds the last plain step's commit waited for the device: host time that was free
+        # (with overlap, the next step's forward was already running). ~0 on a CPU.
+        self.read_wait = 0.0
         self.step_trace: list[StepRecord] | None = None  # a list: every step is recorded in it
         self.spec: NgramSpecWorker | None = None
         if config.speculative is not None:
@@ -316,6 +320,7 @@ class LLMEngine:
         if self._policy_drained and batch.decode and batch.width == 1:
             self.stats.false_drains += 1
         self._policy_drained = False
+        after_verify, self._verified = self._verified, False
         for seq in batch.failed:
             seq.finish("error", "the KV cache is too small for this request")
         if batch.failed and self.spec is not None:
@@ -329,8 +334,9 @@ class LLMEngine:
         if batch.width > 1 and self.spec is not None:
             self.spec.run_verify(batch.decode, batch.width)
             self._observe(len(batch.decode), batch.width, self._step_start)
+            self._verified = True
             return "verify", len(batch.decode), batch.width
-        self._run_decode(batch.decode)
+        self._run_decode(batch.decode, self._last_commit if after_verify else self._step_start)
         return "decode", len(batch.decode), 1
 
     def _decode_width(self, seqs: list[Sequence]) -> int:
@@ -360,8 +366,14 @@ class LLMEngine:
         if sampled:
             self._sample_and_commit(sampled, logits[: len(sampled)])
 
-    def _run_decode(self, seqs: list[Sequence]) -> None:
+    def _run_decode(self, seqs: list[Sequence], since: float) -> None:
+        """A plain step from committed state, timed from ``since``: its engine step's start, or for
+        the first plain step after a verify step the verify's commit. The host work between those
+        two steps (outputs, scheduling, the launch) runs while the device idles, where a chain
+        would have overlapped it; the draft policy charges the time this step takes beyond a
+        plain one to the verify step (``AdaptiveDraftPolicy.observe``)."""
         flight = self._sample_and_index(seqs, self._launch_decode(seqs, None))
+        flight.launched = since
         if self.overlap:
             self._in_flight = flight  # committed by the next step, after it launches its forward
         else:
@@ -489,7 +501,9 @@ class LLMEngine:
         """Wait for the sampled tokens and append one per sequence that is still running; returns
         how many were appended."""
         seqs = flight.seqs
+        t = time.perf_counter()
         host = flight.read.wait()
+        self.read_wait = time.perf_counter() - t
         token_list = host[0].tolist()
         logprobs = self.unpack_logprobs(seqs, host[1:], [1] * len(seqs))
         appended = 0

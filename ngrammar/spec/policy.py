@@ -32,7 +32,8 @@ some sequence has a 2-token match, so the table's entries for lengths >= 2 canno
 the truth (length 1 can: a batch whose matches are all length 1 is never re-tried); the
 interval between re-tries keeps their cost under ``explore_overhead`` of plain throughput (at
 least ``explore_every`` steps; ~100 steps for a batch of 32 on a GPU, where a verify step costs
-three plain ones).
+three plain ones). A verify step's cost includes what the plain step after it takes beyond a
+plain step's time: with overlap scheduling that step restarts the chain the verify broke.
 """
 
 from __future__ import annotations
@@ -150,6 +151,9 @@ class _Recent:
         self.samples.append(x)
         if len(self.samples) > self.size:
             self.samples.popleft()
+        self.refresh()
+
+    def refresh(self) -> None:
         ordered = sorted(self.samples)
         self.value = ordered[(len(ordered) - 1) // 2]
 
@@ -175,6 +179,7 @@ class AdaptiveDraftPolicy:
     _last: dict[tuple[Bucket, int], int] = field(default_factory=dict)  # (bucket, width) -> step it last ran
     _probe_at: dict[Bucket, int] = field(default_factory=dict)  # bucket -> first step a probe may run again
     _explore_at: dict[Bucket, int] = field(default_factory=dict)  # bucket -> first step exploring may run
+    _verified: tuple[Bucket, int, int] | None = None  # the last step observed, if a verify: bucket, width, step
     # Read several times per step, changed only by observe (which clears them):
     _costs: dict[Bucket, dict[int, float | None]] = field(default_factory=dict)  # step_cost results
     _best_p: float | None = None  # the highest continuation rate over match lengths
@@ -435,8 +440,14 @@ class AdaptiveDraftPolicy:
         self._steps[b] = now + 1
         self._last[(b, width)] = now
         # Step time grows ~linearly with batch size inside a bucket: normalize to the bucket size.
-        self.step_time.setdefault((b, width), _Recent()).update(seconds * b[0] / max(batch_size, 1))
+        seconds *= b[0] / max(batch_size, 1)
+        verified, self._verified = self._verified, None
+        if width == 1 and verified is not None and verified[0] == b and verified[2] == now - 1:
+            self._charge_break(verified, seconds)
+        self.step_time.setdefault((b, width), _Recent()).update(seconds)
         self._costs.clear()
+        if width > 1:
+            self._verified = (b, width, now)
         if width == 1 or not drafts:
             return
         hits = [0.0] * (MAX_MATCH + 1)
@@ -458,8 +469,29 @@ class AdaptiveDraftPolicy:
                 self.accept[n].update(hits[n], stops[n], GLOBAL_DECAY)
         self._best_p = self._rates = self._depth_levels = None
         if self.adaptive:
-            timed = self.step_cost(b, 1) is not None
-            self._explore_at[b] = now + 1 + (self.explore_interval(b, width) if timed else self.explore_every)
+            self._explore_at[b] = now + 1 + self._explore_gap(b, width)
+
+    def _explore_gap(self, bucket: Bucket, width: int) -> int:
+        return self.explore_interval(bucket, width) if self.step_cost(bucket, 1) is not None else self.explore_every
+
+    def _charge_break(self, verified: tuple[Bucket, int, int], seconds: float) -> None:
+        """The plain step right after a verify step took ``seconds`` (normalized): what it took
+        beyond a plain step is the verify step's cost too, added to its sample. With overlap, a
+        verify step breaks the chain: the host work up to the next launch runs while the device
+        idles (the engine times that step from the verify's commit). Uncharged, explorations ran
+        more often than their budget allows: on the H200 at batch 8, one per 64-token run, each
+        costing the run 3-7% (session 11). The charge is at most the verify step's own time (an
+        idle engine between the two steps is nobody's cost)."""
+        b, width, at = verified
+        plain, rec = self.step_cost(b, 1), self.step_time.get((b, width))
+        if plain is None or rec is None or not rec.samples:
+            return
+        extra = min(max(seconds - plain, 0.0), rec.samples[-1])
+        rec.samples[-1] += extra
+        rec.refresh()
+        self._costs.clear()
+        if self.adaptive and b in self._explore_at:
+            self._explore_at[b] = max(self._explore_at[b], at + 1 + self._explore_gap(b, width))
 
     def forget(self, seq_ids: Sequence[str]) -> None:
         """Finished sequences: drop their state."""

@@ -38,10 +38,14 @@ from ngrammar.spec.verify import (
 if TYPE_CHECKING:
     from ngrammar.engine.engine import LLMEngine
 
-# Plain steps index their tokens only while that costs at most this share of a plain step; one in
-# PLAIN_INDEX_RETRY skipped steps indexes one sequence anyway, re-measuring the cost.
+# Plain steps index their tokens while that costs at most this share of a plain step, or fits in
+# the host's idle time (``index_plain_step``); one in PLAIN_INDEX_RETRY skipped steps indexes one
+# sequence anyway, re-measuring the cost.
 PLAIN_INDEX_SHARE = 0.03
 PLAIN_INDEX_RETRY = 32
+# Of a plain step's idle host time, this share is kept free when indexing fills the rest: the
+# wait varies from step to step, and a step whose host work outlasts its forward delays the chain.
+IDLE_MARGIN = 0.25
 
 
 def _plain_step_seconds(policy: AdaptiveDraftPolicy, batch_size: int, constrained: bool) -> float | None:
@@ -77,6 +81,7 @@ class NgramSpecWorker:
         self._max_catch_up = config.max_trie_depth // 2
         self._index_cost: float | None = None  # seconds per token indexed (moving average)
         self._plain_skips = 0  # plain steps that skipped indexing (every PLAIN_INDEX_RETRY-th re-measures)
+        self._plain_index_seconds = 0.0  # host time the last plain step spent indexing (0: skipped)
         # Captured by the CUDA-graph runner next to each verify graph (greedy batches use it).
         self.graph_acceptor = verify_tree_greedy_from_logits
 
@@ -125,22 +130,39 @@ class NgramSpecWorker:
 
         A request that starts repeating itself while decoding plainly must find its repetition in
         the corpus, or its match length stays 0 and it never speculates again. But the insertion
-        is host Python, and on a GPU at batch 32 a plain step is host-bound already: indexing 32
-        tokens made it 12% slower (2.37 vs 2.11 ms on the H200, no verify step taken). So plain
-        steps index only while the measured cost stays under ``PLAIN_INDEX_SHARE`` of the step;
-        otherwise the next verify step catches up (bounded by ``max_catch_up``). Every
-        ``PLAIN_INDEX_RETRY`` skipped steps one sequence of the batch (in turn) is indexed
-        anyway, so that one inflated measurement cannot switch plain-step indexing off for good
-        (a batch that never verifies would never re-measure it); one, because a whole batch's
-        catch-up is what the budget keeps off a host-bound step."""
+        is host Python, and on a GPU at batch 32 a plain step can be host-bound: indexing 32
+        tokens made it 12% slower (2.37 vs 2.11 ms on the H200, before overlap scheduling). So a
+        plain step indexes while the measured cost stays under ``PLAIN_INDEX_SHARE`` of the step,
+        or fits in the host's idle time (``_idle_seconds``): with overlap the host waits for
+        the device on every chained step (0.4-0.8 ms of a ~1 ms step at batch 8 on the H200), and
+        indexing there is free. On CUDA that time is a budget too (``index_outputs``). What plain
+        steps leave unindexed, the next plain step or verify step catches up (bounded by
+        ``max_catch_up``). Every ``PLAIN_INDEX_RETRY`` skipped steps one sequence of the batch
+        (in turn) is indexed anyway, so that one inflated measurement cannot switch plain-step
+        indexing off for good (a batch that never verifies would never re-measure it); one,
+        because a whole batch's catch-up is what the rule keeps off a host-bound step."""
         plain = _plain_step_seconds(self.policy, len(seqs), self._constrained)
         cost = self._index_cost
-        if plain is None or cost is None or cost * len(seqs) <= PLAIN_INDEX_SHARE * plain:
-            self.index_outputs(seqs)
+        allowed = None if plain is None else max(PLAIN_INDEX_SHARE * plain, self._idle_seconds(plain))
+        if allowed is None or cost is None or cost * len(seqs) <= allowed:
+            # On CUDA the time allowed is also the budget: after a stretch of skipped steps every
+            # member is behind, and catching all of them up at once is one step's worth of work
+            # or more (batch-32 chain steps that indexed reached 1.9-3.6 ms on the H200, against
+            # ~1 ms, in session 11); the furthest behind go first, the rest in the next steps.
+            t = time.perf_counter()
+            self.index_outputs(seqs, allowed if self.engine.device.type == "cuda" else None)
+            self._plain_index_seconds = time.perf_counter() - t
             return
+        self._plain_index_seconds = 0.0
         self._plain_skips += 1
         if self._plain_skips % PLAIN_INDEX_RETRY == 0:
             self.index_outputs([seqs[(self._plain_skips // PLAIN_INDEX_RETRY) % len(seqs)]])
+
+    def _idle_seconds(self, plain: float) -> float:
+        """Host time a plain step can spend indexing without delaying the device: what the last
+        commit waited for it (``LLMEngine.read_wait``) plus what the last plain step spent
+        indexing (it would have waited that long too), less ``IDLE_MARGIN`` of a plain step."""
+        return self.engine.read_wait + self._plain_index_seconds - IDLE_MARGIN * plain
 
     def _index_budget(self, batch_size: int) -> float | None:
         """Host seconds a verify step may spend indexing: a plain step's time at this batch size,
