@@ -221,7 +221,7 @@ def test_the_plain_step_after_a_verify_step_charges_its_excess_to_the_verify_ste
     # With overlap a verify step breaks the chain, and the plain step after it restarts it: what
     # that step takes beyond a plain step is the verify's cost (uncharged, explorations on the
     # H200 ran once per 64-token run at batch 8, each costing the run 3-7%).
-    policy = AdaptiveDraftPolicy(max_width=16)
+    policy = AdaptiveDraftPolicy(max_width=16, charge_breaks=True)
     b = bucket_of(8, False)
     for _ in range(3):
         policy.observe(8, 1, 0.001)
@@ -240,6 +240,12 @@ def test_the_plain_step_after_a_verify_step_charges_its_excess_to_the_verify_ste
     policy.observe(8, 16, 0.002, drafts={"a": 0})
     policy.observe(16, 1, 0.005)  # another bucket's step charges nothing
     assert policy.step_time[(b, 16)].samples[-1] == pytest.approx(0.002)
+    # Without overlap scheduling (a CPU) nothing is charged: the excess there is noise.
+    cpu = AdaptiveDraftPolicy(max_width=16)
+    cpu.observe(8, 1, 0.001)
+    cpu.observe(8, 16, 0.002, drafts={"a": 0})
+    cpu.observe(8, 1, 0.0018)
+    assert cpu.step_time[(b, 16)].samples[-1] == pytest.approx(0.002)
 
 
 def test_a_draining_batch_speculates_for_its_critical_members_only() -> None:
@@ -400,6 +406,10 @@ def test_plain_steps_index_while_the_host_would_wait_for_the_device(spec_llm: LL
             s.token_ids.append(7)
         worker._index_cost = 1e-3
         stub.read_wait = 0.0002  # what indexing left of the wait, plus its own time: too little now
+        worker.index_plain_step(seqs)
+        assert all(worker.corpus.indexed_length(s.seq_id) == len(s.token_ids) - 1 for s in seqs)
+        # A host-bound step (no wait) whose indexing took long: that time was not idle, no indexing.
+        worker._plain_index_seconds, stub.read_wait, worker._index_cost = 0.01, 0.0, 1e-3
         worker.index_plain_step(seqs)
         assert all(worker.corpus.indexed_length(s.seq_id) == len(s.token_ids) - 1 for s in seqs)
         # On CUDA the time allowed is the catch-up's budget too: the idle time, less the margin.

@@ -336,7 +336,7 @@ class LLMEngine:
             self._observe(len(batch.decode), batch.width, self._step_start)
             self._verified = True
             return "verify", len(batch.decode), batch.width
-        self._run_decode(batch.decode, self._last_commit if after_verify else self._step_start)
+        self._run_decode(batch.decode, self._last_commit if after_verify and self.overlap else self._step_start)
         return "decode", len(batch.decode), 1
 
     def _decode_width(self, seqs: list[Sequence]) -> int:
@@ -367,11 +367,11 @@ class LLMEngine:
             self._sample_and_commit(sampled, logits[: len(sampled)])
 
     def _run_decode(self, seqs: list[Sequence], since: float) -> None:
-        """A plain step from committed state, timed from ``since``: its engine step's start, or for
-        the first plain step after a verify step the verify's commit. The host work between those
-        two steps (outputs, scheduling, the launch) runs while the device idles, where a chain
-        would have overlapped it; the draft policy charges the time this step takes beyond a
-        plain one to the verify step (``AdaptiveDraftPolicy.observe``)."""
+        """A plain step from committed state, timed from ``since``: its engine step's start, or with
+        overlap, for the first plain step after a verify step, the verify's commit. The host work
+        between those two steps (outputs, scheduling, the launch) runs while the device idles,
+        where a chain would have overlapped it; the draft policy charges the time this step takes
+        beyond a plain one to the verify step (``AdaptiveDraftPolicy.observe``)."""
         flight = self._sample_and_index(seqs, self._launch_decode(seqs, None))
         flight.launched = since
         if self.overlap:

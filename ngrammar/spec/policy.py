@@ -32,8 +32,8 @@ some sequence has a 2-token match, so the table's entries for lengths >= 2 canno
 the truth (length 1 can: a batch whose matches are all length 1 is never re-tried); the
 interval between re-tries keeps their cost under ``explore_overhead`` of plain throughput (at
 least ``explore_every`` steps; ~100 steps for a batch of 32 on a GPU, where a verify step costs
-three plain ones). A verify step's cost includes what the plain step after it takes beyond a
-plain step's time: with overlap scheduling that step restarts the chain the verify broke.
+three plain ones). With overlap scheduling a verify step's cost includes what the plain step
+after it takes beyond a plain step's time: that step restarts the chain the verify broke.
 """
 
 from __future__ import annotations
@@ -169,6 +169,11 @@ class AdaptiveDraftPolicy:
     explore_overhead: float = 0.02  # re-tries may cost at most this share of plain throughput
     baseline_every: int = 8  # plain steps are re-measured this often while speculating
     margin: float = 1.15  # speculate only when expected this much faster than plain
+    # Charge the plain step after a verify step's excess to the verify (``_charge_break``): with
+    # overlap scheduling, where a verify step breaks the chain. Without it the excess is noise
+    # (a CPU's step times vary by tens of ms), and a charge that is never negative would only
+    # bias the costs against speculating.
+    charge_breaks: bool = False
     step_time: dict[tuple[Bucket, int], _Recent] = field(default_factory=dict)  # (bucket, width) -> s / step
     accept: list[_RunRate] = field(init=False)  # match length -> run continuation estimate
     seq_bias: dict[str, _SeqBias] = field(default_factory=dict)  # seq id -> continuation beyond prediction
@@ -442,8 +447,8 @@ class AdaptiveDraftPolicy:
         # Step time grows ~linearly with batch size inside a bucket: normalize to the bucket size.
         seconds *= b[0] / max(batch_size, 1)
         verified, self._verified = self._verified, None
-        if width == 1 and verified is not None and verified[0] == b and verified[2] == now - 1:
-            self._charge_break(verified, seconds)
+        if self.charge_breaks and width == 1 and verified is not None and verified[0] == b and verified[2] == now - 1:
+            self._charge_break(verified, seconds)  # the step restarting the chain the verify broke
         self.step_time.setdefault((b, width), _Recent()).update(seconds)
         self._costs.clear()
         if width > 1:

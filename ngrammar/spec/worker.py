@@ -68,7 +68,7 @@ class NgramSpecWorker:
             match_type=config.match_type,
             capacity=config.capacity,
         )
-        self.policy = AdaptiveDraftPolicy(config.num_draft_tokens, config.adaptive)
+        self.policy = AdaptiveDraftPolicy(config.num_draft_tokens, config.adaptive, charge_breaks=engine.overlap)
         self.readback_links = False  # benchmark switch: the old path that reads links back first
         self.sync_debug = False  # GPU check: drafting -> verify launch runs under sync debug "error"
         self._last_drafts: dict[str, int] = {}  # seq id -> drafts it accepted in the last verify step
@@ -161,8 +161,11 @@ class NgramSpecWorker:
     def _idle_seconds(self, plain: float) -> float:
         """Host time a plain step can spend indexing without delaying the device: what the last
         commit waited for it (``LLMEngine.read_wait``) plus what the last plain step spent
-        indexing (it would have waited that long too), less ``IDLE_MARGIN`` of a plain step."""
-        return self.engine.read_wait + self._plain_index_seconds - IDLE_MARGIN * plain
+        indexing (it would have waited that long too), less ``IDLE_MARGIN`` of a plain step.
+        A wait within that margin says the host is (nearly) the bottleneck: nothing is idle, and
+        the last step's indexing was not hidden, so it does not count."""
+        wait, margin = self.engine.read_wait, IDLE_MARGIN * plain
+        return 0.0 if wait <= margin else wait + self._plain_index_seconds - margin
 
     def _index_budget(self, batch_size: int) -> float | None:
         """Host seconds a verify step may spend indexing: a plain step's time at this batch size,
