@@ -68,7 +68,9 @@ class _InFlight:
     seqs: list[Sequence]
     tokens: torch.Tensor  # [B] int64 on the device: each sequence's sampled token
     read: PendingRead  # the tokens (and logprob tensors) on their way to the host
-    launched: float  # perf_counter() from which its time counts (``_observe``): the engine step that launched it
+    # perf_counter() from which its time counts (``_observe``): the start of the engine step that
+    # launched it, or the commit of the verify step before it (``_run_decode``)
+    launched: float
 
 
 @dataclass(frozen=True)
