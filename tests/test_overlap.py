@@ -351,29 +351,39 @@ def test_overlap_on_cuda_emits_exactly_the_step_by_step_tokens() -> None:
     assert _summary(got) == _summary(stepwise.generate(PROMPTS, params))
 
 
-def test_the_plain_step_after_a_verify_step_is_timed_from_the_verify_commit() -> None:
-    """The host work between a verify step and the plain step that restarts the chain runs while
-    the device idles; the policy charges it to the verify step, so the engine must time that plain
-    step from the verify's commit, not from the engine step that launched it."""
+def test_the_plain_step_restarting_the_chain_carries_the_verify_steps_tail() -> None:
+    """The host work after a verify step's commit (the rest of its engine step) runs while the
+    device idles, where a chain would overlap it: the plain step restarting the chain hands that
+    tail to the policy, which charges it to the verify step. Time between engine steps is not
+    the engine's, and the restarting step itself is timed as any plain step."""
     spec = LLM(device="cpu", dtype="float32", kv_cache_tokens=4096, overlap_schedule=True,
                speculative="ngram", num_draft_tokens=4)
     eng = spec.engine
     assert eng.spec is not None
     widths = [4]  # the first decode step verifies, every later one is plain
     eng.spec.choose_width = lambda seqs, ahead=False: widths.pop() if widths else 1  # type: ignore[method-assign]
-    observed: list[tuple[int, float]] = []
+    observed: list[tuple[int, float, float | None]] = []
     observe = eng.spec.observe_step
-    eng.spec.observe_step = lambda bs, width, seconds: (observed.append((width, seconds)),  # type: ignore[method-assign]
-                                                        observe(bs, width, seconds))
+    eng.spec.observe_step = lambda bs, width, seconds, restart=None: (  # type: ignore[method-assign]
+        observed.append((width, seconds, restart)), observe(bs, width, seconds, restart))
+    collect = eng._collect_outputs
+    kinds: list[str] = []
+
+    def slow_collect() -> Any:
+        if eng.step_trace and eng.step_trace[-1].kind == "verify":  # recorded before the outputs
+            time.sleep(0.2)  # host work after the verify's commit, inside its engine step
+        return collect()
+
+    eng._collect_outputs = slow_collect  # type: ignore[method-assign]
     eng.add_request("Count: 1, 2, 3, 4,", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    kinds = []
     while eng.has_unfinished():
         eng.step_trace = []
         eng.step()
         kinds.append(eng.step_trace[0].kind)
         if kinds[-1] == "verify":
-            time.sleep(0.3)  # an engine slow to come back: the gap is the verify's cost
+            time.sleep(0.3)  # between engine steps: nobody's cost
     assert kinds[:4] == ["prefill", "verify", "decode", "chain"]
-    assert observed[0][0] == 4 and observed[1][0] == 1
-    assert observed[1][1] >= 0.3  # the plain step after it, committed by the chain step
-    assert all(s < 0.3 for _, s in observed[2:])  # later plain steps: from the commit before them
+    assert [(w, r is not None) for w, _, r in observed[:3]] == [(4, False), (1, True), (1, False)]
+    tail = observed[1][2]
+    assert tail is not None and 0.2 <= tail < 0.3  # the sleep inside the step, not the one after it
+    assert all(s < 0.2 for _, s, _ in observed[1:])  # plain steps: neither sleep

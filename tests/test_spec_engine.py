@@ -217,35 +217,36 @@ def test_losing_widths_are_retried_less_often_the_more_a_retry_costs() -> None:
     assert 1 <= dear_retries <= 3
 
 
-def test_the_plain_step_after_a_verify_step_charges_its_excess_to_the_verify_step() -> None:
-    # With overlap a verify step breaks the chain, and the plain step after it restarts it: what
-    # that step takes beyond a plain step is the verify's cost (uncharged, explorations on the
-    # H200 ran once per 64-token run at batch 8, each costing the run 3-7%).
-    policy = AdaptiveDraftPolicy(max_width=16, charge_breaks=True)
+def test_the_step_restarting_the_chain_charges_the_break_to_the_verify_step() -> None:
+    # With overlap a verify step breaks the chain: its host work after its commit (the tail) and
+    # what the plain step restarting the chain takes beyond a plain step are the verify's cost
+    # (uncharged, explorations on the H200 ran once per 64-token run at batch 8, each costing the
+    # run 3-7%). The engine says which plain step restarts the chain (``restart``).
+    policy = AdaptiveDraftPolicy(max_width=16)
     b = bucket_of(8, False)
     for _ in range(3):
         policy.observe(8, 1, 0.001)
     for _ in range(2):
         policy.observe(8, 16, 0.002, drafts={"a": 0})
-        policy.observe(8, 1, 0.0018)  # restarting the chain took 0.8 ms beyond a plain step
+        # a 0.3 ms tail, and the restarting step took 0.5 ms beyond a plain step
+        policy.observe(8, 1, 0.0015, restart=0.0003)
     assert policy.step_cost(b, 16) == pytest.approx(0.0028)
-    assert policy.step_cost(b, 1) == pytest.approx(0.001)
+    # The restarting steps were recorded at a plain step's cost: their excess is the verify's.
+    assert list(policy.step_time[(b, 1)].samples)[-2:] == [pytest.approx(0.001)] * 2
     # The next exploration waits (2.8 - 1) / 0.02 = 90 steps after the verify step (step 5), not 50.
     assert policy._explore_at[b] == 5 + 1 + 90
-    policy.observe(8, 1, 0.005)  # not right after a verify step: a plain sample, nothing charged
+    policy.observe(8, 1, 0.005)  # not restarting a chain: a plain sample, nothing charged
     assert policy.step_time[(b, 16)].samples[-1] == pytest.approx(0.0028)
+    assert policy.step_time[(b, 1)].samples[-1] == pytest.approx(0.005)
     policy.observe(8, 16, 0.002, drafts={"a": 0})
-    policy.observe(8, 1, 1.0)  # an idle engine between the two: at most the verify's own time
+    policy.observe(8, 1, 0.001, restart=1.0)  # a long tail: at most the verify's own time
     assert policy.step_time[(b, 16)].samples[-1] == pytest.approx(0.004)
     policy.observe(8, 16, 0.002, drafts={"a": 0})
-    policy.observe(16, 1, 0.005)  # another bucket's step charges nothing
+    policy.observe(16, 1, 0.005, restart=0.001)  # the batch changed bucket: nothing to charge
     assert policy.step_time[(b, 16)].samples[-1] == pytest.approx(0.002)
-    # Without overlap scheduling (a CPU) nothing is charged: the excess there is noise.
-    cpu = AdaptiveDraftPolicy(max_width=16)
-    cpu.observe(8, 1, 0.001)
-    cpu.observe(8, 16, 0.002, drafts={"a": 0})
-    cpu.observe(8, 1, 0.0018)
-    assert cpu.step_time[(b, 16)].samples[-1] == pytest.approx(0.002)
+    policy.observe(6, 16, 0.0015, drafts={"a": 0})  # 6 of a bucket of 8: times scale by 8 / 6
+    policy.observe(6, 1, 0.00075, restart=0.0003)
+    assert policy.step_time[(b, 16)].samples[-1] == pytest.approx((0.0015 + 0.0003) * 8 / 6)
 
 
 def test_a_draining_batch_speculates_for_its_critical_members_only() -> None:
@@ -389,38 +390,47 @@ def test_plain_steps_index_while_the_host_would_wait_for_the_device(spec_llm: LL
     worker = eng.spec
     policy = AdaptiveDraftPolicy(max_width=16)
     for _ in range(2):
-        policy.observe(2, 1, 0.001)  # a plain step: 1 ms at batch 2
+        policy.observe(2, 1, 0.004)  # a plain step: 4 ms at batch 2
     seqs = [Sequence(f"idle-{i}", 0, list(range(200 + i, 230 + i)), SamplingParams(max_tokens=4),
                      eng.tokenizer, seed=0) for i in range(2)]
-    saved = worker.engine, worker.policy
+    saved = (worker.engine, worker.policy, worker._constrained, worker._plain_skips, worker._index_cost,
+             worker._plain_index_seconds)
     stub = SimpleNamespace(read_wait=0.0, stats=eng.stats, device=torch.device("cpu"))
+
+    def indexed() -> list[int]:
+        return [len(s.token_ids) - worker.corpus.indexed_length(s.seq_id) for s in seqs]  # tokens behind
+
     try:
         worker.engine, worker.policy = stub, policy  # type: ignore[assignment]
-        worker._index_cost = 1e-3  # 1 ms per token: 2 ms for the batch, twice the step
+        worker._constrained, worker._plain_skips, worker._plain_index_seconds = False, 0, 0.0
+        worker._index_cost = 1e-3  # 1 ms per token: 2 ms for the batch, half the step
         worker.index_plain_step(seqs)
-        assert [worker.corpus.indexed_length(s.seq_id) for s in seqs] == [0, 0]  # no idle time: skipped
-        stub.read_wait = 0.003  # the host waited 3 ms: 2 ms of indexing fits, with the margin
+        assert indexed() == [30, 30]  # no wait: skipped
+        stub.read_wait = 0.0035  # the host waited 3.5 ms: 2 ms of indexing fits, with the 1 ms margin
         worker.index_plain_step(seqs)
-        assert all(worker.corpus.indexed_length(s.seq_id) == len(s.token_ids) for s in seqs)
+        assert indexed() == [0, 0]
         for s in seqs:
             s.token_ids.append(7)
-        worker._index_cost = 1e-3
-        stub.read_wait = 0.0002  # what indexing left of the wait, plus its own time: too little now
+        worker._index_cost, stub.read_wait = 1e-3, 0.001  # what indexing left of the wait, plus its own time: too little
         worker.index_plain_step(seqs)
-        assert all(worker.corpus.indexed_length(s.seq_id) == len(s.token_ids) - 1 for s in seqs)
+        assert indexed() == [1, 1]
         # A host-bound step (no wait) whose indexing took long: that time was not idle, no indexing.
         worker._plain_index_seconds, stub.read_wait, worker._index_cost = 0.01, 0.0, 1e-3
         worker.index_plain_step(seqs)
-        assert all(worker.corpus.indexed_length(s.seq_id) == len(s.token_ids) - 1 for s in seqs)
-        # On CUDA the time allowed is the catch-up's budget too: the idle time, less the margin.
+        assert indexed() == [1, 1]
+        # On CUDA the time allowed is the catch-up's budget too: the idle time less the margin, and
+        # never more than a plain step's (a prefill's commit waited for the whole prefill).
         budgets: list[float | None] = []
         worker.index_outputs = lambda seqs, budget=None: budgets.append(budget)  # type: ignore[method-assign]
-        stub.device, stub.read_wait, worker._index_cost = torch.device("cuda"), 0.003, 1e-3
-        worker.index_plain_step(seqs)
-        assert budgets == [pytest.approx(0.003 - 0.25 * 0.001)]
+        stub.device = torch.device("cuda")
+        for wait in (0.0035, 0.05):
+            stub.read_wait, worker._index_cost = wait, 1e-3
+            worker.index_plain_step(seqs)
+        assert budgets == [pytest.approx(0.0025), pytest.approx(0.003)]
     finally:
-        del worker.index_outputs  # the class's method again
-        worker.engine, worker.policy = saved
+        worker.__dict__.pop("index_outputs", None)  # the class's method again
+        (worker.engine, worker.policy, worker._constrained, worker._plain_skips, worker._index_cost,
+         worker._plain_index_seconds) = saved
         worker.on_finish(seqs)
 
 

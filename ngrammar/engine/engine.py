@@ -68,9 +68,10 @@ class _InFlight:
     seqs: list[Sequence]
     tokens: torch.Tensor  # [B] int64 on the device: each sequence's sampled token
     read: PendingRead  # the tokens (and logprob tensors) on their way to the host
-    # perf_counter() from which its time counts (``_observe``): the start of the engine step that
-    # launched it, or the commit of the verify step before it (``_run_decode``)
-    launched: float
+    launched: float  # perf_counter() at the start of the engine step that launched it
+    # The first plain step after a verify step (overlap): the verify engine step's host time after
+    # its commit, which the device sat idle through (``_run_decode``); None for any other step.
+    restart: float | None = None
 
 
 @dataclass(frozen=True)
@@ -141,8 +142,9 @@ class LLMEngine:
         self._last_commit = 0.0  # perf_counter() when the last step's tokens were committed
         self._policy_drained = False  # the chain was just broken because the policy wanted a verify step
         self._verified = False  # the last step scheduled was a verify step
-        # Seconds the last plain step's commit waited for the device: host time that was free
-        # (with overlap, the next step's forward was already running). ~0 on a CPU.
+        self._verify_tail = 0.0  # seconds from the last verify step's commit to the end of its engine step
+        # Seconds the last commit waited for the device: host time that was free (with overlap,
+        # the next step's forward was already running). ~0 on a CPU; after a prefill, its forward.
         self.read_wait = 0.0
         self.step_trace: list[StepRecord] | None = None  # a list: every step is recorded in it
         self.spec: NgramSpecWorker | None = None
@@ -299,19 +301,22 @@ class LLMEngine:
             # The policy's last decision is this step's: the schedule's, or the chain's decided ahead.
             reason = self.spec.policy.reason if self.spec is not None and kind in ("chain", "decode", "verify") else ""
             self.step_trace.append(StepRecord(kind, size, width, start, self.stats.last_step_seconds, host, reason))
-        return self._collect_outputs()
+        outputs = self._collect_outputs()
+        if kind == "verify":
+            self._verify_tail = time.perf_counter() - self._last_commit
+        return outputs
 
-    def _observe(self, batch_size: int, width: int, launched: float) -> None:
+    def _observe(self, batch_size: int, width: int, launched: float, restart: float | None = None) -> None:
         """A decode step's tokens were just committed: time it for the draft policy.
 
         A step costs the time from the previous step's commit to its own (overlapped steps commit
         one device step apart), but never from before the engine step that launched it (idle time
-        between engine steps is nobody's cost)."""
+        between engine steps is nobody's cost). ``restart``: see ``_InFlight``."""
         now = time.perf_counter()
         seconds = now - max(self._last_commit, launched)
         self._last_commit = now
         if self.spec is not None:
-            self.spec.observe_step(batch_size, width, seconds)
+            self.spec.observe_step(batch_size, width, seconds, restart)
 
     def _schedule_and_run(self) -> tuple[Literal["decode", "verify", "prefill", "idle"], int, int]:
         """Schedule and run one step from committed state; returns its kind, size and width
@@ -338,7 +343,7 @@ class LLMEngine:
             self._observe(len(batch.decode), batch.width, self._step_start)
             self._verified = True
             return "verify", len(batch.decode), batch.width
-        self._run_decode(batch.decode, self._last_commit if after_verify and self.overlap else self._step_start)
+        self._run_decode(batch.decode, self._verify_tail if after_verify and self.overlap else None)
         return "decode", len(batch.decode), 1
 
     def _decode_width(self, seqs: list[Sequence]) -> int:
@@ -368,14 +373,14 @@ class LLMEngine:
         if sampled:
             self._sample_and_commit(sampled, logits[: len(sampled)])
 
-    def _run_decode(self, seqs: list[Sequence], since: float) -> None:
-        """A plain step from committed state, timed from ``since``: its engine step's start, or with
-        overlap, for the first plain step after a verify step, the verify's commit. The host work
-        between those two steps (outputs, scheduling, the launch) runs while the device idles,
-        where a chain would have overlapped it; the draft policy charges the time this step takes
-        beyond a plain one to the verify step (``AdaptiveDraftPolicy.observe``)."""
+    def _run_decode(self, seqs: list[Sequence], restart: float | None) -> None:
+        """A plain step from committed state. ``restart`` (overlap): it is the first after a verify
+        step, whose engine step spent that long on the host after its commit (outputs, retiring)
+        while the device idled, where a chain would have overlapped it; the draft policy charges
+        that, and what this step takes beyond a plain one, to the verify step
+        (``AdaptiveDraftPolicy.observe``)."""
         flight = self._sample_and_index(seqs, self._launch_decode(seqs, None))
-        flight.launched = since
+        flight.restart = restart
         if self.overlap:
             self._in_flight = flight  # committed by the next step, after it launches its forward
         else:
@@ -472,7 +477,7 @@ class LLMEngine:
 
     def _commit_decode(self, flight: _InFlight) -> None:
         self.stats.decode_tokens += self._commit(flight)
-        self._observe(len(flight.seqs), 1, flight.launched)
+        self._observe(len(flight.seqs), 1, flight.launched, flight.restart)
 
     def timed_forward(self, step: StepInput) -> torch.Tensor:
         t = time.perf_counter()

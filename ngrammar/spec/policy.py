@@ -32,8 +32,9 @@ some sequence has a 2-token match, so the table's entries for lengths >= 2 canno
 the truth (length 1 can: a batch whose matches are all length 1 is never re-tried); the
 interval between re-tries keeps their cost under ``explore_overhead`` of plain throughput (at
 least ``explore_every`` steps; ~100 steps for a batch of 32 on a GPU, where a verify step costs
-three plain ones). With overlap scheduling a verify step's cost includes what the plain step
-after it takes beyond a plain step's time: that step restarts the chain the verify broke.
+three plain ones). With overlap scheduling a verify step's cost includes the chain it breaks:
+its host work after its commit and what the plain step restarting the chain takes beyond a plain
+step's time.
 """
 
 from __future__ import annotations
@@ -169,11 +170,6 @@ class AdaptiveDraftPolicy:
     explore_overhead: float = 0.02  # re-tries may cost at most this share of plain throughput
     baseline_every: int = 8  # plain steps are re-measured this often while speculating
     margin: float = 1.15  # speculate only when expected this much faster than plain
-    # Charge the plain step after a verify step's excess to the verify (``_charge_break``): with
-    # overlap scheduling, where a verify step breaks the chain. Without it the excess is noise
-    # (a CPU's step times vary by tens of ms), and a charge that is never negative would only
-    # bias the costs against speculating.
-    charge_breaks: bool = False
     step_time: dict[tuple[Bucket, int], _Recent] = field(default_factory=dict)  # (bucket, width) -> s / step
     accept: list[_RunRate] = field(init=False)  # match length -> run continuation estimate
     seq_bias: dict[str, _SeqBias] = field(default_factory=dict)  # seq id -> continuation beyond prediction
@@ -433,22 +429,26 @@ class AdaptiveDraftPolicy:
         constrained: bool = False,
         censored: Collection[str] = (),
         depths: Mapping[str, int] | None = None,
+        restart: float | None = None,
     ) -> None:
         """A decode step ran: its time, and for a verify step the drafts each sequence accepted.
 
         ``censored`` names the sequences whose accepted path ended at a leaf of its tree: their
         run did not stop at a rejection. A sequence accepting all ``width - 1`` drafts is
         censored whether named or not. ``depths``: how many levels each sequence's tree had
-        below its root (a run can be no longer; unknown means a chain)."""
+        below its root (a run can be no longer; unknown means a chain). ``restart``: this plain
+        step restarts the overlap chain the verify step before it broke; the verify step's engine
+        step spent that long on the host after its commit (``_charge_break``)."""
         b = bucket_of(batch_size, constrained)
         now = self._steps.get(b, 0)
         self._steps[b] = now + 1
         self._last[(b, width)] = now
         # Step time grows ~linearly with batch size inside a bucket: normalize to the bucket size.
-        seconds *= b[0] / max(batch_size, 1)
+        scale = b[0] / max(batch_size, 1)
+        seconds *= scale
         verified, self._verified = self._verified, None
-        if self.charge_breaks and width == 1 and verified is not None and verified[0] == b and verified[2] == now - 1:
-            self._charge_break(verified, seconds)  # the step restarting the chain the verify broke
+        if restart is not None and width == 1 and verified is not None and verified[0] == b:
+            seconds = self._charge_break(verified, seconds, restart * scale)
         self.step_time.setdefault((b, width), _Recent()).update(seconds)
         self._costs.clear()
         if width > 1:
@@ -479,24 +479,32 @@ class AdaptiveDraftPolicy:
     def _explore_gap(self, bucket: Bucket, width: int) -> int:
         return self.explore_interval(bucket, width) if self.step_cost(bucket, 1) is not None else self.explore_every
 
-    def _charge_break(self, verified: tuple[Bucket, int, int], seconds: float) -> None:
-        """The plain step right after a verify step took ``seconds`` (normalized): what it took
-        beyond a plain step is the verify step's cost too, added to its sample. With overlap, a
-        verify step breaks the chain: the host work up to the next launch runs while the device
-        idles (the engine times that step from the verify's commit). Uncharged, explorations ran
-        more often than their budget allows: on the H200 at batch 8, one per 64-token run, each
-        costing the run 3-7% (session 11). The charge is at most the verify step's own time (an
-        idle engine between the two steps is nobody's cost)."""
+    def _charge_break(self, verified: tuple[Bucket, int, int], seconds: float, tail: float) -> float:
+        """Charge a verify step for the chain it broke; returns the restarting plain step's time
+        as a plain sample.
+
+        With overlap scheduling a verify step breaks the chain: the host work after its commit
+        (``tail`` seconds, normalized: the rest of its engine step) and the launch of the plain step that
+        restarts the chain run while the device idles. That tail, and what the restarting step
+        (``seconds``, normalized) took beyond a plain step, are added to the verify step's time
+        sample, and the next exploration moves out to match. Uncharged, explorations ran more
+        often than their budget allows: on the H200 at batch 8, one per 64-token run, each costing
+        the run 3-7% (session 11). The charge is at most the verify step's own time, and the
+        restarting step is recorded at a plain step's cost (its excess is the verify's, not plain
+        decoding's). Only the engine's overlap path passes a tail: without overlap nothing is
+        broken, and on a CPU, where step times vary by tens of ms, a charge that is never negative
+        would only bias the costs against speculating."""
         b, width, at = verified
         plain, rec = self.step_cost(b, 1), self.step_time.get((b, width))
         if plain is None or rec is None or not rec.samples:
-            return
-        extra = min(max(seconds - plain, 0.0), rec.samples[-1])
-        rec.samples[-1] += extra
+            return seconds
+        excess = max(seconds - plain, 0.0)
+        rec.samples[-1] += min(tail + excess, rec.samples[-1])
         rec.refresh()
         self._costs.clear()
         if self.adaptive and b in self._explore_at:
             self._explore_at[b] = max(self._explore_at[b], at + 1 + self._explore_gap(b, width))
+        return seconds - excess
 
     def forget(self, seq_ids: Sequence[str]) -> None:
         """Finished sequences: drop their state."""

@@ -46,6 +46,8 @@ PLAIN_INDEX_RETRY = 32
 # Of a plain step's idle host time, this share is kept free when indexing fills the rest: the
 # wait varies from step to step, and a step whose host work outlasts its forward delays the chain.
 IDLE_MARGIN = 0.25
+# A commit that waited less than this share of a plain step: the host is the bottleneck.
+HOST_BOUND = 0.05
 
 
 def _plain_step_seconds(policy: AdaptiveDraftPolicy, batch_size: int, constrained: bool) -> float | None:
@@ -68,7 +70,7 @@ class NgramSpecWorker:
             match_type=config.match_type,
             capacity=config.capacity,
         )
-        self.policy = AdaptiveDraftPolicy(config.num_draft_tokens, config.adaptive, charge_breaks=engine.overlap)
+        self.policy = AdaptiveDraftPolicy(config.num_draft_tokens, config.adaptive)
         self.readback_links = False  # benchmark switch: the old path that reads links back first
         self.sync_debug = False  # GPU check: drafting -> verify launch runs under sync debug "error"
         self._last_drafts: dict[str, int] = {}  # seq id -> drafts it accepted in the last verify step
@@ -161,11 +163,14 @@ class NgramSpecWorker:
     def _idle_seconds(self, plain: float) -> float:
         """Host time a plain step can spend indexing without delaying the device: what the last
         commit waited for it (``LLMEngine.read_wait``) plus what the last plain step spent
-        indexing (it would have waited that long too), less ``IDLE_MARGIN`` of a plain step.
-        A wait within that margin says the host is (nearly) the bottleneck: nothing is idle, and
-        the last step's indexing was not hidden, so it does not count."""
-        wait, margin = self.engine.read_wait, IDLE_MARGIN * plain
-        return 0.0 if wait <= margin else wait + self._plain_index_seconds - margin
+        indexing (it would have waited that long too), at most a plain step (after a prefill the
+        wait was that forward's), less ``IDLE_MARGIN`` of a plain step. A wait under
+        ``HOST_BOUND`` of a plain step says the host is the bottleneck: nothing is idle, and the
+        last step's indexing was not hidden, so it does not count."""
+        wait = self.engine.read_wait
+        if wait <= HOST_BOUND * plain:
+            return 0.0
+        return min(wait + self._plain_index_seconds, plain) - IDLE_MARGIN * plain
 
     def _index_budget(self, batch_size: int) -> float | None:
         """Host seconds a verify step may spend indexing: a plain step's time at this batch size,
@@ -202,10 +207,10 @@ class NgramSpecWorker:
             ahead,
         )
 
-    def observe_step(self, batch_size: int, width: int, seconds: float) -> None:
+    def observe_step(self, batch_size: int, width: int, seconds: float, restart: float | None = None) -> None:
         drafts = self._last_drafts if width > 1 else None
         self.policy.observe(batch_size, width, seconds, drafts, self._constrained, self._censored,
-                            self._tree_depths)
+                            self._tree_depths, restart)
 
     # --------------------------------------------------------------- step
     def run_verify(self, seqs: list[Sequence], width: int) -> None:
