@@ -484,10 +484,10 @@ class AdaptiveDraftPolicy:
         as a plain sample.
 
         With overlap scheduling a verify step breaks the chain: the host work after its commit
-        (``tail`` seconds, normalized: the rest of its engine step) and the launch of the plain step that
-        restarts the chain run while the device idles. That tail, and what the restarting step
-        (``seconds``, normalized) took beyond a plain step, are added to the verify step's time
-        sample, and the next exploration moves out to match. Uncharged, explorations ran more
+        (``tail`` seconds, normalized: the rest of its engine step) and the launch of the plain
+        step that restarts the chain run while the device idles. That tail, and what the
+        restarting step (``seconds``, normalized) took beyond a plain step, are added to the
+        verify step's time sample, and the next exploration moves out to match. Uncharged, explorations ran more
         often than their budget allows: on the H200 at batch 8, one per 64-token run, each costing
         the run 3-7% (session 11). The charge is at most the verify step's own time, and the
         restarting step is recorded at a plain step's cost (its excess is the verify's, not plain
