@@ -141,8 +141,9 @@ class LLMEngine:
         self._step_start = 0.0  # perf_counter() at the start of the current engine step
         self._last_commit = 0.0  # perf_counter() when the last step's tokens were committed
         self._policy_drained = False  # the chain was just broken because the policy wanted a verify step
-        self._verified = False  # the last step scheduled was a verify step
-        self._verify_tail = 0.0  # seconds from the last verify step's commit to the end of its engine step
+        # The last engine step was a verify step: seconds from its commit to the end of that engine
+        # step (taken by the next schedule); None otherwise.
+        self._verify_tail: float | None = None
         # Seconds the last commit waited for the device: host time that was free (with overlap,
         # the next step's forward was already running). ~0 on a CPU; after a prefill, its forward.
         self.read_wait = 0.0
@@ -327,7 +328,7 @@ class LLMEngine:
         if self._policy_drained and batch.decode and batch.width == 1:
             self.stats.false_drains += 1
         self._policy_drained = False
-        after_verify, self._verified = self._verified, False
+        tail, self._verify_tail = self._verify_tail, None
         for seq in batch.failed:
             seq.finish("error", "the KV cache is too small for this request")
         if batch.failed and self.spec is not None:
@@ -341,9 +342,8 @@ class LLMEngine:
         if batch.width > 1 and self.spec is not None:
             self.spec.run_verify(batch.decode, batch.width)
             self._observe(len(batch.decode), batch.width, self._step_start)
-            self._verified = True
             return "verify", len(batch.decode), batch.width
-        self._run_decode(batch.decode, self._verify_tail if after_verify and self.overlap else None)
+        self._run_decode(batch.decode, tail if self.overlap else None)
         return "decode", len(batch.decode), 1
 
     def _decode_width(self, seqs: list[Sequence]) -> int:

@@ -487,13 +487,13 @@ class AdaptiveDraftPolicy:
         (``tail`` seconds, normalized: the rest of its engine step) and the launch of the plain
         step that restarts the chain run while the device idles. That tail, and what the
         restarting step (``seconds``, normalized) took beyond a plain step, are added to the
-        verify step's time sample, and the next exploration moves out to match. Uncharged, explorations ran more
-        often than their budget allows: on the H200 at batch 8, one per 64-token run, each costing
-        the run 3-7% (session 11). The charge is at most the verify step's own time, and the
-        restarting step is recorded at a plain step's cost (its excess is the verify's, not plain
-        decoding's). Only the engine's overlap path passes a tail: without overlap nothing is
-        broken, and on a CPU, where step times vary by tens of ms, a charge that is never negative
-        would only bias the costs against speculating."""
+        verify step's time sample, and the next exploration moves out to match. Uncharged,
+        explorations ran more often than their budget allows: on the H200 at batch 8, one per
+        64-token run, each costing the run 3-7% (session 11). The charge is at most the verify
+        step's own time, and the restarting step is recorded at a plain step's cost (its excess is
+        the verify's, not plain decoding's). Only the engine's overlap path passes a tail: without
+        overlap nothing is broken, and on a CPU, where step times vary by tens of ms, a charge that
+        is never negative would only bias the costs against speculating."""
         b, width, at = verified
         plain, rec = self.step_cost(b, 1), self.step_time.get((b, width))
         if plain is None or rec is None or not rec.samples:
