@@ -394,7 +394,7 @@ def test_plain_steps_index_while_the_host_would_wait_for_the_device(spec_llm: LL
     seqs = [Sequence(f"idle-{i}", 0, list(range(200 + i, 230 + i)), SamplingParams(max_tokens=4),
                      eng.tokenizer, seed=0) for i in range(2)]
     saved = (worker.engine, worker.policy, worker._constrained, worker._plain_skips, worker._index_cost,
-             worker._plain_index_seconds)
+             worker._plain_host_seconds)
     stub = SimpleNamespace(read_wait=0.0, stats=eng.stats, device=torch.device("cpu"))
 
     def indexed() -> list[int]:
@@ -402,7 +402,7 @@ def test_plain_steps_index_while_the_host_would_wait_for_the_device(spec_llm: LL
 
     try:
         worker.engine, worker.policy = stub, policy  # type: ignore[assignment]
-        worker._constrained, worker._plain_skips, worker._plain_index_seconds = False, 0, 0.0
+        worker._constrained, worker._plain_skips, worker._plain_host_seconds = False, 0, 0.0
         worker._index_cost = 1e-3  # 1 ms per token: 2 ms for the batch, half the step
         worker.index_plain_step(seqs)
         assert indexed() == [30, 30]  # no wait: skipped
@@ -415,7 +415,7 @@ def test_plain_steps_index_while_the_host_would_wait_for_the_device(spec_llm: LL
         worker.index_plain_step(seqs)
         assert indexed() == [1, 1]
         # A host-bound step (no wait) whose indexing took long: that time was not idle, no indexing.
-        worker._plain_index_seconds, stub.read_wait, worker._index_cost = 0.01, 0.0, 1e-3
+        worker._plain_host_seconds, stub.read_wait, worker._index_cost = 0.01, 0.0, 1e-3
         worker.index_plain_step(seqs)
         assert indexed() == [1, 1]
         # On CUDA the time allowed is the catch-up's budget too: the idle time less the margin, and
@@ -424,13 +424,13 @@ def test_plain_steps_index_while_the_host_would_wait_for_the_device(spec_llm: LL
         worker.index_outputs = lambda seqs, budget=None: budgets.append(budget)  # type: ignore[method-assign]
         stub.device = torch.device("cuda")
         for wait in (0.0035, 0.05):
-            stub.read_wait, worker._index_cost = wait, 1e-3
+            stub.read_wait, worker._index_cost, worker._plain_host_seconds = wait, 1e-3, 0.0
             worker.index_plain_step(seqs)
         assert budgets == [pytest.approx(0.0025), pytest.approx(0.003)]
     finally:
         worker.__dict__.pop("index_outputs", None)  # the class's method again
         (worker.engine, worker.policy, worker._constrained, worker._plain_skips, worker._index_cost,
-         worker._plain_index_seconds) = saved
+         worker._plain_host_seconds) = saved
         worker.on_finish(seqs)
 
 

@@ -102,7 +102,9 @@ class EngineStats:
     verify_steps: int = 0  # sequence-steps verified with a draft tree
     verify_emitted: int = 0  # tokens those verify steps emitted, bonus included
     spec_steps: int = 0  # batched verify steps
-    draft_seconds: float = 0.0  # host drafting (corpus match + tree build) and corpus indexing
+    draft_seconds: float = 0.0  # host drafting (corpus match + tree build, shadow trees) and corpus indexing
+    shadow_trees: int = 0  # shadow trees drafted during plain steps (``ShadowDrafts``)
+    shadow_samples: int = 0  # ... walked to a decision and taught to the draft policy
     grammar_seconds: float = 0.0  # host grammar masks (links + DFS), overlapped with the forward
     verify_seconds: float = 0.0  # whole verify steps
     forward_seconds: float = 0.0

@@ -55,6 +55,8 @@ GLOBAL_DECAY = 0.8  # per verify step: the shared estimates follow the workload 
 SEQ_DECAY = 0.8  # per verify step of the sequence
 SEQ_SHRINK = 2.0  # pseudo-trials pulling a sequence's bias towards 0 (its first steps are noisy)
 OUTLOOK_ALPHA = 0.2  # per probe: a sequence's outlook follows its match lengths over ~5 steps
+# Shadow samples since a bucket's last re-try of a losing width that make the next re-try needless.
+SHADOW_ENOUGH = 4
 CRITICAL_SHARE = 0.9  # a draining batch's critical members: projected to need this share of the most steps
 
 
@@ -181,6 +183,8 @@ class AdaptiveDraftPolicy:
     _probe_at: dict[Bucket, int] = field(default_factory=dict)  # bucket -> first step a probe may run again
     _explore_at: dict[Bucket, int] = field(default_factory=dict)  # bucket -> first step exploring may run
     _verified: tuple[Bucket, int, int] | None = None  # the last step observed, if a verify: bucket, width, step
+    _shadowed: int = 0  # shadow samples observed (``observe_shadow``)
+    _shadow_mark: dict[Bucket, int] = field(default_factory=dict)  # bucket -> _shadowed when it last skipped a re-try
     # Read several times per step, changed only by observe (which clears them):
     _costs: dict[Bucket, dict[int, float | None]] = field(default_factory=dict)  # step_cost results
     _best_p: float | None = None  # the highest continuation rate over match lengths
@@ -244,6 +248,11 @@ class AdaptiveDraftPolicy:
             return 1, "wait"
         bar = self.margin * _rate(costs[1], 1, 0.0)  # a width must beat plain's tokens per second by the margin
         exploring = now >= self._explore_at.get(b, 0)
+        if exploring and self._shadowed - self._shadow_mark.get(b, 0) >= SHADOW_ENOUGH:
+            # Shadow drafts kept the estimates current since the last re-try: none is needed.
+            self._shadow_mark[b] = self._shadowed
+            self._explore_at[b] = now + self._explore_gap(b, self.widths[-1])
+            exploring = False
         if not exploring:
             bias = max((self.seq_bias[s].value for s in seq_ids if s in self.seq_bias), default=0.0)
             if self._best_p is None:
@@ -455,15 +464,37 @@ class AdaptiveDraftPolicy:
             self._verified = (b, width, now)
         if width == 1 or not drafts:
             return
+        lengths = self._lengths
+        self._learn(width, [
+            (seq_id, lengths.get(seq_id, 0), accepted, seq_id in censored,
+             None if depths is None else depths.get(seq_id))
+            for seq_id, accepted in drafts.items()
+        ])
+        if self.adaptive:
+            self._explore_at[b] = now + 1 + self._explore_gap(b, width)
+
+    def observe_shadow(self, width: int, samples: Sequence[tuple[str, int, int, bool, int]]) -> None:
+        """Walks of shadow trees of ``width`` nodes drafted during plain steps (``ShadowDrafts``),
+        each (seq id, match length, accepted drafts, censored, tree depth): they teach acceptance
+        as a verify step's would, and while they keep coming, re-trying a losing width to keep
+        the estimates from getting stuck is not needed (``_decide``)."""
+        if not samples:
+            return
+        self._learn(width, samples)
+        self._shadowed += len(samples)
+
+    def _learn(self, width: int, samples: Sequence[tuple[str, int, int, bool, int | None]]) -> None:
+        """One step's acceptance samples at this width: (seq id, match length at drafting,
+        accepted drafts, censored, tree depth or None)."""
         hits = [0.0] * (MAX_MATCH + 1)
         stops = [0.0] * (MAX_MATCH + 1)
-        for seq_id, accepted in drafts.items():
-            n = min(self._lengths.get(seq_id, 0), MAX_MATCH)
+        for seq_id, n, accepted, censored, depth in samples:
+            n = min(n, MAX_MATCH)
             if n == 0:
                 continue  # nothing to learn: a padding-only tree
-            stopped = 0.0 if accepted >= width - 1 or seq_id in censored else 1.0
-            if depths is not None and seq_id in depths:  # a new entry starts at its first sample
-                self._depth.setdefault((width, n), _Ema(float(depths[seq_id]))).update(depths[seq_id])
+            stopped = 0.0 if accepted >= width - 1 or censored else 1.0
+            if depth is not None:  # a new entry starts at its first sample
+                self._depth.setdefault((width, n), _Ema(float(depth))).update(depth)
             hits[n] += accepted
             stops[n] += stopped
             p = self.accept[n].p  # before this step: what it predicted
@@ -473,8 +504,6 @@ class AdaptiveDraftPolicy:
             if hits[n] or stops[n]:
                 self.accept[n].update(hits[n], stops[n], GLOBAL_DECAY)
         self._best_p = self._rates = self._depth_levels = None
-        if self.adaptive:
-            self._explore_at[b] = now + 1 + self._explore_gap(b, width)
 
     def _explore_gap(self, bucket: Bucket, width: int) -> int:
         return self.explore_interval(bucket, width) if self.step_cost(bucket, 1) is not None else self.explore_every

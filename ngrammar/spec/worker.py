@@ -28,6 +28,7 @@ from ngrammar.runner.transfer import to_device
 from ngrammar.runner.sampler import STREAM_FINAL_COIN, STREAM_TREE_COIN, SamplingTensors, hash_uniform, target_probs
 from ngrammar.spec.corpus import NgramCorpus
 from ngrammar.spec.policy import MAX_MATCH, AdaptiveDraftPolicy, bucket_of
+from ngrammar.spec.shadow import ShadowDrafts
 from ngrammar.spec.tree import DraftTree, derive_tree_links
 from ngrammar.spec.verify import (
     TreeAcceptResult,
@@ -48,6 +49,9 @@ PLAIN_INDEX_RETRY = 32
 IDLE_MARGIN = 0.25
 # A commit that waited less than this share of a plain step: the host is the bottleneck.
 HOST_BOUND = 0.05
+# Shadow drafts (``ShadowDrafts``) may take this share of a plain step where the host has no idle
+# time (a CPU, or a host-bound step): about one tree per step at batch 1 on a CPU.
+SHADOW_SHARE = 0.005
 
 
 def _plain_step_seconds(policy: AdaptiveDraftPolicy, batch_size: int, constrained: bool) -> float | None:
@@ -71,6 +75,7 @@ class NgramSpecWorker:
             capacity=config.capacity,
         )
         self.policy = AdaptiveDraftPolicy(config.num_draft_tokens, config.adaptive)
+        self.shadows = ShadowDrafts(self.corpus, config.num_draft_tokens)
         self.readback_links = False  # benchmark switch: the old path that reads links back first
         self.sync_debug = False  # GPU check: drafting -> verify launch runs under sync debug "error"
         self._last_drafts: dict[str, int] = {}  # seq id -> drafts it accepted in the last verify step
@@ -83,7 +88,7 @@ class NgramSpecWorker:
         self._max_catch_up = config.max_trie_depth // 2
         self._index_cost: float | None = None  # seconds per token indexed (moving average)
         self._plain_skips = 0  # plain steps that skipped indexing (every PLAIN_INDEX_RETRY-th re-measures)
-        self._plain_index_seconds = 0.0  # host time the last plain step spent indexing (0: skipped)
+        self._plain_host_seconds = 0.0  # host time the last plain step spent indexing and shadow drafting
         # Captured by the CUDA-graph runner next to each verify graph (greedy batches use it).
         self.graph_acceptor = verify_tree_greedy_from_logits
 
@@ -145,20 +150,40 @@ class NgramSpecWorker:
         because a whole batch's catch-up is what the rule keeps off a host-bound step."""
         plain = _plain_step_seconds(self.policy, len(seqs), self._constrained)
         cost = self._index_cost
-        allowed = None if plain is None else max(PLAIN_INDEX_SHARE * plain, self._idle_seconds(plain))
+        idle = 0.0 if plain is None else self._idle_seconds(plain)
+        allowed = None if plain is None else max(PLAIN_INDEX_SHARE * plain, idle)
+        t = time.perf_counter()
         if allowed is None or cost is None or cost * len(seqs) <= allowed:
             # On CUDA the time allowed is also the budget: after a stretch of skipped steps every
             # member is behind, and catching all of them up at once is one step's worth of work
             # or more (batch-32 chain steps that indexed reached 1.9-3.6 ms on the H200, against
             # ~1 ms, in session 11); the furthest behind go first, the rest in the next steps.
-            t = time.perf_counter()
             self.index_outputs(seqs, allowed if self.engine.device.type == "cuda" else None)
-            self._plain_index_seconds = time.perf_counter() - t
+        else:
+            self._plain_skips += 1
+            if self._plain_skips % PLAIN_INDEX_RETRY == 0:
+                self.index_outputs([seqs[(self._plain_skips // PLAIN_INDEX_RETRY) % len(seqs)]])
+        if plain is not None:  # shadows share the idle time with indexing, or have their own small share
+            self._shadow_step(seqs, max(SHADOW_SHARE * plain, idle - (time.perf_counter() - t)))
+        self._plain_host_seconds = time.perf_counter() - t
+
+    def _shadow_step(self, seqs: list[Sequence], budget: float) -> None:
+        """Walk the members' shadow trees against their committed tokens, teach the policy what
+        the decided ones would have accepted, and draft new ones in ``budget`` seconds
+        (``ShadowDrafts``). Only an adaptive policy learns; a fixed width needs nothing."""
+        if not self.policy.adaptive:
             return
-        self._plain_index_seconds = 0.0
-        self._plain_skips += 1
-        if self._plain_skips % PLAIN_INDEX_RETRY == 0:
-            self.index_outputs([seqs[(self._plain_skips // PLAIN_INDEX_RETRY) % len(seqs)]])
+        shadows = self.shadows
+        if len(shadows):
+            samples = shadows.resolve(seqs)
+            self.engine.stats.shadow_samples += len(samples)
+            self.policy.observe_shadow(shadows.width, [
+                (s.seq_id, s.match_length, s.accepted, s.censored, s.depth) for s in samples
+            ])
+        t = time.perf_counter()
+        stats = self.engine.stats
+        stats.shadow_trees += shadows.draft(seqs, budget)
+        stats.draft_seconds += time.perf_counter() - t
 
     def _idle_seconds(self, plain: float) -> float:
         """Host time a plain step can spend indexing without delaying the device: what the last
@@ -170,7 +195,7 @@ class NgramSpecWorker:
         wait = self.engine.read_wait
         if wait <= HOST_BOUND * plain:
             return 0.0
-        return min(wait + self._plain_index_seconds, plain) - IDLE_MARGIN * plain
+        return min(wait + self._plain_host_seconds, plain) - IDLE_MARGIN * plain
 
     def _index_budget(self, batch_size: int) -> float | None:
         """Host seconds a verify step may spend indexing: a plain step's time at this batch size,
@@ -186,6 +211,7 @@ class NgramSpecWorker:
         ids = [s.seq_id for s in seqs]
         self.corpus.erase_match_state(ids)
         self.policy.forget(ids)
+        self.shadows.forget(ids)
 
     # ------------------------------------------------------------- policy
     def choose_width(self, seqs: list[Sequence], ahead: bool = False) -> int:

@@ -1,0 +1,147 @@
+"""Shadow drafts: learn what a verify step would accept from plain steps, without verifying.
+
+A plain step commits the target's own choice: with greedy decoding its argmax, so a tree drafted
+before the step would have accepted exactly the longest root path of it that the tokens committed
+after the root spell. With sampling the committed token takes each child of a node with its target
+probability, which is the chance target-only tree sampling (thresholds 1) accepts that child: the
+path the committed tokens spell has the distribution of the accepted path. A grammar changes
+neither: its mask rejects the drafts a grammar-abiding output never contains. So a tree drafted on
+the host during a plain step and walked against the tokens that follow is a sample of a verify
+step's acceptance that costs the device nothing.
+
+The draft policy otherwise learns acceptance only from verify steps, so while plain decoding wins
+it has to verify now and then to keep its estimates from getting stuck ("explore"): on the H200
+at batch 8 and 32 those verify steps on open-ended text cost a 64-token run 3-16% (session 11).
+``ShadowDrafts`` drafts trees for a few members of a plain batch in the host's spare time and
+hands each resolved walk to ``AdaptiveDraftPolicy.observe_shadow``, which then skips its
+explorations while such samples keep coming.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence as Seq
+
+from ngrammar.engine.sequence import Sequence
+from ngrammar.spec.corpus import NgramCorpus
+
+RETRY = 64  # calls without a tree after which one is drafted anyway, re-measuring the cost
+
+
+@dataclass(frozen=True)
+class ShadowSample:
+    """What a verify step at the shadow tree's width would have accepted for one sequence."""
+
+    seq_id: str
+    match_length: int  # of the context the tree was drafted from (uncapped)
+    accepted: int  # drafts on the path the committed tokens spell (the bonus token excluded)
+    censored: bool  # the path ended at a leaf: the run was not stopped by a rejection
+    depth: int  # levels below the tree's root
+
+
+Kids = list[dict[int, int]]  # tree node -> {token: child}; of equal tokens (padding) the first child
+
+
+def tree_kids(tokens: Seq[int], parents: Seq[int]) -> tuple[Kids, int]:
+    """A tree (tokens [D], parents [D], parent < child) as each node's children by token, and the
+    number of levels below its root."""
+    kids: Kids = [{} for _ in tokens]
+    depth = [0] * len(tokens)
+    for i in range(1, len(tokens)):
+        kids[parents[i]].setdefault(tokens[i], i)
+        depth[i] = depth[parents[i]] + 1
+    return kids, max(depth)
+
+
+def walk_tree(kids: Kids, following: Seq[int]) -> tuple[int, bool] | None:
+    """(accepted drafts, censored) of a tree against the tokens that followed its root, or None
+    while they do not decide it yet (the path is still inside the tree, at a node with children).
+    Greedy verify accepts the first child equal to the target's argmax, which is what follows
+    when decoding plainly: the same path."""
+    node, accepted = 0, 0
+    for token in following:
+        child = kids[node].get(token)
+        if child is None:
+            return accepted, not kids[node]
+        node, accepted = child, accepted + 1
+    return (accepted, True) if not kids[node] else None
+
+
+@dataclass(frozen=True)
+class _Shadow:
+    start: int  # the context's length when drafted: the tree hangs from token_ids[start - 1]
+    match_length: int
+    kids: Kids
+    depth: int
+
+
+class ShadowDrafts:
+    """Pending shadow trees, at most one per sequence, drafted at ``width`` nodes."""
+
+    def __init__(self, corpus: NgramCorpus, width: int) -> None:
+        self.corpus = corpus
+        self.width = width
+        self._pending: dict[str, _Shadow] = {}
+        self._turn = 0  # rotates which members a budget-limited step drafts for first
+        self.tree_cost: float | None = None  # seconds per shadow tree drafted (moving average)
+        self._idle = 0  # calls since a tree was last drafted
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def resolve(self, seqs: Seq[Sequence]) -> list[ShadowSample]:
+        """Walk each member's pending tree against its committed tokens; the decided walks."""
+        out = []
+        pending = self._pending
+        for seq in seqs:
+            shadow = pending.get(seq.seq_id)
+            if shadow is None:
+                continue
+            walked = walk_tree(shadow.kids, seq.token_ids[shadow.start :])
+            if walked is not None:
+                del pending[seq.seq_id]
+                out.append(ShadowSample(seq.seq_id, shadow.match_length, walked[0], walked[1], shadow.depth))
+        return out
+
+    def draft(self, seqs: Seq[Sequence], budget: float) -> int:
+        """Draft trees for members without a pending one (in turn) while the measured cost of the
+        next fits in ``budget`` seconds; returns how many were drafted. A member without a match
+        gets none: its tree would be padding, which teaches nothing. Every ``RETRY`` calls that
+        drafted nothing draft one anyway, so that one inflated measurement cannot stop shadowing
+        for good."""
+        if not seqs:
+            return 0
+        t = time.perf_counter()
+        n = len(seqs)
+        self._turn = (self._turn + 1) % n
+        self._idle += 1
+        cost = 0.0 if self.tree_cost is None or self._idle >= RETRY else self.tree_cost
+        drafted = 0
+        for k in range(n):
+            start = time.perf_counter()
+            if start - t + cost > budget and not (cost == 0.0 and drafted == 0):
+                break
+            seq = seqs[(self._turn + k) % n]
+            if seq.seq_id in self._pending or seq.is_finished:
+                continue
+            tokens, parents, match_length = self.corpus.draft(seq.seq_id, seq.token_ids, self.width)
+            if match_length == 0:
+                continue  # (cheap, and not measured: it would pull the cost of a real tree down)
+            self._measure(time.perf_counter() - start)
+            cost = self.tree_cost or 0.0
+            self._idle = 0
+            kids, depth = tree_kids(tokens, parents)
+            self._pending[seq.seq_id] = _Shadow(len(seq.token_ids), match_length, kids, depth)
+            drafted += 1
+        return drafted
+
+    def _measure(self, seconds: float) -> None:
+        # Drafting time only spikes upwards (a page fault, a GC pause): follow a cheaper sample at
+        # once, a dearer one slowly.
+        old = self.tree_cost
+        self.tree_cost = seconds if old is None or seconds < old else old + 0.2 * (seconds - old)
+
+    def forget(self, seq_ids: Seq[str]) -> None:
+        for seq_id in seq_ids:
+            self._pending.pop(seq_id, None)
