@@ -148,7 +148,7 @@ def bench_spec_overhead(model: str | None, batch_sizes: list[int], max_tokens: i
     for bs in batch_sizes:
         for cat in ("open", "code_edit"):
             batch = _batch(cats[cat], bs)
-            runs: dict[str, list[tuple[float, float, int, int, int]]] = {name: [] for name in engines}
+            runs: dict[str, list[tuple[float, float, int, int, int, int]]] = {name: [] for name in engines}
             # A first run of the cell, not in its figures (see bench_small_model); its ratios are kept.
             first = {name: _run(llm, batch, greedy)[0] for name, llm in engines.items()}
             traces: dict[str, list[StepRecord]] = {}  # the last run's steps, one by one
@@ -156,14 +156,15 @@ def bench_spec_overhead(model: str | None, batch_sizes: list[int], max_tokens: i
             for rep in range(repeats):
                 for name, llm in engines.items():
                     st = llm.engine.stats
-                    before = (st.steps, st.chained_steps, st.spec_steps, st.false_drains, st.policy_drains)
+                    before = (st.steps, st.chained_steps, st.spec_steps, st.false_drains, st.policy_drains,
+                              getattr(st, "shadow_samples", 0))  # (an engine before shadow drafts has none)
                     llm.engine.step_trace = traces[name] = []
                     tok_s = _run(llm, batch, greedy)[0]
                     llm.engine.step_trace = None
                     verify_reasons[name].update(r.reason for r in traces[name] if r.kind == "verify")
                     runs[name].append((tok_s, (st.chained_steps - before[1]) / max(st.steps - before[0], 1),
                                        st.spec_steps - before[2], st.false_drains - before[3],
-                                       st.policy_drains - before[4]))
+                                       st.policy_drains - before[4], getattr(st, "shadow_samples", 0) - before[5]))
             cell: dict[str, dict[str, Any]] = {}
             for name, r in runs.items():
                 c = cell[name] = {"tok_s": statistics.median(x[0] for x in r),
@@ -171,9 +172,11 @@ def bench_spec_overhead(model: str | None, batch_sizes: list[int], max_tokens: i
                                   "verify_steps": statistics.median(x[2] for x in r),
                                   "false_drains": statistics.median(x[3] for x in r),
                                   "policy_drains": statistics.median(x[4] for x in r),
+                                  "shadow_samples": statistics.median(x[5] for x in r),
                                   "ratio_to_plain": statistics.median(x[0] / p[0] for x, p in zip(r, runs["plain"])),
                                   "first_run_ratio": first[name] / first["plain"],
-                                  "runs": [list(x) for x in r],  # per run: tok/s, chained, verify steps, drains
+                                  # per run: tok/s, chained, verify steps, false and policy drains, shadow samples
+                                  "runs": [list(x) for x in r],
                                   "steps": _trace_summary(traces[name]),
                                   "verify_reasons": dict(verify_reasons[name])}
                 rows.append([f"b{bs}/{cat}", name, c["tok_s"], c["ratio_to_plain"], c["first_run_ratio"],
