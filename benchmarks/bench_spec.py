@@ -15,14 +15,16 @@ class RunFigures:
     tok_s: float
     accept_len: float
     verify_ms: float
-    draft_us: float
+    draft_us: float  # drafting and indexing per verify step
+    shadow_us: float  # shadow drafts per engine step
 
 
 def measure(llm: LLM, prompts: list[Any], max_tokens: int) -> RunFigures:
     forget_outputs(llm)
     eng = llm.engine
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    s0 = (eng.stats.spec_steps, eng.stats.verify_seconds, eng.stats.draft_seconds)
+    s0 = (eng.stats.spec_steps, eng.stats.verify_seconds, eng.stats.draft_seconds, eng.stats.shadow_seconds,
+          eng.stats.steps)
     _, outs = timed(lambda: llm.chat(prompts, params, use_tqdm=False))
     decode = decode_seconds(outs)
     tokens = sum(len(o.token_ids) - 1 for o in outs)
@@ -33,6 +35,7 @@ def measure(llm: LLM, prompts: list[Any], max_tokens: int) -> RunFigures:
         accept_len=statistics.mean(accept) if accept else 1.0,
         verify_ms=1e3 * (eng.stats.verify_seconds - s0[1]) / steps if steps else 0.0,
         draft_us=1e6 * (eng.stats.draft_seconds - s0[2]) / steps if steps else 0.0,
+        shadow_us=1e6 * (eng.stats.shadow_seconds - s0[3]) / max(eng.stats.steps - s0[4], 1),
     )
 
 
@@ -82,10 +85,12 @@ def run_spec_benchmark(plain: LLM, spec: LLM, batch_sizes: Sequence[int] = (1, 8
                    "pair_ratios": ratios,
                    "accept_len": statistics.mean(r.accept_len for r in s),
                    "verify_ms": statistics.mean(r.verify_ms for r in s),
-                   "draft_us": statistics.mean(r.draft_us for r in s)}
+                   "draft_us": statistics.mean(r.draft_us for r in s),
+                   "shadow_us": statistics.mean(r.shadow_us for r in s)}
             results[f"b{bs}/{cat}"] = fig
-            rows.append([bs, cat, p_rate, s_rate, fig["ratio"], fig["accept_len"], fig["verify_ms"], fig["draft_us"]])
+            rows.append([bs, cat, p_rate, s_rate, fig["ratio"], fig["accept_len"], fig["verify_ms"], fig["draft_us"],
+                         fig["shadow_us"]])
     print_table("NGRAM speculation vs plain (greedy)",
                 ["batch", "category", "plain tok/s", "spec tok/s", "ratio", "accept len", "verify ms/step",
-                 "draft us/step"], rows)
+                 "draft us/verify step", "shadow us/step"], rows)
     return results

@@ -18,7 +18,7 @@ def test_paired_runs_alternate_which_side_goes_first(monkeypatch: pytest.MonkeyP
     def measure(llm: Any, prompts: list[Any], max_tokens: int) -> bench_spec.RunFigures:
         if max_tokens == 64:  # the warm-up runs use 8 tokens
             order.append("plain" if llm is plain else "spec")
-        return bench_spec.RunFigures(rates[id(llm)], 1.0, 0.0, 0.0)
+        return bench_spec.RunFigures(rates[id(llm)], 1.0, 0.0, 0.0, 0.0)
 
     monkeypatch.setattr(bench_spec, "measure", measure)
     monkeypatch.setattr(bench_spec, "load_workload", lambda: [WorkItem("rag", "grounded", "p")])

@@ -102,9 +102,10 @@ class EngineStats:
     verify_steps: int = 0  # sequence-steps verified with a draft tree
     verify_emitted: int = 0  # tokens those verify steps emitted, bonus included
     spec_steps: int = 0  # batched verify steps
-    draft_seconds: float = 0.0  # host drafting (corpus match + tree build, shadow trees) and corpus indexing
+    draft_seconds: float = 0.0  # host drafting (corpus match + tree build) and corpus indexing
     shadow_trees: int = 0  # shadow trees drafted during plain steps (``ShadowDrafts``)
     shadow_samples: int = 0  # ... walked to a decision and taught to the draft policy
+    shadow_seconds: float = 0.0  # host time of both
     grammar_seconds: float = 0.0  # host grammar masks (links + DFS), overlapped with the forward
     verify_seconds: float = 0.0  # whole verify steps
     forward_seconds: float = 0.0
@@ -290,7 +291,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled forward; returns outputs of requests that progressed or finished."""
         start = self._step_start = time.perf_counter()
-        host = self.stats.draft_seconds + self.stats.grammar_seconds
+        host = self._host_seconds()
         if self._in_flight is not None and self._chain_decode():
             kind, size, width = "chain", len(self._in_flight.seqs), 1
         else:
@@ -300,7 +301,7 @@ class LLMEngine:
         self.stats.last_step_seconds = time.perf_counter() - start
         self.stats.step_seconds += self.stats.last_step_seconds
         if self.step_trace is not None:
-            host = self.stats.draft_seconds + self.stats.grammar_seconds - host
+            host = self._host_seconds() - host
             # The policy's last decision is this step's: the schedule's, or the chain's decided ahead.
             reason = self.spec.policy.reason if self.spec is not None and kind in ("chain", "decode", "verify") else ""
             self.step_trace.append(StepRecord(kind, size, width, start, self.stats.last_step_seconds, host, reason))
@@ -308,6 +309,11 @@ class LLMEngine:
         if kind == "verify":
             self._verify_tail = time.perf_counter() - self._last_commit
         return outputs
+
+    def _host_seconds(self) -> float:
+        """Host time spent so far on NGRAM and grammar work (drafting, indexing, shadows, masks)."""
+        st = self.stats
+        return st.draft_seconds + st.grammar_seconds + st.shadow_seconds
 
     def _observe(self, batch_size: int, width: int, launched: float, restart: float | None = None) -> None:
         """A decode step's tokens were just committed: time it for the draft policy.

@@ -173,17 +173,16 @@ class NgramSpecWorker:
         (``ShadowDrafts``). Only an adaptive policy learns; a fixed width needs nothing."""
         if not self.policy.adaptive:
             return
-        shadows = self.shadows
+        t = time.perf_counter()
+        shadows, stats = self.shadows, self.engine.stats
         if len(shadows):
             samples = shadows.resolve(seqs)
-            self.engine.stats.shadow_samples += len(samples)
+            stats.shadow_samples += len(samples)
             self.policy.observe_shadow(shadows.width, [
                 (s.seq_id, s.match_length, s.accepted, s.censored, s.depth) for s in samples
             ])
-        t = time.perf_counter()
-        stats = self.engine.stats
-        stats.shadow_trees += shadows.draft(seqs, budget)
-        stats.draft_seconds += time.perf_counter() - t
+        stats.shadow_trees += shadows.draft(seqs, budget - (time.perf_counter() - t))
+        stats.shadow_seconds += time.perf_counter() - t
 
     def _idle_seconds(self, plain: float) -> float:
         """Host time a plain step can spend indexing without delaying the device: what the last
