@@ -34,7 +34,8 @@ interval between re-tries keeps their cost under ``explore_overhead`` of plain t
 least ``explore_every`` steps; ~100 steps for a batch of 32 on a GPU, where a verify step costs
 three plain ones). With overlap scheduling a verify step's cost includes the chain it breaks:
 its host work after its commit and what the plain step restarting the chain takes beyond a plain
-step's time.
+step's time. Shadow drafts (``ngrammar.spec.shadow``) teach acceptance from plain steps at no
+device cost (``observe_shadow``); while they keep coming, re-tries are skipped.
 """
 
 from __future__ import annotations
