@@ -170,8 +170,9 @@ class NgramSpecWorker:
     def _shadow_step(self, seqs: list[Sequence], budget: float) -> None:
         """Walk the members' shadow trees against their committed tokens, teach the policy what
         the decided ones would have accepted, and draft new ones in ``budget`` seconds
-        (``ShadowDrafts``). Only an adaptive policy learns; a fixed width needs nothing."""
-        if not self.policy.adaptive:
+        (``ShadowDrafts``). Only an adaptive policy with a draft width to pick learns; a fixed
+        width, or D = 1, needs nothing."""
+        if not self.policy.adaptive or self.shadows.width == 1:
             return
         t = time.perf_counter()
         shadows, stats = self.shadows, self.engine.stats
