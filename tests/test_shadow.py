@@ -143,3 +143,19 @@ def test_shadow_samples_teach_the_policy_to_speculate() -> None:
         policy.observe_shadow(8, [("a", 2, 3, True, 3), ("a", 2, 7, True, 7)])
     assert policy.expected_drafts("a", 2, 8) > before + 2
     assert policy.choose(["a"], lambda: [2]) > 1
+
+
+def test_an_engine_with_nothing_to_pick_drafts_no_shadows() -> None:
+    # D = 1 (the benchmark's corpus-upkeep engine) and a fixed width never ask the policy for a
+    # width, so shadow trees would only cost host time.
+    from ngrammar import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompt = "Copy: red green blue red green blue red green"
+    for kw in ({"num_draft_tokens": 1}, {"num_draft_tokens": 4, "spec_adaptive": False}):
+        llm = LLM(device="cpu", dtype="float32", kv_cache_tokens=1024, speculative="ngram", **kw)
+        llm.generate(prompt, params)
+        assert llm.engine.stats.shadow_trees == 0
+    adaptive = LLM(device="cpu", dtype="float32", kv_cache_tokens=1024, speculative="ngram", num_draft_tokens=4)
+    adaptive.generate(prompt, params)
+    assert adaptive.engine.stats.shadow_trees > 0
