@@ -286,7 +286,7 @@ def test_ahead_a_member_is_priced_by_what_the_token_in_flight_may_make_of_its_ma
 
     assert policy._expected(["a"], [0], (8,), ahead=True)[8][0] == pytest.approx(observed(1))
     for n in range(1, MAX_MATCH + 1):
-        hit = min(policy.accept[n].p + shift, 0.97)
+        hit = min(policy.accept[n].p_first + shift, 0.97)
         up = min(n + 1, MAX_MATCH)
         got = policy._expected(["a"], [n], (8,), ahead=True)[8][0]
         assert got == pytest.approx(hit * observed(up) + (1 - hit) * observed(1))
@@ -388,4 +388,4 @@ def test_the_plain_step_restarting_the_chain_carries_the_verify_steps_tail() -> 
     assert [(w, r is not None) for w, _, r in observed[:3]] == [(4, False), (1, True), (1, False)]
     tail = observed[1][2]
     assert tail is not None and 0.2 <= tail < 0.3  # the sleep inside the step, not the one after it
-    assert all(s < 0.2 for _, s, _ in observed[1:])  # plain steps: neither sleep
+    assert all(s < 0.2 for _, s, _ in observed[1:]), observed  # plain steps: neither sleep
