@@ -337,6 +337,37 @@ def test_a_run_ending_at_a_leaf_is_not_counted_as_a_rejection() -> None:
     assert learn({"s"}) > learn(set()) + 1
 
 
+def test_all_or_nothing_runs_are_priced_by_a_first_draft_rate() -> None:
+    # Regression: one continuation rate per match length read a request that either copies on
+    # (15 of 15 drafts) or departs at once (0), in equal shares, as p = 0.93: 9 drafts expected
+    # from a width-16 tree instead of 7.5. A first-draft rate (0.5) and a continuation rate keep
+    # the two apart.
+    policy = AdaptiveDraftPolicy(max_width=16)
+    for i in range(40):
+        policy._lengths["s"] = 4
+        policy.observe(1, 16, 0.05, {"s": 15 if i % 2 else 0})
+    assert policy.accept[4].p_first == pytest.approx(0.5, abs=0.05)
+    policy.seq_bias.clear()
+    assert 5.5 < policy.expected_drafts("s", 4, 16) < 8.0
+
+
+def test_a_sequence_bias_shifts_the_first_draft_rate_only() -> None:
+    # Added to a continuation rate near 1, a small bias promised long runs: CPU exploit steps at
+    # match length 4 were expected to accept 10-12 drafts and accepted ~5.
+    policy = AdaptiveDraftPolicy(max_width=16)
+    plain = policy.expected_drafts("s", 4, 16)
+    for _ in range(3):
+        policy._lengths["s"] = 4
+        policy.observe(1, 16, 0.05, {"s": 2})  # first drafts accepted beyond the prior's 0.8
+    bias = policy.seq_bias["s"].value
+    assert bias > 0
+    first, p = policy.accept[4].p_first, policy.accept[4].p
+    levels = policy._levels(16)[4]
+    f = min(first + bias, 0.97)
+    assert policy.expected_drafts("s", 4, 16) == pytest.approx(f * (1 + p * (1 - p ** (levels - 1)) / (1 - p)))
+    assert policy.expected_drafts("s", 4, 16) != plain
+
+
 def test_a_shallow_tree_is_not_priced_as_a_chain() -> None:
     # A BFS tree from a short match is wide: its runs end at leaves (censored), so p alone would
     # promise a width-16 tree a 15-draft run. The learned depth caps the run.
