@@ -1,4 +1,4 @@
-"""``ngrammar bench [engine|spec|grammar|serve|profile|host]``: build the engines once and run a suite."""
+"""``ngrammar bench [engine|spec|grammar|serve|profile|host|calibration]``: build the engines once and run a suite."""
 
 from __future__ import annotations
 
@@ -55,6 +55,10 @@ def run_benchmark(args: argparse.Namespace) -> int:
         plain, spec = _llm(args, False), _llm(args, True)
         result = {f"b{b}": run_grammar_benchmark(plain, spec, b, args.max_tokens or 96, args.repeats or 2)
                   for b in _sizes(args, (1,))}
+    elif suite == "calibration":
+        from benchmarks.bench_calibration import run_calibration
+
+        result = run_calibration(_llm(args, True), max_tokens=args.max_tokens or 64)
     elif suite == "host":
         from benchmarks.bench_host import run_host_benchmark
 

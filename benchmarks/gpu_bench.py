@@ -244,10 +244,12 @@ def grammar_equal_work(spec: LLM, prompts: list[Any], max_tokens: int, repeats: 
     free = [SamplingParams(max_tokens=max(len(text_tokens(o.token_ids)), 1), temperature=0, ignore_eos=True)
             for o in first]
     pairs = []
+    spec.engine.step_trace = trace = []  # both sides' steps: what a low ratio was made of
     for i in range(repeats):  # interleaved, alternating which side goes first
         order = [("grammar", constrained), ("free", free)]
         runs = dict((label, _run(spec, prompts, params)) for label, params in (order if i % 2 else order[::-1]))
         pairs.append((runs["grammar"], runs["free"]))
+    spec.engine.step_trace = None
     same = [text_tokens(a.token_ids) == b.token_ids for a, b in zip(pairs[-1][0][1], pairs[-1][1][1])]
     return {
         "ngram+json_object_tok_s": statistics.median(g[0] for g, _ in pairs),
@@ -256,6 +258,7 @@ def grammar_equal_work(spec: LLM, prompts: list[Any], max_tokens: int, repeats: 
         "accept_len": {"grammar": _accept(pairs[-1][0][1]), "free": _accept(pairs[-1][1][1])},
         "identical": sum(same) / len(same),
         "tokens": sum(len(o.token_ids) for o in first),
+        "steps": _trace_summary(trace),
     }
 
 

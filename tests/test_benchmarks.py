@@ -36,3 +36,17 @@ def test_grammar_equal_work_emits_the_same_tokens_on_both_sides(spec_llm: Any) -
     assert out["identical"] == 1.0
     assert 96 < out["tokens"] < 2 * 96  # both ran, and one ended its JSON (with EOS) before max_tokens
     assert out["ratio"] > 0 and out["ngram_tok_s"] > 0
+    assert "steps" in out  # what the runs were made of, step kinds with their policy reasons
+
+
+def test_calibration_pairs_each_priced_verify_step_with_what_it_accepted() -> None:
+    from benchmarks.bench_calibration import run_calibration
+    from ngrammar import LLM
+
+    spec = LLM(device="cpu", dtype="float32", kv_cache_tokens=4096, speculative="ngram", num_draft_tokens=8)
+    out = run_calibration(spec, categories=("code_edit",), max_tokens=24, per_category=1)
+    lengths = [k for k in out if k.startswith("match ")]
+    assert lengths and sum(out[k]["steps"] for k in lengths) > 0
+    for k in lengths:
+        assert out[k]["expected"] > 0 and 0 <= out[k]["accepted"] <= 7
+

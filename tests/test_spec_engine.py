@@ -109,6 +109,7 @@ def test_the_policy_says_why_it_chose_a_width() -> None:
         policy._lengths["s"] = 3
         policy.observe(1, 4, 0.011, {"s": 3}, censored={"s"})
     assert choose(3) == 4 and seen[-1] == "exploit"  # 4 tokens for 1.1 steps
+    assert policy.priced == {"s": (3, pytest.approx(policy.expected_drafts("s", 3, 4)))}  # what it paid for
     assert choose(0) == 1 and seen[-1] == "no match"
     costly = AdaptiveDraftPolicy(max_width=4)
     for width, seconds in ((1, 0.01), (1, 0.01), (4, 1.0), (4, 1.0)):

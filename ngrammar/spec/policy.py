@@ -213,6 +213,9 @@ class AdaptiveDraftPolicy:
     _depth_levels: dict[int, list[float]] | None = None  # width -> match length -> run levels (lazy)
 
     reason: str = ""  # why the last choose returned what it did (one of REASONS)
+    # For the last exploit or explore decision: seq id -> (match length, accepted drafts expected)
+    # at the width chosen (for calibration: ``benchmarks/bench_calibration.py``).
+    priced: dict[str, tuple[int, float]] = field(default_factory=dict)
 
     # The policy runs on every decode step, so what it reads often is precomputed:
     widths: list[int] = field(init=False)  # 1 and the draft widths it may pick
@@ -293,8 +296,10 @@ class AdaptiveDraftPolicy:
         if rates[best] > bar:
             if now - self._last.get((b, 1), 0) >= self.baseline_every:
                 return 1, "baseline"  # refresh the plain cost while speculating
+            self.priced = dict(zip(seq_ids, zip(lengths, expected[best])))
             return best, "exploit"
         if exploring and max(lengths) >= 2:
+            self.priced = dict(zip(seq_ids, zip(lengths, expected[best])))
             return best, "explore"  # plain is winning: re-try speculation now and then, where there is a match
         self._probe_at[b] = now + b[0] // 4
         if exploring:

@@ -78,7 +78,7 @@ class NgramSpecWorker:
         self.shadows = ShadowDrafts(self.corpus, config.num_draft_tokens)
         self.readback_links = False  # benchmark switch: the old path that reads links back first
         self.sync_debug = False  # GPU check: drafting -> verify launch runs under sync debug "error"
-        self._last_drafts: dict[str, int] = {}  # seq id -> drafts it accepted in the last verify step
+        self.last_drafts: dict[str, int] = {}  # seq id -> drafts it accepted in the last verify step
         self._censored: set[str] = set()  # ... of those, whose run ended at a leaf of its tree
         self._tree_depths: dict[str, int] = {}  # ... and how deep each one's draft tree was
         self._constrained = False  # whether the last batch the policy chose for had a grammar
@@ -234,7 +234,7 @@ class NgramSpecWorker:
         )
 
     def observe_step(self, batch_size: int, width: int, seconds: float, restart: float | None = None) -> None:
-        drafts = self._last_drafts if width > 1 else None
+        drafts = self.last_drafts if width > 1 else None
         self.policy.observe(batch_size, width, seconds, drafts, self._constrained, self._censored,
                             self._tree_depths, restart)
 
@@ -364,7 +364,7 @@ class NgramSpecWorker:
         emitted = 0
         # What the policy learns is the model's agreement with the drafts (lens - 1 accepted),
         # not what the request kept of it (EOS, a stop string or max_tokens may cut the run).
-        self._last_drafts = {seq.seq_id: lens[b] - 1 for b, seq in enumerate(seqs)}
+        self.last_drafts = {seq.seq_id: lens[b] - 1 for b, seq in enumerate(seqs)}
         self._censored = {seq.seq_id for b, seq in enumerate(seqs) if not has_child[b, nodes[b][lens[b] - 1]]}
         self._tree_depths = {seq.seq_id: tree_depths[b] for b, seq in enumerate(seqs)}
         for b, seq in enumerate(seqs):

@@ -1,0 +1,48 @@
+"""How well the draft policy prices verify steps: accepted drafts expected at each exploit or explore
+decision against those the verify step then accepted, per match length (greedy, NGRAM D = 16).
+
+A policy that over-prices speculates where it loses (session 12: one continuation rate priced width-16
+steps at match length 4 at 10-12 drafts that accepted ~5); one that under-prices leaves speed unused.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from benchmarks.common import chat, load_workload, print_table
+from ngrammar import LLM, SamplingParams
+
+
+def run_calibration(spec: LLM, categories: tuple[str, ...] = ("code_edit", "extraction", "summarization", "rag"),
+                    max_tokens: int = 64, per_category: int = 2) -> dict[str, Any]:
+    """Each grounded prompt alone (batch 1), stepped by hand so that every verify step's expectation
+    (``AdaptiveDraftPolicy.priced``) meets its outcome (``NgramSpecWorker`` last accepted drafts)."""
+    eng, worker = spec.engine, spec.engine.spec
+    assert worker is not None and worker.policy.adaptive, "calibration needs an adaptive NGRAM engine"
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    work = [w for c in categories for w in [x for x in load_workload() if x.category == c][:per_category]]
+    pairs: list[tuple[int, float, int]] = []  # match length, expected, accepted
+    for item in work:
+        ids = eng.tokenize(chat(item.prompt))
+        eng.add_request(ids, params)
+        while eng.has_unfinished():
+            eng.step_trace = []
+            eng.step()
+            record = eng.step_trace[-1]
+            if record.kind == "verify" and record.reason in ("exploit", "explore"):
+                for seq_id, (length, expected) in worker.policy.priced.items():
+                    if seq_id in worker.last_drafts:
+                        pairs.append((min(length, 4), expected, worker.last_drafts[seq_id]))
+        eng.step_trace = None
+    rows, result = [], {}
+    for n in sorted({p[0] for p in pairs}):
+        got = [p for p in pairs if p[0] == n]
+        fig = {"steps": len(got), "expected": statistics.mean(p[1] for p in got),
+               "accepted": statistics.mean(p[2] for p in got)}
+        result[f"match {n}"] = fig
+        rows.append([n, fig["steps"], fig["expected"], fig["accepted"]])
+    result["shadow_samples"] = eng.stats.shadow_samples
+    print_table(f"Draft policy calibration (batch 1, {max_tokens} tokens, {len(work)} grounded prompts)",
+                ["match length", "verify steps", "drafts expected", "drafts accepted"], rows)
+    return result
