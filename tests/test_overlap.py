@@ -286,7 +286,7 @@ def test_ahead_a_member_is_priced_by_what_the_token_in_flight_may_make_of_its_ma
 
     assert policy._expected(["a"], [0], (8,), ahead=True)[8][0] == pytest.approx(observed(1))
     for n in range(1, MAX_MATCH + 1):
-        hit = min(policy.accept[n].p_first + shift, 0.97)
+        hit = min(policy.first[(policy.widths[-1], n)].p + shift, 0.97)
         up = min(n + 1, MAX_MATCH)
         got = policy._expected(["a"], [n], (8,), ahead=True)[8][0]
         assert got == pytest.approx(hit * observed(up) + (1 - hit) * observed(1))

@@ -85,7 +85,7 @@ def _seq(seq_id: str, tokens: list[int]) -> SimpleNamespace:
 def test_shadow_drafts_sample_acceptance_and_forget_finished_sequences() -> None:
     corpus = NgramCorpus(max_trie_depth=6, draft_token_num=4)
     corpus.index_prompt("a", [1, 2, 3, 4, 5, 9, 1, 2])
-    shadows = ShadowDrafts(corpus, 4)
+    shadows = ShadowDrafts(corpus, [4])
     copying, lost = _seq("a", [1, 2, 3, 4, 5, 9, 1, 2]), _seq("b", [42])  # "b" matches nothing
     assert shadows.draft([copying, lost], budget=1.0) == 1 and len(shadows) == 1
     assert shadows.draft([copying, lost], budget=1.0) == 0  # one pending tree per sequence
@@ -104,7 +104,7 @@ def test_shadow_drafting_keeps_to_its_budget_and_re_measures() -> None:
     seqs = [_seq(f"s{i}", [1, 2, 3, 1, 2]) for i in range(4)]
     for s in seqs:
         corpus.index_prompt(s.seq_id, s.token_ids)
-    shadows = ShadowDrafts(corpus, 4)
+    shadows = ShadowDrafts(corpus, [4])
     assert shadows.draft(seqs, budget=0.0) == 1  # the cost is unknown: one tree measures it
     assert shadows.tree_cost is not None and shadows.tree_cost > 0
     shadows.tree_cost = 1.0  # an inflated measurement: nothing fits ...
@@ -159,3 +159,28 @@ def test_an_engine_with_nothing_to_pick_drafts_no_shadows() -> None:
     adaptive = LLM(device="cpu", dtype="float32", kv_cache_tokens=1024, speculative="ngram", num_draft_tokens=4)
     adaptive.generate(prompt, params)
     assert adaptive.engine.stats.shadow_trees > 0
+
+
+def test_each_width_learns_its_own_first_draft_rate() -> None:
+    # Regression: one first-draft rate for every width, learned from width-16 shadow trees (up to
+    # 10 candidates at the first level from a 1-token match), priced width-4 trees (3 candidates)
+    # far above what they accept: batch-8 open-ended text on the CPU fell to 0.83x plain.
+    policy = AdaptiveDraftPolicy(max_width=16)
+    for _ in range(20):
+        policy.observe_shadow(16, [("s", 1, 1, False, 1)])  # a wide first level catches the token
+        policy.observe_shadow(4, [("s", 1, 0, False, 1)])  # a narrow one misses it
+    assert policy.first[(16, 1)].p > 0.9 and policy.first[(4, 1)].p < 0.1
+    assert policy.expected_drafts("s", 1, 4) < 0.2 < 0.8 < policy.expected_drafts("s", 1, 16)
+
+
+def test_shadow_drafts_walk_a_tree_per_width() -> None:
+    corpus = NgramCorpus(max_trie_depth=6, draft_token_num=16)
+    corpus.index_prompt("a", [1, 2, 3, 4, 1, 2, 7, 8, 1, 2])
+    shadows = ShadowDrafts(corpus, [4, 16])
+    seq = _seq("a", [1, 2, 3, 4, 1, 2, 7, 8, 1, 2])
+    assert shadows.draft([seq], budget=1.0) == 1
+    seq.token_ids += [7, 8, 5]  # the most recent continuation of "1 2", then something new
+    samples = {s.width: s for s in shadows.resolve([seq])}
+    assert set(samples) == {4, 16} and len(shadows) == 0
+    assert samples[16].accepted == samples[4].accepted == 2
+    assert samples[4].censored and not samples[16].censored  # the width-4 tree ends at "8"; the wider goes on

@@ -13,23 +13,24 @@ than a plain step at the same batch size. Three things decide it, each measured 
   accepts nothing (on the embedded model, open-ended text has no match on about half its steps);
   a 4-token match accepts 3-5 drafts at D = 8;
 - **acceptance given the match length**, modelled as a run: the first draft is accepted with
-  probability f and each later draft on the path continues the accepted run with probability p
-  (both per match length, over all sequences), so a tree of D nodes and L levels below its root
-  is expected to accept ``f * (1 + p + p^2 + ... + p^(min(D-1, L) - 1))`` drafts (L is learned
-  per (D, match length): a BFS tree from a short match is wide, not deep). One (f, p) serves
-  every width, so what a width-4 step learns prices width 16. Each is estimated as hits / (hits
-  + stops) over recent samples, where a run that ran out of tree (its path ended at a leaf) is
-  censored: it counts its hits but no stop. (A per-width average could not see that a width
-  accepting all its drafts is too narrow: a code edit accepting 3 of 3 at D = 4 stayed at D = 4.)
-  Two rates, not one: runs are all or nothing more often than one rate allows (a code edit
-  either copies on or departs from its source at once); with one rate, 0 and 15 accepted drafts
-  in equal shares read as p = 0.94, which promises 9.3 from 15 levels instead of 7.5 (on the
-  CPU, width-16 exploit steps at match length 4 were expected to accept ~11 drafts and accepted
-  ~5). A per-sequence bias on f (its first drafts accepted beyond those predicted, per trial,
-  shrunk towards 0) tells a copying code edit from a story at the same match length. It shifts
-  f only: added to a p near 1, a small bias promised long runs (the same CPU steps, with the
-  bias on both rates and ~5 steps of memory, were expected to accept 10-12 drafts and accepted ~5;
-  with the bias on f and ~14 steps, 7.3 and 7.0).
+  probability f and each later draft on the path continues the accepted run with probability p,
+  so a tree of D nodes and L levels below its root is expected to accept
+  ``f * (1 + p + p^2 + ... + p^(min(D-1, L) - 1))`` drafts (L is learned per (D, match length):
+  a BFS tree from a short match is wide, not deep). p is per match length and serves every
+  width, so what a width-8 step learns prices width 16 (a per-width average could not see that a
+  width accepting all its drafts is too narrow: a code edit accepting 3 of 3 at D = 4 stayed at
+  D = 4). f is per (D, match length): a narrow tree's first level holds fewer candidates (from a
+  1-token match, 3 at D = 4 against up to 10 at D = 16), and priced with the widest tree's f,
+  width-4 steps on open-ended text at batch 8 on the CPU accepted 0.12 drafts where ~0.9 were
+  priced (0.83x plain). Each rate is hits / (hits + stops) over recent samples, where a run that
+  ran out of tree (its path ended at a leaf) is censored: it counts its hits but no stop. Two
+  rates, not one, because runs are all or nothing more often than one rate allows (a code edit
+  either copies on or departs from its source at once): with one rate, 0 and 15 accepted drafts
+  in equal shares read as p = 0.94, which promises 9.3 from 15 levels instead of 7.5 (on the CPU,
+  width-16 exploit steps at match length 4 were expected to accept 10-12 drafts and accepted ~5;
+  with two rates 7.3 and 7.0). A per-sequence bias on f (its first drafts accepted beyond those
+  predicted, per trial, shrunk towards 0) tells a copying code edit from a story at the same
+  match length; added to a p near 1 instead, a small bias promised long runs.
 
 Each step takes the width with the best expected tokens per second, and speculates only when that
 beats plain decoding by ``margin`` (timings are noisy). The match lengths are probed only when some
@@ -108,31 +109,24 @@ def _rate(cost: float | None, width: int, drafts: float) -> float:
 
 
 @dataclass
-class _RunRate:
-    """Decayed counts of a run's first draft (accepted: ``first_hits``, rejected: ``first_stops``)
-    and of the drafts after an accepted first one (``hits``, ``stops``): p_first and p."""
+class _Rate:
+    """Decayed counts of hits and stops: p = hits / (hits + stops)."""
 
-    first_hits: float
-    first_stops: float
     hits: float
     stops: float
 
-    def update(self, counts: Sequence[float], decay: float) -> None:
-        """``counts``: first hits, first stops, hits, stops of one step."""
-        self.first_hits = decay * self.first_hits + counts[0]
-        self.first_stops = decay * self.first_stops + counts[1]
-        self.hits = decay * self.hits + counts[2]
-        self.stops = decay * self.stops + counts[3]
-
-    @property
-    def p_first(self) -> float:
-        trials = self.first_hits + self.first_stops
-        return self.first_hits / trials if trials > 0 else 0.0
+    def update(self, hits: float, stops: float, decay: float) -> None:
+        self.hits = decay * self.hits + hits
+        self.stops = decay * self.stops + stops
 
     @property
     def p(self) -> float:
         trials = self.hits + self.stops
         return self.hits / trials if trials > 0 else 0.0
+
+
+def _prior(p: float) -> _Rate:
+    return _Rate(PRIOR_TRIALS * p, PRIOR_TRIALS * (1 - p))
 
 
 @dataclass
@@ -194,7 +188,9 @@ class AdaptiveDraftPolicy:
     baseline_every: int = 8  # plain steps are re-measured this often while speculating
     margin: float = 1.15  # speculate only when expected this much faster than plain
     step_time: dict[tuple[Bucket, int], _Recent] = field(default_factory=dict)  # (bucket, width) -> s / step
-    accept: list[_RunRate] = field(init=False)  # match length -> run continuation estimate
+    # (width, match length) -> the first draft's acceptance; match length -> the run's continuation
+    first: dict[tuple[int, int], _Rate] = field(init=False)
+    cont: list[_Rate] = field(init=False)
     seq_bias: dict[str, _SeqBias] = field(default_factory=dict)  # seq id -> continuation beyond prediction
     _lengths: dict[str, int] = field(default_factory=dict)  # seq id -> match length at its last probe
     _outlook: dict[str, float] = field(default_factory=dict)  # seq id -> drafts per step it tends to offer
@@ -209,7 +205,7 @@ class AdaptiveDraftPolicy:
     # Read several times per step, changed only by observe (which clears them):
     _costs: dict[Bucket, dict[int, float | None]] = field(default_factory=dict)  # step_cost results
     _best_p: tuple[float, float] | None = None  # the highest first-draft and continuation rates
-    _rates: list[tuple[float, float]] | None = None  # match length -> first-draft and continuation rates
+    _rates: dict[int, list[tuple[float, float]]] | None = None  # width -> match length -> (first, continuation)
     _depth_levels: dict[int, list[float]] | None = None  # width -> match length -> run levels (lazy)
 
     reason: str = ""  # why the last choose returned what it did (one of REASONS)
@@ -221,14 +217,14 @@ class AdaptiveDraftPolicy:
     widths: list[int] = field(init=False)  # 1 and the draft widths it may pick
 
     def __post_init__(self) -> None:
-        self.accept = [_RunRate(PRIOR_TRIALS * p, PRIOR_TRIALS * (1 - p), PRIOR_TRIALS * p, PRIOR_TRIALS * (1 - p))
-                       for p in PRIOR_CONTINUE]
         out = {1, self.max_width}
         w = self.max_width // 2
         while w >= 4:
             out.add(w)
             w //= 2
         self.widths = sorted(out)
+        self.first = {(w, n): _prior(p) for w in self.widths[1:] for n, p in enumerate(PRIOR_CONTINUE)}
+        self.cont = [_prior(p) for p in PRIOR_CONTINUE]
 
     # ------------------------------------------------------------ decide
     def choose(
@@ -280,8 +276,8 @@ class AdaptiveDraftPolicy:
             exploring = False
         if not exploring:
             bias = max((self.seq_bias[s].value for s in seq_ids if s in self.seq_bias), default=0.0)
-            if self._best_p is None:  # the best of each rate: an upper bound over match lengths
-                self._best_p = (max(r.p_first for r in self.accept), max(r.p for r in self.accept))
+            if self._best_p is None:  # the best of each rate: an upper bound over widths and match lengths
+                self._best_p = (max(r.p for r in self.first.values()), max(r.p for r in self.cont))
             first, p = _clamp(self._best_p[0] + max(bias, 0.0)), _clamp(self._best_p[1])
             if not any(_rate(costs[w], w, _run2(first, p, w - 1)) > bar for w in self.widths[1:]):
                 return 1, "hopeless"  # no width could win even at the best match length: skip the probe
@@ -383,36 +379,43 @@ class AdaptiveDraftPolicy:
         at most: priced at 1. (Pricing every member at n + 1, the bound, broke the overlap chain for
         verify steps that the committed token then called off: 3 times per 64-token run of
         open-ended text at batch 1 on the H200.)"""
-        rates, bias = self._continuation(), self.seq_bias
+        bias = self.seq_bias
         widths = self.widths[1:] if widths is None else widths
         out = {w: [0.0] * len(seq_ids) for w in widths}
-        columns = [(out[w], self._levels(w)) for w in widths]
+        columns = [(out[w], self._levels(w), self._continuation(w)) for w in widths]
+        # Whether the token in flight continues a match: any continuation, as the widest tree's first level.
+        widest = self._continuation(self.widths[-1])
         for i, (seq_id, n) in enumerate(zip(seq_ids, lengths)):
             own = bias.get(seq_id)
             shift = 0.0 if own is None else own.value
             if ahead:
-                hit = _clamp(rates[min(n, MAX_MATCH)][0] + shift) if n else 0.0
+                hit = _clamp(widest[min(n, MAX_MATCH)][0] + shift) if n else 0.0
                 up = min(n + 1, MAX_MATCH)
-                f_up, p_up = _clamp(rates[up][0] + shift), _clamp(rates[up][1])
-                f_one, p_one = _clamp(rates[1][0] + shift), _clamp(rates[1][1])
-                for column, depth in columns:
+                for column, depth, rate in columns:
+                    f_up, p_up = _clamp(rate[up][0] + shift), _clamp(rate[up][1])
+                    f_one, p_one = _clamp(rate[1][0] + shift), _clamp(rate[1][1])
                     column[i] = hit * _run2(f_up, p_up, depth[up]) + (1.0 - hit) * _run2(f_one, p_one, depth[1])
                 continue
             if not n:
                 continue  # no match: a padding-only tree accepts nothing
             n = min(n, MAX_MATCH)
-            first, p = _clamp(rates[n][0] + shift), _clamp(rates[n][1])
-            if first <= 0.0:
-                continue
-            for column, depth in columns:
-                column[i] = _run2(first, p, depth[n])
+            for column, depth, rate in columns:
+                column[i] = _run2(_clamp(rate[n][0] + shift), _clamp(rate[n][1]), depth[n])
         return out
 
-    def _continuation(self) -> list[tuple[float, float]]:
-        """Each match length's first-draft and continuation rates (cached until the next observe)."""
+    def _continuation(self, width: int) -> list[tuple[float, float]]:
+        """Each match length's first-draft and continuation rates at this width, the prior's where
+        none was learned (cached until the next observe)."""
         if self._rates is None:
-            self._rates = [(r.p_first, r.p) for r in self.accept]
-        return self._rates
+            self._rates = {}
+        rates = self._rates.get(width)
+        if rates is None:
+            first = self.first
+            rates = self._rates[width] = [
+                (first[(width, n)].p if (width, n) in first else p, self.cont[n].p)
+                for n, p in enumerate(PRIOR_CONTINUE)
+            ]
+        return rates
 
     def _levels(self, width: int) -> list[float]:
         """match length -> levels a run may take at this width: D - 1, or fewer where the trees of
@@ -508,12 +511,18 @@ class AdaptiveDraftPolicy:
         the estimates from getting stuck is not needed (``_decide``)."""
         if not samples:
             return
-        self._learn(width, samples)
-        self._shadowed += len(samples)
+        widest = width == self.widths[-1]
+        self._learn(width, samples, teach_bias=widest)
+        if widest:  # (the narrower trees are walked at the same steps)
+            self._shadowed += len(samples)
 
-    def _learn(self, width: int, samples: Sequence[tuple[str, int, int, bool, int | None]]) -> None:
+    def _learn(
+        self, width: int, samples: Sequence[tuple[str, int, int, bool, int | None]], teach_bias: bool = True
+    ) -> None:
         """One step's acceptance samples at this width: (seq id, match length at drafting,
-        accepted drafts, censored, tree depth or None)."""
+        accepted drafts, censored, tree depth or None). ``teach_bias``: also update the members'
+        biases (shadow walks come at every width at once; only the widest teaches them, so that
+        one plain step does not count several times)."""
         counts = [[0.0] * 4 for _ in range(MAX_MATCH + 1)]  # first hits, first stops, hits, stops
         for seq_id, n, accepted, censored, depth in samples:
             n = min(n, MAX_MATCH)
@@ -529,12 +538,16 @@ class AdaptiveDraftPolicy:
                 c[3] += stopped
             else:
                 c[1] += stopped
-            trial = 1.0 if accepted else stopped  # of the first draft: what the bias is about
-            predicted = self.accept[n].p_first  # before this step
-            self.seq_bias.setdefault(seq_id, _SeqBias()).update(min(accepted, 1), predicted * trial, trial)
+            if teach_bias:
+                trial = 1.0 if accepted else stopped  # of the first draft: what the bias is about
+                predicted = self.first.get((width, n), _prior(PRIOR_CONTINUE[n])).p  # before this step
+                self.seq_bias.setdefault(seq_id, _SeqBias()).update(min(accepted, 1), predicted * trial, trial)
         for n in range(1, MAX_MATCH + 1):
-            if any(counts[n]):
-                self.accept[n].update(counts[n], GLOBAL_DECAY)
+            c = counts[n]
+            if c[0] or c[1]:
+                self.first.setdefault((width, n), _prior(PRIOR_CONTINUE[n])).update(c[0], c[1], GLOBAL_DECAY)
+            if c[2] or c[3]:
+                self.cont[n].update(c[2], c[3], GLOBAL_DECAY)
         self._best_p = self._rates = self._depth_levels = None
 
     def _explore_gap(self, bucket: Bucket, width: int) -> int:

@@ -34,6 +34,7 @@ class ShadowSample:
     """What a verify step at the shadow tree's width would have accepted for one sequence."""
 
     seq_id: str
+    width: int  # the tree's nodes, root included
     match_length: int  # of the context the tree was drafted from (uncapped)
     accepted: int  # drafts on the path the committed tokens spell (the bonus token excluded)
     censored: bool  # the path ended at a leaf: the run was not stopped by a rejection
@@ -70,6 +71,7 @@ def walk_tree(kids: Kids, following: Seq[int]) -> tuple[int, bool] | None:
 
 @dataclass(frozen=True)
 class _Shadow:
+    width: int
     start: int  # the context's length when drafted: the tree hangs from token_ids[start - 1]
     match_length: int
     kids: Kids
@@ -77,39 +79,48 @@ class _Shadow:
 
 
 class ShadowDrafts:
-    """Pending shadow trees, at most one per sequence, drafted at ``width`` nodes."""
+    """Pending shadow trees: for a sequence, one per draft width the policy picks from (a narrow
+    tree is not the top of a wide one: its first level is narrower, and so is its acceptance)."""
 
-    def __init__(self, corpus: NgramCorpus, width: int) -> None:
+    def __init__(self, corpus: NgramCorpus, widths: Seq[int]) -> None:
         self.corpus = corpus
-        self.width = width
-        self._pending: dict[str, _Shadow] = {}
+        self.widths = list(widths)
+        self._pending: dict[str, list[_Shadow]] = {}  # seq id -> its trees still undecided
         self._turn = 0  # rotates which members a budget-limited step drafts for first
-        self.tree_cost: float | None = None  # seconds per shadow tree drafted (moving average)
+        self.tree_cost: float | None = None  # seconds per member's trees drafted (moving average)
         self._idle = 0  # calls since a tree was last drafted
 
     def __len__(self) -> int:
         return len(self._pending)
 
     def resolve(self, seqs: Seq[Sequence]) -> list[ShadowSample]:
-        """Walk each member's pending tree against its committed tokens; the decided walks."""
+        """Walk each member's pending trees against its committed tokens; the decided walks."""
         out = []
         pending = self._pending
         for seq in seqs:
-            shadow = pending.get(seq.seq_id)
-            if shadow is None:
+            shadows = pending.get(seq.seq_id)
+            if shadows is None:
                 continue
-            walked = walk_tree(shadow.kids, seq.token_ids[shadow.start :])
-            if walked is not None:
+            left = []
+            for shadow in shadows:
+                walked = walk_tree(shadow.kids, seq.token_ids[shadow.start :])
+                if walked is None:
+                    left.append(shadow)
+                else:
+                    out.append(ShadowSample(seq.seq_id, shadow.width, shadow.match_length, walked[0], walked[1],
+                                            shadow.depth))
+            if left:
+                pending[seq.seq_id] = left
+            else:
                 del pending[seq.seq_id]
-                out.append(ShadowSample(seq.seq_id, shadow.match_length, walked[0], walked[1], shadow.depth))
         return out
 
     def draft(self, seqs: Seq[Sequence], budget: float) -> int:
-        """Draft trees for members without a pending one (in turn) while the measured cost of the
-        next fits in ``budget`` seconds; returns how many were drafted. A member without a match
-        gets none: its tree would be padding, which teaches nothing. Every ``RETRY`` calls that
-        drafted nothing draft one anyway, so that one inflated measurement cannot stop shadowing
-        for good."""
+        """Draft trees (one per width) for members without pending ones (in turn) while the
+        measured cost of the next member's fits in ``budget`` seconds; returns for how many
+        members. A member without a match gets none: its trees would be padding, which teaches
+        nothing. Every ``RETRY`` calls that drafted nothing draft for one member anyway, so that
+        one inflated measurement cannot stop shadowing for good."""
         if not seqs:
             return 0
         t = time.perf_counter()
@@ -125,14 +136,19 @@ class ShadowDrafts:
             seq = seqs[(self._turn + k) % n]
             if seq.seq_id in self._pending or seq.is_finished:
                 continue
-            tokens, parents, match_length = self.corpus.draft(seq.seq_id, seq.token_ids, self.width)
-            if match_length == 0:
-                continue  # (cheap, and not measured: it would pull the cost of a real tree down)
+            shadows = []
+            for width in self.widths:
+                tokens, parents, match_length = self.corpus.draft(seq.seq_id, seq.token_ids, width)
+                if match_length == 0:
+                    break  # (cheap, and not measured: it would pull the cost of real trees down)
+                kids, depth = tree_kids(tokens, parents)
+                shadows.append(_Shadow(width, len(seq.token_ids), match_length, kids, depth))
+            if not shadows:
+                continue
             self._measure(time.perf_counter() - start)
             cost = self.tree_cost or 0.0
             self._idle = 0
-            kids, depth = tree_kids(tokens, parents)
-            self._pending[seq.seq_id] = _Shadow(len(seq.token_ids), match_length, kids, depth)
+            self._pending[seq.seq_id] = shadows
             drafted += 1
         return drafted
 

@@ -75,7 +75,7 @@ class NgramSpecWorker:
             capacity=config.capacity,
         )
         self.policy = AdaptiveDraftPolicy(config.num_draft_tokens, config.adaptive)
-        self.shadows = ShadowDrafts(self.corpus, config.num_draft_tokens)
+        self.shadows = ShadowDrafts(self.corpus, self.policy.widths[1:])
         self.readback_links = False  # benchmark switch: the old path that reads links back first
         self.sync_debug = False  # GPU check: drafting -> verify launch runs under sync debug "error"
         self.last_drafts: dict[str, int] = {}  # seq id -> drafts it accepted in the last verify step
@@ -172,16 +172,17 @@ class NgramSpecWorker:
         the decided ones would have accepted, and draft new ones in ``budget`` seconds
         (``ShadowDrafts``). Only an adaptive policy with a draft width to pick learns; a fixed
         width, or D = 1, needs nothing."""
-        if not self.policy.adaptive or self.shadows.width == 1:
+        if not self.policy.adaptive or not self.shadows.widths:
             return
         t = time.perf_counter()
         shadows, stats = self.shadows, self.engine.stats
         if len(shadows):
             samples = shadows.resolve(seqs)
             stats.shadow_samples += len(samples)
-            self.policy.observe_shadow(shadows.width, [
-                (s.seq_id, s.match_length, s.accepted, s.censored, s.depth) for s in samples
-            ])
+            for width in shadows.widths:
+                self.policy.observe_shadow(width, [
+                    (s.seq_id, s.match_length, s.accepted, s.censored, s.depth) for s in samples if s.width == width
+                ])
         stats.shadow_trees += shadows.draft(seqs, budget - (time.perf_counter() - t))
         stats.shadow_seconds += time.perf_counter() - t
 
