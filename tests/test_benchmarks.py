@@ -47,6 +47,7 @@ def test_calibration_pairs_each_priced_verify_step_with_what_it_accepted() -> No
     out = run_calibration(spec, categories=("code_edit",), max_tokens=24, per_category=1)
     lengths = [k for k in out if k.startswith("match ")]
     assert lengths and sum(out[k]["steps"] for k in lengths) > 0
-    for k in lengths:
-        assert out[k]["expected"] > 0 and 0 <= out[k]["accepted"] <= 7
+    # One pair per exploit or explore verify step (batch 1: one member), never more than ran.
+    assert sum(out[k]["steps"] for k in lengths) <= spec.engine.stats.spec_steps
+    assert all(out[k]["expected"] > 0 and 0 <= out[k]["accepted"] <= 7 for k in lengths)
 

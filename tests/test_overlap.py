@@ -274,7 +274,7 @@ def _timed_policy(plain: float, verify: float) -> AdaptiveDraftPolicy:
 
 def test_ahead_a_member_is_priced_by_what_the_token_in_flight_may_make_of_its_match() -> None:
     """At committed length n > 0 the token in flight continues the match (length n + 1) with the
-    continuation rate of length n, else the member is priced at length 1; from n = 0 it reaches
+    first-draft rate of length n, else the member is priced at length 1; from n = 0 it reaches
     length 1 at most. Values are the policy's own for observed lengths, the member's bias included."""
     policy = _timed_policy(0.01, 0.016)
     policy.seq_bias["a"] = _SeqBias(hits=3.0, predicted=2.0, trials=6.0)  # copies a little better than most

@@ -38,13 +38,13 @@ width could win at all, and after a probe that found nothing worth verifying the
 batch bucket are skipped for ``bucket // 4`` steps, so that a plain stretch of a large batch costs
 no more than plain decoding. While plain wins, the best width is still re-tried now and then when
 some sequence has a 2-token match, so the table's entries for lengths >= 2 cannot get stuck below
-the truth (length 1 can: a batch whose matches are all length 1 is never re-tried); the
-interval between re-tries keeps their cost under ``explore_overhead`` of plain throughput (at
-least ``explore_every`` steps; ~100 steps for a batch of 32 on a GPU, where a verify step costs
-three plain ones). With overlap scheduling a verify step's cost includes the chain it breaks:
-its host work after its commit and what the plain step restarting the chain takes beyond a plain
-step's time. Shadow drafts (``ngrammar.spec.shadow``) teach acceptance from plain steps at no
-device cost (``observe_shadow``); while they keep coming, re-tries are skipped.
+the truth; the interval between re-tries keeps their cost under ``explore_overhead`` of plain
+throughput (at least ``explore_every`` steps; ~100 steps for a batch of 32 on a GPU, where a verify
+step costs three plain ones). With overlap scheduling a verify step's cost includes the chain it
+breaks: its host work after its commit and what the plain step restarting the chain takes beyond a
+plain step's time. Shadow drafts (``ngrammar.spec.shadow``) teach acceptance at every match length
+and width from plain steps at no device cost (``observe_shadow``); while they keep coming, re-tries
+are skipped, except one per ``COST_REFRESH`` steps of a bucket to re-time its verify steps.
 """
 
 from __future__ import annotations
@@ -65,8 +65,12 @@ GLOBAL_DECAY = 0.93  # per learning step (a verify step, or a plain step's shado
 SEQ_DECAY = 0.8  # per learning step of the sequence
 SEQ_SHRINK = 4.0  # pseudo-trials pulling a sequence's bias towards 0 (its first steps are noisy)
 OUTLOOK_ALPHA = 0.2  # per probe: a sequence's outlook follows its match lengths over ~5 steps
-# Shadow samples since a bucket's last re-try of a losing width that make the next re-try needless.
+# Shadow walks (of the widest trees) since a bucket last skipped a re-try of a losing width that
+# let it skip the next one ...
 SHADOW_ENOUGH = 4
+# ... unless no verify step ran in the bucket for this many of its steps: a re-try also re-times
+# the verify steps, whose cost drifts with context length (and an early sample may be a first launch).
+COST_REFRESH = 512
 CRITICAL_SHARE = 0.9  # a draining batch's critical members: projected to need this share of the most steps
 
 
@@ -88,7 +92,7 @@ def _run2(first: float, p: float, levels: float) -> float:
 
 # Why ``choose`` picked its width: "fixed" (not adaptive), "time" (a width's cost is not known yet),
 # "wait" (a probe found nothing worth verifying lately), "hopeless" (no width could win even at the
-# best continuation rate), "no match" (every tree would be padding), "baseline" (plain, re-timed
+# best rates), "no match" (every tree would be padding), "baseline" (plain, re-timed
 # while speculating), "exploit" (a width is expected to win), "explore" (re-trying a losing width),
 # "plain" (plain is expected to win), "empty" (no sequences).
 REASONS = ("fixed", "time", "wait", "hopeless", "no match", "baseline", "exploit", "explore", "plain", "empty")
@@ -269,8 +273,10 @@ class AdaptiveDraftPolicy:
             return 1, "wait"
         bar = self.margin * _rate(costs[1], 1, 0.0)  # a width must beat plain's tokens per second by the margin
         exploring = now >= self._explore_at.get(b, 0)
-        if exploring and self._shadowed - self._shadow_mark.get(b, 0) >= SHADOW_ENOUGH:
-            # Shadow drafts kept the estimates current since the last re-try: none is needed.
+        if (exploring and self._shadowed - self._shadow_mark.get(b, 0) >= SHADOW_ENOUGH
+                and now - max(self._last.get((b, w), -COST_REFRESH) for w in self.widths[1:]) < COST_REFRESH):
+            # Shadow walks kept the acceptance estimates current since the bucket last skipped a
+            # re-try, and a verify step timed the bucket lately: no re-try is needed.
             self._shadow_mark[b] = self._shadowed
             self._explore_at[b] = now + self._explore_gap(b, self.widths[-1])
             exploring = False

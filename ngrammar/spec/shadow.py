@@ -88,7 +88,7 @@ class ShadowDrafts:
         self._pending: dict[str, list[_Shadow]] = {}  # seq id -> its trees still undecided
         self._turn = 0  # rotates which members a budget-limited step drafts for first
         self.tree_cost: float | None = None  # seconds per member's trees drafted (moving average)
-        self._idle = 0  # calls since a tree was last drafted
+        self._idle = 0  # calls since trees were last drafted (or a re-measurement tried)
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -117,21 +117,28 @@ class ShadowDrafts:
 
     def draft(self, seqs: Seq[Sequence], budget: float) -> int:
         """Draft trees (one per width) for members without pending ones (in turn) while the
-        measured cost of the next member's fits in ``budget`` seconds; returns for how many
-        members. A member without a match gets none: its trees would be padding, which teaches
-        nothing. Every ``RETRY`` calls that drafted nothing draft for one member anyway, so that
-        one inflated measurement cannot stop shadowing for good."""
+        measured cost of the next member's fits in ``budget`` seconds; returns how many trees. A
+        member without a match gets none: its trees would be padding, which teaches nothing.
+        Until the cost is measured, and every ``RETRY`` calls that drafted nothing, one member's
+        trees are drafted whatever the budget (members without a match tried before it count
+        against the budget), so that one inflated measurement cannot stop shadowing for good."""
         if not seqs:
             return 0
         t = time.perf_counter()
         n = len(seqs)
         self._turn = (self._turn + 1) % n
         self._idle += 1
-        cost = 0.0 if self.tree_cost is None or self._idle >= RETRY else self.tree_cost
+        probing = self.tree_cost is None or self._idle >= RETRY  # one member's trees, whatever the budget
+        if probing:
+            self._idle = 0
+        cost = 0.0 if self.tree_cost is None else self.tree_cost
         drafted = 0
         for k in range(n):
             start = time.perf_counter()
-            if start - t + cost > budget and not (cost == 0.0 and drafted == 0):
+            if probing and not drafted:
+                if k and start - t > budget:
+                    break  # members without a match cost little each, but not without bound
+            elif start - t + cost > budget:
                 break
             seq = seqs[(self._turn + k) % n]
             if seq.seq_id in self._pending or seq.is_finished:
@@ -149,7 +156,7 @@ class ShadowDrafts:
             cost = self.tree_cost or 0.0
             self._idle = 0
             self._pending[seq.seq_id] = shadows
-            drafted += 1
+            drafted += len(shadows)
         return drafted
 
     def _measure(self, seconds: float) -> None:

@@ -174,6 +174,11 @@ class NgramSpecWorker:
         width, or D = 1, needs nothing."""
         if not self.policy.adaptive or not self.shadows.widths:
             return
+        c = self.config
+        if c.threshold_single < 1.0 or c.threshold_acc < 1.0:
+            # Lenient thresholds accept more than the target's own choice would: a sampled
+            # member's walk would price its verify steps low. Greedy members are unaffected.
+            seqs = [s for s in seqs if s.params.greedy]
         t = time.perf_counter()
         shadows, stats = self.shadows, self.engine.stats
         if len(shadows):
