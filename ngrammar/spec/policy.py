@@ -204,7 +204,7 @@ class AdaptiveDraftPolicy:
     _probe_at: dict[Bucket, int] = field(default_factory=dict)  # bucket -> first step a probe may run again
     _explore_at: dict[Bucket, int] = field(default_factory=dict)  # bucket -> first step exploring may run
     _verified: tuple[Bucket, int, int] | None = None  # the last step observed, if a verify: bucket, width, step
-    _shadowed: int = 0  # shadow samples observed (``observe_shadow``)
+    _shadowed: int = 0  # shadow walks of the widest trees observed (``observe_shadow``)
     _shadow_mark: dict[Bucket, int] = field(default_factory=dict)  # bucket -> _shadowed when it last skipped a re-try
     # Read several times per step, changed only by observe (which clears them):
     _costs: dict[Bucket, dict[int, float | None]] = field(default_factory=dict)  # step_cost results

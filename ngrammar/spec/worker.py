@@ -50,7 +50,7 @@ IDLE_MARGIN = 0.25
 # A commit that waited less than this share of a plain step: the host is the bottleneck.
 HOST_BOUND = 0.05
 # Shadow drafts (``ShadowDrafts``) may take this share of a plain step where the host has no idle
-# time (a CPU, or a host-bound step): about one tree per step at batch 1 on a CPU.
+# time (a CPU, or a host-bound step): about one member's trees per step at batch 1 on a CPU.
 SHADOW_SHARE = 0.005
 
 
@@ -147,7 +147,8 @@ class NgramSpecWorker:
         ``max_catch_up``). Every ``PLAIN_INDEX_RETRY`` skipped steps one sequence of the batch
         (in turn) is indexed anyway, so that one inflated measurement cannot switch plain-step
         indexing off for good (a batch that never verifies would never re-measure it); one,
-        because a whole batch's catch-up is what the rule keeps off a host-bound step."""
+        because a whole batch's catch-up is what the rule keeps off a host-bound step. What the
+        indexing leaves of the idle time goes to shadow drafts (``_shadow_step``)."""
         plain = _plain_step_seconds(self.policy, len(seqs), self._constrained)
         cost = self._index_cost
         idle = 0.0 if plain is None else self._idle_seconds(plain)
