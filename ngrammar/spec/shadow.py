@@ -12,9 +12,10 @@ step's acceptance that costs the device nothing.
 The draft policy otherwise learns acceptance only from verify steps, so while plain decoding wins
 it has to verify now and then to keep its estimates from getting stuck ("explore"): on the H200
 at batch 8 and 32 those verify steps on open-ended text cost a 64-token run 3-16% (session 11).
-``ShadowDrafts`` drafts trees for a few members of a plain batch in the host's spare time and
-hands each resolved walk to ``AdaptiveDraftPolicy.observe_shadow``, which then skips its
-explorations while such samples keep coming.
+``ShadowDrafts`` drafts trees (one per draft width) for a few members of a plain batch in the
+host's spare time and hands each resolved walk to ``AdaptiveDraftPolicy.observe_shadow``, which
+then skips its explorations while such samples keep coming (but for one now and then that
+re-times the verify steps).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Sequence as Seq
 from ngrammar.engine.sequence import Sequence
 from ngrammar.spec.corpus import NgramCorpus
 
-RETRY = 64  # calls without a tree after which one is drafted anyway, re-measuring the cost
+RETRY = 64  # calls without trees after which one member's are drafted anyway, re-measuring the cost
 
 
 @dataclass(frozen=True)
