@@ -12,6 +12,7 @@ from typing import Any
 
 from benchmarks.common import chat, load_workload, print_table
 from ngrammar import LLM, SamplingParams
+from ngrammar.spec.policy import MAX_MATCH
 
 
 def run_calibration(spec: LLM, categories: tuple[str, ...] = ("code_edit", "extraction", "summarization", "rag"),
@@ -33,7 +34,7 @@ def run_calibration(spec: LLM, categories: tuple[str, ...] = ("code_edit", "extr
             if record.kind == "verify" and record.reason in ("exploit", "explore"):
                 for seq_id, (length, expected) in worker.policy.priced.items():
                     if seq_id in worker.last_drafts:
-                        pairs.append((min(length, 4), expected, worker.last_drafts[seq_id]))
+                        pairs.append((min(length, MAX_MATCH), expected, worker.last_drafts[seq_id]))
         eng.step_trace = None
     rows, result = [], {}
     for n in sorted({p[0] for p in pairs}):

@@ -623,21 +623,23 @@ class NgramCorpus:
         tokens: list[int] = []
         parents: list[int] = []
         for req_id, context in zip(req_ids, contexts):
-            tree_tokens, tree_parents, _ = self.draft(req_id, context, d)
+            ((tree_tokens, tree_parents),), _ = self.drafts(req_id, context, (d,))
             tokens += tree_tokens
             parents += tree_parents
         parent_array = np.array(parents, dtype=np.int64).reshape(len(contexts), d)
         return DraftTree.from_parents(np.array(tokens, dtype=np.int64), parent_array)
 
-    def draft(self, req_id: Hashable, context: Sequence[int], d: int) -> tuple[list[int], list[int], int]:
-        """One request's tree of exactly ``d`` nodes as (tokens [d], parents [d], BFS order, padded)
-        and the length of the longest suffix it was drafted from (0: the tree is padding). That
-        length is ``match_length`` uncapped, except where an eviction broke the nesting of windows."""
+    def drafts(
+        self, req_id: Hashable, context: Sequence[int], widths: Sequence[int]
+    ) -> tuple[list[tuple[list[int], list[int]]], int]:
+        """One tree (tokens, parents) per width from one match of the context, and the length of
+        the longest suffix they were drafted from (0: the trees are padding). That length is
+        ``match_length`` uncapped, except where an eviction broke the nesting of windows."""
         if len(context) == 0:
             raise ValueError(f"request {req_id!r} has an empty context; the root needs its last token")
         anchors = self._anchors(req_id, context)
-        tokens, parents = self._draft(int(context[-1]), anchors, d)
-        return tokens, parents, anchors[0][1] if anchors else 0
+        root = int(context[-1])
+        return [self._draft(root, anchors, d) for d in widths], anchors[0][1] if anchors else 0
 
     def erase_match_state(self, req_ids: Sequence[Hashable]) -> None:
         """Forget departed requests: their match and insert cursors (the trie keeps their n-grams)."""

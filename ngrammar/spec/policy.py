@@ -530,6 +530,7 @@ class AdaptiveDraftPolicy:
         biases (shadow walks come at every width at once; only the widest teaches them, so that
         one plain step does not count several times)."""
         counts = [[0.0] * 4 for _ in range(MAX_MATCH + 1)]  # first hits, first stops, hits, stops
+        before = self._continuation(width)  # what the rates predicted (the bias is measured against it)
         for seq_id, n, accepted, censored, depth in samples:
             n = min(n, MAX_MATCH)
             if n == 0:
@@ -546,8 +547,7 @@ class AdaptiveDraftPolicy:
                 c[1] += stopped
             if teach_bias:
                 trial = 1.0 if accepted else stopped  # of the first draft: what the bias is about
-                predicted = self.first.get((width, n), _prior(PRIOR_CONTINUE[n])).p  # before this step
-                self.seq_bias.setdefault(seq_id, _SeqBias()).update(min(accepted, 1), predicted * trial, trial)
+                self.seq_bias.setdefault(seq_id, _SeqBias()).update(min(accepted, 1), before[n][0] * trial, trial)
         for n in range(1, MAX_MATCH + 1):
             c = counts[n]
             if c[0] or c[1]:

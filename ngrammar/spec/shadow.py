@@ -103,8 +103,9 @@ class ShadowDrafts:
             if shadows is None:
                 continue
             left = []
+            following = seq.token_ids[shadows[0].start :]  # a member's trees share their root
             for shadow in shadows:
-                walked = walk_tree(shadow.kids, seq.token_ids[shadow.start :])
+                walked = walk_tree(shadow.kids, following)
                 if walked is None:
                     left.append(shadow)
                 else:
@@ -144,15 +145,11 @@ class ShadowDrafts:
             seq = seqs[(self._turn + k) % n]
             if seq.seq_id in self._pending or seq.is_finished:
                 continue
-            shadows = []
-            for width in self.widths:
-                tokens, parents, match_length = self.corpus.draft(seq.seq_id, seq.token_ids, width)
-                if match_length == 0:
-                    break  # (cheap, and not measured: it would pull the cost of real trees down)
-                kids, depth = tree_kids(tokens, parents)
-                shadows.append(_Shadow(width, len(seq.token_ids), match_length, kids, depth))
-            if not shadows:
-                continue
+            trees, match_length = self.corpus.drafts(seq.seq_id, seq.token_ids, self.widths)
+            if match_length == 0:
+                continue  # (cheap, and not measured: it would pull the cost of real trees down)
+            shadows = [_Shadow(width, len(seq.token_ids), match_length, *tree_kids(tokens, parents))
+                       for width, (tokens, parents) in zip(self.widths, trees)]
             self._measure(time.perf_counter() - start)
             cost = self.tree_cost or 0.0
             self._idle = 0
