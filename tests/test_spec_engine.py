@@ -7,6 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ngrammar import LLM, SamplingParams
 from ngrammar.engine.sequence import Sequence
@@ -204,6 +206,27 @@ def test_sequences_without_a_match_are_not_verified_and_rarely_probed() -> None:
     assert len(probes) <= timing + (200 - timing) / 8 + 1
 
 
+def test_probes_are_spaced_to_cost_a_small_share_of_plain_steps() -> None:
+    """A probe that finds nothing holds the next ones off for bucket // 4 steps, or for as many as
+    keep the probes' host time under ``probe_share`` of plain decoding: with plain steps timed at a
+    microsecond (far less than any probe's host time), probes become rare."""
+    ids = [f"s{i}" for i in range(8)]
+    counts = []
+    for plain_seconds in (0.05, 1e-6):
+        policy = AdaptiveDraftPolicy(max_width=8)
+        probes: list[int] = []
+        for step in range(200):
+            width = policy.choose(ids, lambda: probes.append(step) or [0] * len(ids))
+            policy.observe(8, width, plain_seconds if width == 1 else 3 * plain_seconds,
+                           None if width == 1 else {s: 0 for s in ids})
+        assert policy.probe_cost is not None and policy.probe_cost > 0
+        counts.append(len(probes))
+    timing = 3 * 2  # widths 4 and 8 and plain, each timed twice
+    # bucket // 4 = 2 steps apart while a probe costs far under 2% of a 50 ms plain step
+    assert (200 - timing) / 2 - 5 <= counts[0] <= timing + (200 - timing) / 2 + 1
+    assert counts[1] <= timing + 10
+
+
 def test_losing_widths_are_retried_less_often_the_more_a_retry_costs() -> None:
     ids = [f"s{i}" for i in range(32)]
     timing = 3 * 2  # widths 4 and 8 and plain, each timed twice
@@ -380,6 +403,43 @@ def test_a_shallow_tree_is_not_priced_as_a_chain() -> None:
         policy.observe(1, 16, 0.05, {"s": 1}, censored={"s"}, depths={"s": 2})
     assert policy.expected_drafts("s", 1, 16) <= 2.0
     assert policy._levels(4)[1] == 3.0  # width 4 has no depth learned: priced as a chain of 3 levels
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 15), st.booleans(), st.integers(0, 9)),
+                min_size=1, max_size=12),
+       st.lists(st.integers(0, 6), min_size=1, max_size=6), st.booleans())
+def test_expected_drafts_equal_the_two_rate_run_formula(
+    steps: list[tuple[int, int, bool, int]], lengths: list[int], ahead: bool
+) -> None:
+    """``_expected`` prices each member from precomputed (rate, gain) tables with the clamp inlined;
+    it must equal the two-rate run ``_run2(clamp(f + bias), clamp(p), levels)`` written out, and,
+    ``ahead``, its mix of the member's match continuing (length n + 1) or not (length 1)."""
+    from ngrammar.spec.policy import MAX_MATCH, _clamp, _run2
+
+    policy = AdaptiveDraftPolicy(max_width=16)
+    ids = [f"s{i}" for i in range(len(lengths))]
+    for k, (n, accepted, censored, depth) in enumerate(steps):
+        seq = ids[k % len(ids)]
+        policy._lengths[seq] = n
+        width = policy.widths[1 + k % (len(policy.widths) - 1)]
+        policy.observe(1, width, 0.05, {seq: min(accepted, width - 1)},
+                       censored={seq} if censored else set(), depths={seq: depth})
+    got = policy._expected(ids, lengths, ahead=ahead)
+
+    def run(width: int, n: int, shift: float) -> float:
+        f, p = policy._continuation(width)[n]
+        return _run2(_clamp(f + shift), _clamp(p), policy._levels(width)[n])
+
+    for w in policy.widths[1:]:
+        for i, (seq, n) in enumerate(zip(ids, lengths)):
+            shift = policy.seq_bias[seq].value if seq in policy.seq_bias else 0.0
+            if ahead:
+                hit = _clamp(policy._continuation(16)[min(n, MAX_MATCH)][0] + shift) if n else 0.0
+                want = hit * run(w, min(n + 1, MAX_MATCH), shift) + (1 - hit) * run(w, 1, shift)
+            else:
+                want = run(w, min(n, MAX_MATCH), shift) if n else 0.0
+            assert got[w][i] == pytest.approx(want, rel=1e-12, abs=1e-12)
 
 
 def test_plain_steps_index_the_output_so_a_repetition_is_matched() -> None:

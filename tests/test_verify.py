@@ -12,6 +12,7 @@ from ngrammar.spec.verify import (
     TreeAcceptResult,
     sample_from_probs,
     tree_speculative_sampling_target_only,
+    unpack_accepted,
     verify_tree_greedy,
 )
 
@@ -222,6 +223,22 @@ def test_greedy_batch_rows_differ() -> None:
         [12, -1, -1, -1, -1, -1],
     ]
     assert result.bonus.tolist() == [7, 5, 42]
+
+
+def test_packed_result_reads_back_as_its_three_tensors() -> None:
+    """The one tensor a verify step reads back (CUDA-graph acceptance packs it on the device)
+    unpacks into exactly accept_tokens, accept_len and accept_nodes, row by row."""
+    candidates, mask = batch_tensors([(HAND_PARENTS, HAND_TOKENS)] * 3)
+    predict = torch.tensor([[10, 12, 0, 13, 7, 0], [11, 12, 5, 13, 7, 0], [42, 12, 5, 13, 7, 0]])
+    result = verify_tree_greedy(candidates, mask, predict)
+    packed = result.packed()
+    assert packed.shape == (3, 13) and packed.dtype == torch.int64
+    tokens, lens, nodes = unpack_accepted(packed)
+    assert tokens == result.accept_tokens.tolist()
+    assert lens == result.accept_len.tolist() == [4, 2, 1]
+    assert nodes == result.accept_nodes.tolist()
+    head = unpack_accepted(result.head(2).packed())
+    assert head == (tokens[:2], lens[:2], nodes[:2])
 
 
 def test_greedy_matches_reference_on_random_trees() -> None:

@@ -29,8 +29,10 @@ Acceptance graphs
 -----------------
 With an ``acceptor`` (the NGRAM worker's greedy tree acceptance), every verify width W > 1 also gets a
 second, small graph per bucket: ``acceptor(ids [bucket, W], tree mask [bucket, W, W], logits
-[bucket * W, V])`` over the same static buffers, replayed after the host has masked the logits in
-place with the grammar (``accept``). It turns ~45 tiny acceptance kernels into one launch.
+[bucket * W, V], slots [bucket, W])`` over the same static buffers, replayed after the host has
+masked the logits in place with the grammar (``accept``). It turns the ~45 tiny acceptance kernels,
+the KV compaction after them and the packing of what the host reads into one launch: on the H200
+those ~10 eager compaction kernels alone held the host ~0.47 ms per batch-1 verify step (session 13).
 
 Host maxima and the attention plan
 ----------------------------------
@@ -175,7 +177,8 @@ class CUDAGraphRunner:
     capture: True: capture CUDA graphs (CUDA device and a capturable backend). False: run the same
         static path eagerly.
     acceptor: optional device-only function (candidates [bucket, W] int64, tree mask [bucket, W, W]
-        bool, logits [bucket * W, V] float32) -> result, captured per (bucket, W > 1); see ``accept``.
+        bool, logits [bucket * W, V] float32, KV slots [bucket, W] int64 of the step's tokens) ->
+        result, captured per (bucket, W > 1); see ``accept``.
     """
 
     def __init__(
@@ -186,7 +189,7 @@ class CUDAGraphRunner:
         kv_len_bound: int,
         dummy_page: int,
         capture: bool = True,
-        acceptor: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any] | None = None,
+        acceptor: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Any] | None = None,
     ) -> None:
         self.runner = runner
         self.acceptor = acceptor
@@ -310,7 +313,7 @@ class CUDAGraphRunner:
         candidates = d.ids[:tokens].view(entry.bucket, w)
         mask = d.tree_mask[: tokens * w].view(entry.bucket, w, w)
         assert self.acceptor is not None
-        return self.acceptor(candidates, mask, self._logits[:tokens])
+        return self.acceptor(candidates, mask, self._logits[:tokens], d.slots[:tokens].view(entry.bucket, w))
 
     def padding_graph(self, batch_size: int, width: int) -> Any:
         """For benchmarks: the captured graph of (bucket of ``batch_size``, ``width``) with every row of

@@ -35,8 +35,8 @@ than a plain step at the same batch size. Three things decide it, each measured 
 Each step takes the width with the best expected tokens per second, and speculates only when that
 beats plain decoding by ``margin`` (timings are noisy). The match lengths are probed only when some
 width could win at all, and after a probe that found nothing worth verifying the next probes in that
-batch bucket are skipped for ``bucket // 4`` steps, so that a plain stretch of a large batch costs
-no more than plain decoding. While plain wins, the best width is still re-tried now and then when
+batch bucket are skipped for ``bucket // 4`` steps, or as many as keep the probes' measured host time
+under ``probe_share`` of plain decoding, so that a plain stretch costs no more than plain decoding. While plain wins, the best width is still re-tried now and then when
 some sequence has a 2-token match, so the table's entries for lengths >= 2 cannot get stuck below
 the truth; the interval between re-tries keeps their cost under ``explore_overhead`` of plain
 throughput (at least ``explore_every`` steps; ~100 steps for a batch of 32 on a GPU, where a verify
@@ -50,6 +50,7 @@ are skipped, except one per ``COST_REFRESH`` steps of a bucket to re-time its ve
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Mapping, Sequence
@@ -191,6 +192,8 @@ class AdaptiveDraftPolicy:
     explore_overhead: float = 0.02  # re-tries may cost at most this share of plain throughput
     baseline_every: int = 8  # plain steps are re-measured this often while speculating
     margin: float = 1.15  # speculate only when expected this much faster than plain
+    probe_share: float = 0.02  # probes that find nothing may cost at most this share of plain steps
+    probe_cost: float | None = None  # host seconds per probe (moving average; see ``_probe_gap``)
     step_time: dict[tuple[Bucket, int], _Recent] = field(default_factory=dict)  # (bucket, width) -> s / step
     # (width, match length) -> the first draft's acceptance; match length -> the run's continuation
     first: dict[tuple[int, int], _Rate] = field(init=False)
@@ -211,6 +214,7 @@ class AdaptiveDraftPolicy:
     _best_p: tuple[float, float] | None = None  # the highest first-draft and continuation rates
     _rates: dict[int, list[tuple[float, float]]] | None = None  # width -> match length -> (first, continuation)
     _depth_levels: dict[int, list[float]] | None = None  # width -> match length -> run levels (lazy)
+    _gain_table: dict[int, list[tuple[float, float]]] | None = None  # width -> match length -> (f, gain)
 
     reason: str = ""  # why the last choose returned what it did (one of REASONS)
     # For the last exploit or explore decision: seq id -> (match length, accepted drafts expected)
@@ -287,9 +291,10 @@ class AdaptiveDraftPolicy:
             first, p = _clamp(self._best_p[0] + max(bias, 0.0)), _clamp(self._best_p[1])
             if not any(_rate(costs[w], w, _run2(first, p, w - 1)) > bar for w in self.widths[1:]):
                 return 1, "hopeless"  # no width could win even at the best match length: skip the probe
+        probed = time.perf_counter()
         lengths, expected = self._probe(seq_ids, match_lengths, ahead)
         if expected is None:  # every tree would be padding: nothing to gain, nothing to explore
-            self._probe_at[b] = now + b[0] // 4
+            self._probe_at[b] = now + self._probe_gap(b, costs[1], probed)
             return 1, "no match"
         rem = None if remaining is None else remaining()
         critical = None if rem is None else self._critical(seq_ids, rem)
@@ -303,10 +308,26 @@ class AdaptiveDraftPolicy:
         if exploring and max(lengths) >= 2:
             self.priced = dict(zip(seq_ids, zip(lengths, expected[best])))
             return best, "explore"  # plain is winning: re-try speculation now and then, where there is a match
-        self._probe_at[b] = now + b[0] // 4
+        self._probe_at[b] = now + self._probe_gap(b, costs[1], probed)
         if exploring:
             self._explore_at[b] = now + self.explore_every
         return 1, "plain"
+
+    def _probe_gap(self, bucket: Bucket, plain: float | None, since: float) -> int:
+        """Steps to skip probing after a probe (begun at ``since``, ``time.perf_counter``) that found
+        nothing worth verifying: ``bucket // 4``, or more where probing that often would take more
+        than ``probe_share`` of plain decoding's time. A probe is host Python over every member
+        (match lengths, then pricing each at every width), and where the host has little idle
+        time it lengthens the step: on the H200 at batch 8 (session 13) the chained plain steps
+        that probed took ~0.15 ms longer than the same steps of an engine that never probes
+        (D = 1), on a ~0.9 ms step."""
+        seconds = time.perf_counter() - since
+        old = self.probe_cost
+        # Host time only spikes upwards (a page fault, a GC pause): follow a cheaper sample at once.
+        self.probe_cost = seconds if old is None or seconds < old else old + 0.2 * (seconds - old)
+        if not plain:
+            return bucket[0] // 4
+        return max(bucket[0] // 4, int(self.probe_cost / (self.probe_share * plain)))  # a gap of 0: probe again next time
 
     def step_cost(self, bucket: Bucket, width: int) -> float | None:
         """Seconds per step at this bucket and width (normalized to the bucket size): measured
@@ -388,26 +409,47 @@ class AdaptiveDraftPolicy:
         bias = self.seq_bias
         widths = self.widths[1:] if widths is None else widths
         out = {w: [0.0] * len(seq_ids) for w in widths}
-        columns = [(out[w], self._levels(w), self._continuation(w)) for w in widths]
+        columns = [(out[w], self._gains(w)) for w in widths]
         # Whether the token in flight continues a match: any continuation, as the widest tree's first level.
         widest = self._continuation(self.widths[-1])
+        top = MAX_CONTINUE
         for i, (seq_id, n) in enumerate(zip(seq_ids, lengths)):
             own = bias.get(seq_id)
             shift = 0.0 if own is None else own.value
+            # _run2(_clamp(f + shift), p, levels) == _clamp(f + shift) * gain (``_gains``), with
+            # _clamp inlined: this loop runs for every member on most decode steps.
             if ahead:
-                hit = _clamp(widest[min(n, MAX_MATCH)][0] + shift) if n else 0.0
+                hit = min(max(widest[min(n, MAX_MATCH)][0] + shift, 0.0), top) if n else 0.0
                 up = min(n + 1, MAX_MATCH)
-                for column, depth, rate in columns:
-                    f_up, p_up = _clamp(rate[up][0] + shift), _clamp(rate[up][1])
-                    f_one, p_one = _clamp(rate[1][0] + shift), _clamp(rate[1][1])
-                    column[i] = hit * _run2(f_up, p_up, depth[up]) + (1.0 - hit) * _run2(f_one, p_one, depth[1])
+                for column, gains in columns:
+                    f_up, g_up = gains[up]
+                    f_one, g_one = gains[1]
+                    column[i] = (hit * min(max(f_up + shift, 0.0), top) * g_up
+                                 + (1.0 - hit) * min(max(f_one + shift, 0.0), top) * g_one)
                 continue
             if not n:
                 continue  # no match: a padding-only tree accepts nothing
             n = min(n, MAX_MATCH)
-            for column, depth, rate in columns:
-                column[i] = _run2(_clamp(rate[n][0] + shift), _clamp(rate[n][1]), depth[n])
+            for column, gains in columns:
+                f, g = gains[n]
+                column[i] = min(max(f + shift, 0.0), top) * g
         return out
+
+    def _gains(self, width: int) -> list[tuple[float, float]]:
+        """match length -> (first-draft rate f, gain g) at this width, where a run of first draft
+        chance ``first`` is expected to accept ``first * g`` drafts: g = 1 + p + ... over the run's
+        levels (``_run2`` with its ``first`` factored out; 0 without levels). Cached until the next
+        observe."""
+        if self._gain_table is None:
+            self._gain_table = {}
+        gains = self._gain_table.get(width)
+        if gains is None:
+            levels = self._levels(width)
+            gains = self._gain_table[width] = [
+                (f, 1.0 + _run(_clamp(p), levels[n] - 1.0) if levels[n] > 0.0 else 0.0)
+                for n, (f, p) in enumerate(self._continuation(width))
+            ]
+        return gains
 
     def _continuation(self, width: int) -> list[tuple[float, float]]:
         """Each match length's first-draft and continuation rates at this width, the prior's where
@@ -554,7 +596,7 @@ class AdaptiveDraftPolicy:
                 self.first.setdefault((width, n), _prior(PRIOR_CONTINUE[n])).update(c[0], c[1], GLOBAL_DECAY)
             if c[2] or c[3]:
                 self.cont[n].update(c[2], c[3], GLOBAL_DECAY)
-        self._best_p = self._rates = self._depth_levels = None
+        self._best_p = self._rates = self._depth_levels = self._gain_table = None
 
     def _explore_gap(self, bucket: Bucket, width: int) -> int:
         return self.explore_interval(bucket, width) if self.step_cost(bucket, 1) is not None else self.explore_every

@@ -39,6 +39,19 @@ class TreeAcceptResult:
         return TreeAcceptResult(self.accept_index[:bs], self.accept_len[:bs], self.accept_tokens[:bs],
                                 self.accept_nodes[:bs], self.bonus[:bs])
 
+    def packed(self) -> torch.Tensor:
+        """[bs, 2D + 1] int64: accept_tokens | accept_len | accept_nodes, what the host reads of a
+        verify step, in one tensor so that the read is one copy (``unpack_accepted``)."""
+        return torch.cat([self.accept_tokens, self.accept_len[:, None], self.accept_nodes], dim=1)
+
+
+def unpack_accepted(packed: torch.Tensor) -> tuple[list[list[int]], list[int], list[list[int]]]:
+    """Host lists (accept_tokens [bs][D], accept_len [bs], accept_nodes [bs][D]) of a
+    ``TreeAcceptResult.packed`` tensor read back to the host."""
+    d = (packed.shape[1] - 1) // 2
+    rows = packed.tolist()
+    return [r[:d] for r in rows], [r[d] for r in rows], [r[d + 1 :] for r in rows]
+
 
 @dataclass
 class _TreeStructure:

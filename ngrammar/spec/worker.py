@@ -33,6 +33,7 @@ from ngrammar.spec.tree import DraftTree, derive_tree_links
 from ngrammar.spec.verify import (
     TreeAcceptResult,
     tree_speculative_sampling_target_only,
+    unpack_accepted,
     verify_tree_greedy_from_logits,
 )
 
@@ -89,8 +90,6 @@ class NgramSpecWorker:
         self._index_cost: float | None = None  # seconds per token indexed (moving average)
         self._plain_skips = 0  # plain steps that skipped indexing (every PLAIN_INDEX_RETRY-th re-measures)
         self._plain_host_seconds = 0.0  # host time the last plain step spent indexing and shadow drafting
-        # Captured by the CUDA-graph runner next to each verify graph (greedy batches use it).
-        self.graph_acceptor = verify_tree_greedy_from_logits
 
     # ------------------------------------------------------- corpus upkeep
     def on_admit(self, seq: Sequence) -> None:
@@ -246,6 +245,19 @@ class NgramSpecWorker:
                             self._tree_depths, restart)
 
     # --------------------------------------------------------------- step
+    def graph_acceptor(
+        self, candidates: torch.Tensor, mask: torch.Tensor, logits: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[TreeAcceptResult, torch.Tensor]:
+        """What the CUDA-graph runner captures after each verify graph, for greedy batches: the
+        acceptance, the accepted paths' KV moved next to their prefixes, and the result packed
+        for the one read (``TreeAcceptResult.packed``). candidates [bucket, W], mask [bucket, W, W],
+        logits [bucket * W, V], slots [bucket, W]. The move covers all W positions: a graph cannot
+        size it by the deepest tree (a host value), and the positions past a path move onto
+        themselves."""
+        result = verify_tree_greedy_from_logits(candidates, mask, logits)
+        self.engine.runner.compact_accepted_kv(slots, result.accept_nodes, result.accept_len)
+        return result, result.packed()
+
     def run_verify(self, seqs: list[Sequence], width: int) -> None:
         eng, runner = self.engine, self.engine.runner
         t0 = time.perf_counter()
@@ -264,23 +276,25 @@ class NgramSpecWorker:
             if self.readback_links:
                 self._read_links_back(tree)
             logits = eng.timed_forward(step)  # [B*D, V]; launched before any host-side tree work
-            slots = runner.last_slots().view(len(seqs), width)  # [B, D] this forward's KV slots
         self.index_outputs(seqs, self._index_budget(len(seqs)))
         t1 = time.perf_counter()
         self._apply_grammar(seqs, tree, logits)
         eng.stats.grammar_seconds += time.perf_counter() - t1
-        if graph_accept:
-            assert runner.graphs is not None
-            result = runner.graphs.accept(len(seqs), width).head(len(seqs))
-        else:
-            result = self._accept(seqs, candidates, meta_mask, logits, width, greedy)
+        tree_depths = depths.max(axis=1).tolist()  # [B] levels below each root
         # The accepted paths' KV moves next to their prefixes on the device, before the read: the
         # host never computes slots, and the copy is queued while the verify forward still runs.
-        # A path is at most as long as the deepest tree: only those positions can move.
-        tree_depths = depths.max(axis=1).tolist()  # [B] levels below each root
-        runner.compact_accepted_kv(slots, result.accept_nodes[:, : max(tree_depths) + 1], result.accept_len)
+        if graph_accept:  # acceptance, the move and the packing: one graph launch
+            assert runner.graphs is not None
+            accepted, packed = runner.graphs.accept(len(seqs), width)
+            result, packed = accepted.head(len(seqs)), packed[: len(seqs)]
+        else:
+            result = self._accept(seqs, candidates, meta_mask, logits, width, greedy)
+            # A path is at most as long as the deepest tree: only those positions can move.
+            slots = runner.last_slots().view(len(seqs), width)  # [B, D] this forward's KV slots
+            runner.compact_accepted_kv(slots, result.accept_nodes[:, : max(tree_depths) + 1], result.accept_len)
+            packed = result.packed()
         lp = eng.logprob_tensors(seqs, logits, result.accept_index, result.accept_tokens)
-        host = runner.to_host(result.accept_tokens, result.accept_len, result.accept_nodes, *lp)
+        host = runner.to_host(packed, *lp)
         self._commit(seqs, tree, tree_depths, host)
         eng.stats.spec_steps += 1
         eng.stats.verify_seconds += time.perf_counter() - t0
@@ -357,11 +371,11 @@ class NgramSpecWorker:
 
     def _commit(self, seqs: list[Sequence], tree: DraftTree, tree_depths: list[int], host: list[torch.Tensor]) -> None:
         """Append each sequence's accepted run; ``tree_depths`` [B]: how many levels each tree has
-        below its root."""
+        below its root; ``host``: the packed result (``TreeAcceptResult.packed``), then logprobs."""
         eng = self.engine
         width = tree.draft_token_num
-        tokens, lens, nodes = host[0].tolist(), host[1].tolist(), host[2].tolist()
-        logprobs = eng.unpack_logprobs(seqs, host[3:], lens)
+        tokens, lens, nodes = unpack_accepted(host[0])
+        logprobs = eng.unpack_logprobs(seqs, host[1:], lens)
         # has_child[b, i]: node i has a child in its tree; a run ending at a childless node did
         # not stop at a rejection (the policy must not count it as one).
         parents = tree.parents()
