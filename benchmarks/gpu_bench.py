@@ -201,6 +201,7 @@ def _trace_summary(trace: list[StepRecord]) -> dict[str, dict[str, Any]]:
     return {k: {"n": len(rs), "total_ms": round(1e3 * sum(r.seconds for r in rs), 3),
                 "median_ms": round(1e3 * statistics.median(r.seconds for r in rs), 3),
                 "host_ms": round(1e3 * sum(r.host_seconds for r in rs), 3),
+                "shadow_ms": round(1e3 * sum(getattr(r, "shadow_seconds", 0.0) for r in rs), 3),
                 "reasons": dict(Counter(r.reason for r in rs if r.reason))} for k, rs in kinds.items()}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 from types import SimpleNamespace
 
@@ -89,7 +90,7 @@ def test_the_step_trace_records_every_step_by_kind(spec_llm: LLM) -> None:
     assert {r.reason for r in trace if r.kind != "prefill"} == {"fixed"}  # the fixture is not adaptive
     assert all(r.reason == "" for r in trace if r.kind in ("prefill", "idle"))
     assert all(r.width == 1 for r in trace if r.kind != "verify")
-    assert all(r.seconds > 0 and 0 <= r.host_seconds <= r.seconds for r in trace)
+    assert all(r.seconds > 0 and 0 <= r.shadow_seconds <= r.host_seconds <= r.seconds for r in trace)
     assert all(a.start + a.seconds <= b.start for a, b in zip(trace, trace[1:]))
 
 
@@ -489,7 +490,9 @@ def test_plain_steps_index_while_the_host_would_wait_for_the_device(spec_llm: LL
                      eng.tokenizer, seed=0) for i in range(2)]
     saved = (worker.engine, worker.policy, worker._constrained, worker._plain_skips, worker._index_cost,
              worker._plain_host_seconds)
-    stub = SimpleNamespace(read_wait=0.0, stats=eng.stats, device=torch.device("cpu"))
+    stats = copy.copy(eng.stats)
+    stats.last_step_seconds = 0.004  # the last plain step took a plain step's time: its work was hidden
+    stub = SimpleNamespace(read_wait=0.0, stats=stats, device=torch.device("cpu"))
 
     def indexed() -> list[int]:
         return [len(s.token_ids) - worker.corpus.indexed_length(s.seq_id) for s in seqs]  # tokens behind
@@ -506,8 +509,22 @@ def test_plain_steps_index_while_the_host_would_wait_for_the_device(spec_llm: LL
         for s in seqs:
             s.token_ids.append(7)
         worker._index_cost, stub.read_wait = 1e-3, 0.001  # what indexing left of the wait, plus its own time: too little
+        worker._plain_host_seconds = 0.0005
         worker.index_plain_step(seqs)
         assert indexed() == [1, 1]
+        # The last step's own work counts as idle time when it was hidden (the step took a plain
+        # step's time): 1 + 2.5 - 1 ms leaves room for 2 ms of indexing ...
+        worker._index_cost, stub.read_wait, worker._plain_host_seconds = 1e-3, 0.001, 0.0025
+        worker.index_plain_step(seqs)
+        assert indexed() == [0, 0]
+        # ... and not when that step took longer than plain steps do: the work delayed it.
+        for s in seqs:
+            s.token_ids.append(7)
+        stats.last_step_seconds = 0.0065
+        worker._index_cost, stub.read_wait, worker._plain_host_seconds = 1e-3, 0.001, 0.0025
+        worker.index_plain_step(seqs)
+        assert indexed() == [1, 1]
+        stats.last_step_seconds = 0.004
         # A host-bound step (no wait) whose indexing took long: that time was not idle, no indexing.
         worker._plain_host_seconds, stub.read_wait, worker._index_cost = 0.01, 0.0, 1e-3
         worker.index_plain_step(seqs)

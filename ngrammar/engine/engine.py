@@ -87,6 +87,7 @@ class StepRecord:
     seconds: float  # the engine step's wall time
     host_seconds: float  # of which host drafting / corpus indexing and grammar masks
     reason: str = ""  # decode steps with NGRAM: why the draft policy chose the width (``policy.REASONS``)
+    shadow_seconds: float = 0.0  # of ``host_seconds``, shadow drafts (``NgramSpecWorker._shadow_step``)
 
 
 @dataclass
@@ -291,7 +292,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled forward; returns outputs of requests that progressed or finished."""
         start = self._step_start = time.perf_counter()
-        host = self._host_seconds()
+        host, shadow = self._host_seconds(), self.stats.shadow_seconds
         if self._in_flight is not None and self._chain_decode():
             kind, size, width = "chain", len(self._in_flight.seqs), 1
         else:
@@ -304,7 +305,8 @@ class LLMEngine:
             host = self._host_seconds() - host
             # The policy's last decision is this step's: the schedule's, or the chain's decided ahead.
             reason = self.spec.policy.reason if self.spec is not None and kind in ("chain", "decode", "verify") else ""
-            self.step_trace.append(StepRecord(kind, size, width, start, self.stats.last_step_seconds, host, reason))
+            self.step_trace.append(StepRecord(kind, size, width, start, self.stats.last_step_seconds, host, reason,
+                                              self.stats.shadow_seconds - shadow))
         outputs = self._collect_outputs()
         if kind == "verify":
             self._verify_tail = time.perf_counter() - self._last_commit
