@@ -321,6 +321,25 @@ def test_apply_bitmask_matches_xgrammar(rows: int, vocab: int) -> None:
     assert not torch.isinf(ours[2, 31]) and torch.isinf(ours[2, :31]).all()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows,vocab", [(1, VOCAB), (16, VOCAB), (48, 1000)])
+def test_apply_bitmask_on_cuda_matches_the_tensor_ops(rows: int, vocab: int) -> None:
+    """The CUDA path (xgrammar's Triton kernel) masks exactly what the CPU tensor ops mask, on a
+    row slice of a larger logits buffer as the CUDA-graph runner hands it out."""
+    gen = torch.Generator().manual_seed(rows + vocab)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (rows, (vocab + 31) // 32), dtype=torch.int32, generator=gen)
+    bitmask[0] = 0
+    logits = torch.randn(rows + 3, vocab, generator=gen)
+    want = logits[:rows].clone()
+    apply_bitmask(want, bitmask)
+    buffer = logits.cuda()
+    apply_bitmask(buffer[:rows], bitmask.cuda())
+    assert torch.equal(buffer[:rows].cpu(), want)
+    assert torch.equal(buffer[rows:].cpu(), logits[rows:])  # rows past the slice untouched
+    assert torch.isinf(want[0]).all()
+
+
 def test_apply_bitmask_from_a_matcher(backend: GrammarBackend) -> None:
     matcher = backend.new_matcher(backend.compile(regex(r"^\d{3}$")))
     bitmask = allocate_bitmask(2, VOCAB)
