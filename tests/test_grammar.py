@@ -325,8 +325,8 @@ def test_apply_bitmask_matches_xgrammar(rows: int, vocab: int) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("rows,vocab", [(1, VOCAB), (16, VOCAB), (48, 1000)])
 def test_apply_bitmask_on_cuda_matches_the_tensor_ops(rows: int, vocab: int) -> None:
-    """The CUDA path (xgrammar's Triton kernel) masks exactly what the CPU tensor ops mask, on a
-    row slice of a larger logits buffer as the CUDA-graph runner hands it out."""
+    """On CUDA the mask covers exactly what it covers on the CPU, on a row slice of a larger
+    logits buffer as the CUDA-graph runner hands it out."""
     gen = torch.Generator().manual_seed(rows + vocab)
     bitmask = torch.randint(-(2**31), 2**31 - 1, (rows, (vocab + 31) // 32), dtype=torch.int32, generator=gen)
     bitmask[0] = 0
