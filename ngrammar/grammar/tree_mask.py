@@ -59,9 +59,9 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
 
     Plain tensor ops (three kernels), so it runs on any device; the bitmask must be on the logits'
     device. The bitmask must cover every logits column: a column without a bit would escape the
-    grammar. (On CUDA, xgrammar's one-launch Triton kernel was tried instead and halved constrained
-    decoding at batch 32 on the H200: plain + json_object 15,449 tok/s, against 26,047-27,586 with
-    these ops in the same session's other runs; session 13.)
+    grammar. (On CUDA, xgrammar's one-launch Triton kernel was tried instead, session 13: in the one
+    run that measured it, every constrained figure at batch 32 on the H200 was about halved, e.g.
+    plain + json_object 15,449 tok/s against 26,047-29,378 with these ops in four other runs.)
     """
     rows, vocab = logits.shape
     if bitmask.shape[0] != rows or bitmask.shape[1] * BITS < vocab:
