@@ -213,17 +213,17 @@ def test_probes_are_spaced_to_cost_a_small_share_of_plain_steps() -> None:
     microsecond (far less than any probe's host time), probes become rare."""
     ids = [f"s{i}" for i in range(8)]
     counts = []
-    for plain_seconds in (0.05, 1e-6):
+    for plain_seconds in (1.0, 1e-6):
         policy = AdaptiveDraftPolicy(max_width=8)
         probes: list[int] = []
         for step in range(200):
             width = policy.choose(ids, lambda: probes.append(step) or [0] * len(ids))
             policy.observe(8, width, plain_seconds if width == 1 else 3 * plain_seconds,
                            None if width == 1 else {s: 0 for s in ids})
-        assert policy.probe_cost is not None and policy.probe_cost > 0
+        assert policy.probe_cost[bucket_of(8, False)] > 0
         counts.append(len(probes))
     timing = 3 * 2  # widths 4 and 8 and plain, each timed twice
-    # bucket // 4 = 2 steps apart while a probe costs far under 2% of a 50 ms plain step
+    # bucket // 4 = 2 steps apart while a probe costs far under 2% of a 1 s plain step
     assert (200 - timing) / 2 - 5 <= counts[0] <= timing + (200 - timing) / 2 + 1
     assert counts[1] <= timing + 10
 
@@ -416,31 +416,41 @@ def test_expected_drafts_equal_the_two_rate_run_formula(
     """``_expected`` prices each member from precomputed (rate, gain) tables with the clamp inlined;
     it must equal the two-rate run ``_run2(clamp(f + bias), clamp(p), levels)`` written out, and,
     ``ahead``, its mix of the member's match continuing (length n + 1) or not (length 1)."""
-    from ngrammar.spec.policy import MAX_MATCH, _clamp, _run2
+    from ngrammar.spec.policy import MAX_MATCH, PRIOR_CONTINUE, _clamp, _run2
 
     policy = AdaptiveDraftPolicy(max_width=16)
     ids = [f"s{i}" for i in range(len(lengths))]
-    for k, (n, accepted, censored, depth) in enumerate(steps):
+
+    def rates(width: int, n: int) -> tuple[float, float, float]:  # f, p, levels from the learned state itself
+        f = policy.first[(width, n)].p if (width, n) in policy.first else PRIOR_CONTINUE[n]
+        depth = policy._depth.get((width, n))
+        levels = width - 1.0 if depth is None else min(width - 1.0, max(depth.value, 0.0))
+        return f, policy.cont[n].p, levels
+
+    def run(width: int, n: int, shift: float) -> float:
+        f, p, levels = rates(width, n)
+        return _run2(_clamp(f + shift), _clamp(p), levels)
+
+    def check() -> None:
+        got = policy._expected(ids, lengths, ahead=ahead)
+        for w in policy.widths[1:]:
+            for i, (seq, n) in enumerate(zip(ids, lengths)):
+                shift = policy.seq_bias[seq].value if seq in policy.seq_bias else 0.0
+                if ahead:
+                    hit = _clamp(rates(16, min(n, MAX_MATCH))[0] + shift) if n else 0.0
+                    want = hit * run(w, min(n + 1, MAX_MATCH), shift) + (1 - hit) * run(w, 1, shift)
+                else:
+                    want = run(w, min(n, MAX_MATCH), shift) if n else 0.0
+                assert got[w][i] == pytest.approx(want, rel=1e-12, abs=1e-12)
+
+    check()
+    for k, (n, accepted, censored, depth) in enumerate(steps):  # each observe must refresh the cached tables
         seq = ids[k % len(ids)]
         policy._lengths[seq] = n
         width = policy.widths[1 + k % (len(policy.widths) - 1)]
         policy.observe(1, width, 0.05, {seq: min(accepted, width - 1)},
                        censored={seq} if censored else set(), depths={seq: depth})
-    got = policy._expected(ids, lengths, ahead=ahead)
-
-    def run(width: int, n: int, shift: float) -> float:
-        f, p = policy._continuation(width)[n]
-        return _run2(_clamp(f + shift), _clamp(p), policy._levels(width)[n])
-
-    for w in policy.widths[1:]:
-        for i, (seq, n) in enumerate(zip(ids, lengths)):
-            shift = policy.seq_bias[seq].value if seq in policy.seq_bias else 0.0
-            if ahead:
-                hit = _clamp(policy._continuation(16)[min(n, MAX_MATCH)][0] + shift) if n else 0.0
-                want = hit * run(w, min(n + 1, MAX_MATCH), shift) + (1 - hit) * run(w, 1, shift)
-            else:
-                want = run(w, min(n, MAX_MATCH), shift) if n else 0.0
-            assert got[w][i] == pytest.approx(want, rel=1e-12, abs=1e-12)
+        check()
 
 
 def test_plain_steps_index_the_output_so_a_repetition_is_matched() -> None:
@@ -512,19 +522,26 @@ def test_plain_steps_index_while_the_host_would_wait_for_the_device(spec_llm: LL
         worker._plain_host_seconds = 0.0005
         worker.index_plain_step(seqs)
         assert indexed() == [1, 1]
-        # The last step's own work counts as idle time when it was hidden (the step took a plain
-        # step's time): 1 + 2.5 - 1 ms leaves room for 2 ms of indexing ...
+        # The last engine step's own work counts as idle time when it was hidden (the step took a
+        # plain step's time): 1 + 2.5 - 1 ms leaves room for 2 ms of indexing ...
         worker._index_cost, stub.read_wait, worker._plain_host_seconds = 1e-3, 0.001, 0.0025
+        worker._plain_host_step = stats.steps - 1
         worker.index_plain_step(seqs)
         assert indexed() == [0, 0]
-        # ... and not when that step took longer than plain steps do: the work delayed it.
+        # ... not when that step took longer than plain steps do (the work delayed it) ...
         for s in seqs:
             s.token_ids.append(7)
         stats.last_step_seconds = 0.0065
         worker._index_cost, stub.read_wait, worker._plain_host_seconds = 1e-3, 0.001, 0.0025
+        worker._plain_host_step = stats.steps - 1
         worker.index_plain_step(seqs)
         assert indexed() == [1, 1]
         stats.last_step_seconds = 0.004
+        # ... and not when it was spent before the last engine step (a prefill or verify step since).
+        worker._index_cost, stub.read_wait, worker._plain_host_seconds = 1e-3, 0.001, 0.0025
+        worker._plain_host_step = stats.steps - 2
+        worker.index_plain_step(seqs)
+        assert indexed() == [1, 1]
         # A host-bound step (no wait) whose indexing took long: that time was not idle, no indexing.
         worker._plain_host_seconds, stub.read_wait, worker._index_cost = 0.01, 0.0, 1e-3
         worker.index_plain_step(seqs)

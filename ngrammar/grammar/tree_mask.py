@@ -60,8 +60,10 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     Plain tensor ops (three kernels), so it runs on any device; the bitmask must be on the logits'
     device. The bitmask must cover every logits column: a column without a bit would escape the
     grammar. (On CUDA, xgrammar's one-launch Triton kernel was tried instead, session 13: in the one
-    run that measured it, every constrained figure at batch 32 on the H200 was about halved, e.g.
-    plain + json_object 15,449 tok/s against 26,047-29,378 with these ops in four other runs.)
+    engine run that measured it, every constrained figure at batch 32 on the H200 was about halved,
+    e.g. plain + json_object 15,449 tok/s against 26,047-29,378 with these ops in four other runs.
+    Not proven to be the kernel's doing: one figure of another run with these ops fell as far, and
+    on equal work at batch 1 and 8 the kernel measured 1.024 / 0.950 against 0.935 / 0.983.)
     """
     rows, vocab = logits.shape
     if bitmask.shape[0] != rows or bitmask.shape[1] * BITS < vocab:

@@ -214,8 +214,9 @@ class ModelRunner:
         stop string - has moved KV past its length, which nothing reads.)
 
         Fixed shapes and no host read: each of the first P positions moves, the ones off the path
-        onto themselves (their slots are never a path destination, and all reads happen before any
-        write)."""
+        onto themselves (a real row's slots are distinct and never another row's, and all reads
+        happen before any write). CUDA-graph padding rows all use the same dummy-page slots, so
+        those are written more than once, in no set order; nothing reads the dummy page."""
         dst = slots[:, : nodes.shape[1]]
         j = torch.arange(dst.shape[1], device=slots.device)
         on_path = (j >= 1) & (j < lens[:, None])

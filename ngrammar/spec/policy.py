@@ -35,9 +35,10 @@ than a plain step at the same batch size. Three things decide it, each measured 
 Each step takes the width with the best expected tokens per second, and speculates only when that
 beats plain decoding by ``margin`` (timings are noisy). The match lengths are probed only when some
 width could win at all, and after a probe that found nothing worth verifying the next probes in that
-batch bucket are skipped for ``bucket // 4`` steps, or as many as keep the probes' measured host time
-under ``probe_share`` of plain decoding, so that a plain stretch costs no more than plain decoding. While plain wins, the best width is still re-tried now and then when
-some sequence has a 2-token match, so the table's entries for lengths >= 2 cannot get stuck below
+batch bucket are skipped for ``bucket // 4`` steps, or for as many as keep the probes' measured host
+time under ``probe_share`` of plain decoding, so that a plain stretch costs no more than plain
+decoding. While plain wins, the best width is still re-tried now and then when some sequence has a
+2-token match, so the table's entries for lengths >= 2 cannot get stuck below
 the truth; the interval between re-tries keeps their cost under ``explore_overhead`` of plain
 throughput (at least ``explore_every`` steps; ~100 steps for a batch of 32 on a GPU, where a verify
 step costs three plain ones). With overlap scheduling a verify step's cost includes the chain it
@@ -193,7 +194,7 @@ class AdaptiveDraftPolicy:
     baseline_every: int = 8  # plain steps are re-measured this often while speculating
     margin: float = 1.15  # speculate only when expected this much faster than plain
     probe_share: float = 0.02  # probes that find nothing may cost at most this share of plain steps
-    probe_cost: float | None = None  # host seconds per probe (moving average; see ``_probe_gap``)
+    probe_cost: dict[Bucket, float] = field(default_factory=dict)  # bucket -> host seconds per probe (``_probe_gap``)
     step_time: dict[tuple[Bucket, int], _Recent] = field(default_factory=dict)  # (bucket, width) -> s / step
     # (width, match length) -> the first draft's acceptance; match length -> the run's continuation
     first: dict[tuple[int, int], _Rate] = field(init=False)
@@ -294,7 +295,7 @@ class AdaptiveDraftPolicy:
         probed = time.perf_counter()
         lengths, expected = self._probe(seq_ids, match_lengths, ahead)
         if expected is None:  # every tree would be padding: nothing to gain, nothing to explore
-            self._probe_at[b] = now + self._probe_gap(b, costs[1], probed)
+            self._probe_at[b] = now + self._probe_gap(b, len(seq_ids), costs[1], probed)
             return 1, "no match"
         rem = None if remaining is None else remaining()
         critical = None if rem is None else self._critical(seq_ids, rem)
@@ -308,26 +309,29 @@ class AdaptiveDraftPolicy:
         if exploring and max(lengths) >= 2:
             self.priced = dict(zip(seq_ids, zip(lengths, expected[best])))
             return best, "explore"  # plain is winning: re-try speculation now and then, where there is a match
-        self._probe_at[b] = now + self._probe_gap(b, costs[1], probed)
+        self._probe_at[b] = now + self._probe_gap(b, len(seq_ids), costs[1], probed)
         if exploring:
             self._explore_at[b] = now + self.explore_every
         return 1, "plain"
 
-    def _probe_gap(self, bucket: Bucket, plain: float | None, since: float) -> int:
-        """Steps to skip probing after a probe (begun at ``since``, ``time.perf_counter``) that found
-        nothing worth verifying: ``bucket // 4``, or more where probing that often would take more
-        than ``probe_share`` of plain decoding's time. A probe is host Python over every member
-        (match lengths, then pricing each at every width), and where the host has little idle
-        time it lengthens the step: on the H200 at batch 8 (session 13) the chained plain steps
-        that probed took ~0.15 ms longer than the same steps of an engine that never probes
-        (D = 1), on a ~0.9 ms step."""
+    def _probe_gap(self, bucket: Bucket, batch_size: int, plain: float | None, since: float) -> int:
+        """After a probe (begun at ``since``, ``time.perf_counter``) that found nothing worth
+        verifying, the next one in this bucket waits this many steps (0 and 1 both mean the next
+        step; g > 1: one probe per g steps): ``bucket // 4``, or more where probing that often
+        would take more than ``probe_share`` of plain decoding's time. ``plain``: the bucket's plain
+        step cost (normalized to the bucket's size). A probe is host Python over every member
+        (match lengths, then pricing each at every width: 51-92 µs per probing call at batch 8 on
+        the 2-core CPU box, session 13), and where the host has little idle time it lengthens the
+        step. Probe costs are kept per bucket: they grow with the batch."""
         seconds = time.perf_counter() - since
-        old = self.probe_cost
+        old = self.probe_cost.get(bucket)
         # Host time only spikes upwards (a page fault, a GC pause): follow a cheaper sample at once.
-        self.probe_cost = seconds if old is None or seconds < old else old + 0.2 * (seconds - old)
+        cost = self.probe_cost[bucket] = seconds if old is None or seconds < old else old + 0.2 * (seconds - old)
+        floor = bucket[0] // 4
         if not plain:
-            return bucket[0] // 4
-        return max(bucket[0] // 4, int(self.probe_cost / (self.probe_share * plain)))  # a gap of 0: probe again next time
+            return floor
+        need = cost / (self.probe_share * plain * batch_size / bucket[0])  # steps per probe at the share
+        return max(floor, math.ceil(need) if need > 1.0 else 0)
 
     def step_cost(self, bucket: Bucket, width: int) -> float | None:
         """Seconds per step at this bucket and width (normalized to the bucket size): measured

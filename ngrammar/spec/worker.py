@@ -92,6 +92,7 @@ class NgramSpecWorker:
         self._index_cost: float | None = None  # seconds per token indexed (moving average)
         self._plain_skips = 0  # plain steps that skipped indexing (every PLAIN_INDEX_RETRY-th re-measures)
         self._plain_host_seconds = 0.0  # host time the last plain step spent indexing and shadow drafting
+        self._plain_host_step = -2  # ``EngineStats.steps`` when it was spent (during that engine step)
 
     # ------------------------------------------------------- corpus upkeep
     def on_admit(self, seq: Sequence) -> None:
@@ -168,6 +169,7 @@ class NgramSpecWorker:
         if plain is not None:  # shadows share the idle time with indexing, or have their own small share
             self._shadow_step(seqs, max(SHADOW_SHARE * plain, idle - (time.perf_counter() - t)))
         self._plain_host_seconds = time.perf_counter() - t
+        self._plain_host_step = self.engine.stats.steps
 
     def _shadow_step(self, seqs: list[Sequence], budget: float) -> None:
         """Walk the members' shadow trees against their committed tokens, teach the policy what
@@ -199,15 +201,17 @@ class NgramSpecWorker:
         indexing and shadow drafting (it would have waited that long too) if that work was hidden,
         at most a plain step (after a prefill the wait was that forward's), less ``IDLE_MARGIN`` of
         a plain step. A wait under ``HOST_BOUND`` of a plain step says the host is the bottleneck:
-        nothing is idle. The last step's work was hidden only if that step took no longer than
-        ``HIDDEN_SLACK`` plain steps: on the H200 at batch 1 (session 13) chained steps that
+        nothing is idle. That work counts only if it was the engine's last step's (a prefill or a
+        verify step in between spends none) and was hidden: that step took no longer than
+        ``HIDDEN_SLACK`` plain steps. On the H200 at batch 1 (session 13) chained steps that
         indexed and drafted shadows for ~0.13 ms took ~0.17 ms longer than the others, and adding
         that work back as idle time kept every other step that long."""
         wait = self.engine.read_wait
         if wait <= HOST_BOUND * plain:
             return 0.0
-        hidden = self._plain_host_seconds if self.engine.stats.last_step_seconds <= HIDDEN_SLACK * plain else 0.0
-        return min(wait + hidden, plain) - IDLE_MARGIN * plain
+        stats = self.engine.stats
+        last = stats.steps == self._plain_host_step + 1 and stats.last_step_seconds <= HIDDEN_SLACK * plain
+        return min(wait + (self._plain_host_seconds if last else 0.0), plain) - IDLE_MARGIN * plain
 
     def _index_budget(self, batch_size: int) -> float | None:
         """Host seconds a verify step may spend indexing: a plain step's time at this batch size,
@@ -257,9 +261,10 @@ class NgramSpecWorker:
         """What the CUDA-graph runner captures after each verify graph, for greedy batches: the
         acceptance, the accepted paths' KV moved next to their prefixes, and the result packed
         for the one read (``TreeAcceptResult.packed``). candidates [bucket, W], mask [bucket, W, W],
-        logits [bucket * W, V], slots [bucket, W]. The move covers all W positions: a graph cannot
-        size it by the deepest tree (a host value), and the positions past a path move onto
-        themselves."""
+        logits [bucket * W, V], slots [bucket, W]. The move covers all W positions of every row: a
+        graph cannot size it by the deepest tree (a host value); positions past a path move onto
+        themselves, and padding rows move dummy-page KV among dummy-page slots (shared by all
+        padding rows, so written more than once, in no set order: nothing reads them)."""
         result = verify_tree_greedy_from_logits(candidates, mask, logits)
         self.engine.runner.compact_accepted_kv(slots, result.accept_nodes, result.accept_len)
         return result, result.packed()
