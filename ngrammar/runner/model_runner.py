@@ -67,6 +67,20 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return table[dtype]
 
 
+@torch.no_grad()
+def column_major_weights(model: torch.nn.Module) -> None:
+    """Store every 2-D weight (the projections, the embedding that is also the LM head)
+    column-major: logically still [N, K], in memory [K, N], so the CPU GEMM in ``F.linear`` reads it
+    without a transpose. On the 2-core dev box (session 13) a forward took 0.84-0.88x the time at
+    1-8 tokens and 0.93x at 16 (4 interleaved rounds, 400 cached tokens), and plain decoding ran
+    1.03x faster at batch 1 and 1.16x at batch 8 (paired, 4 rounds). The GEMM may sum in another
+    order: logits agree up to fp32 rounding. CUDA keeps row-major weights: the fused Triton
+    kernels read rows."""
+    for param in model.parameters():
+        if param.dim() == 2:
+            param.data = param.data.t().contiguous().t()
+
+
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     return config.num_layers * 2 * config.kv_size * torch.tensor([], dtype=dtype).element_size()
 
@@ -109,6 +123,8 @@ class ModelRunner:
         model.rotary.__init__(self.config)  # buffers were created on meta; rebuild them for real
         model.rotary.to(device)
         model.load_hf_weights(iter_weights(checkpoint))
+        if device.type == "cpu":
+            column_major_weights(model)
         self.model = model.eval()
         c = self.config
         self.kv_cache = torch.zeros(
