@@ -274,9 +274,11 @@ class AdaptiveDraftPolicy:
                 if w > 1:
                     self._probe(seq_ids, match_lengths, ahead)
                 return w, "time"
+        plain = costs[1]
+        assert plain is not None  # every width has a cost from here on
         if now < self._probe_at.get(b, 0):
             return 1, "wait"
-        bar = self.margin * _rate(costs[1], 1, 0.0)  # a width must beat plain's tokens per second by the margin
+        bar = self.margin * _rate(plain, 1, 0.0)  # a width must beat plain's tokens per second by the margin
         exploring = now >= self._explore_at.get(b, 0)
         if (exploring and self._shadowed - self._shadow_mark.get(b, 0) >= SHADOW_ENOUGH
                 and now - max(self._last.get((b, w), -COST_REFRESH) for w in self.widths[1:]) < COST_REFRESH):
@@ -295,7 +297,7 @@ class AdaptiveDraftPolicy:
         probed = time.perf_counter()
         lengths, expected = self._probe(seq_ids, match_lengths, ahead)
         if expected is None:  # every tree would be padding: nothing to gain, nothing to explore
-            self._probe_at[b] = now + self._probe_gap(b, len(seq_ids), costs[1], probed)
+            self._probe_at[b] = now + self._probe_gap(b, len(seq_ids), plain, probed)
             return 1, "no match"
         rem = None if remaining is None else remaining()
         critical = None if rem is None else self._critical(seq_ids, rem)
@@ -309,17 +311,18 @@ class AdaptiveDraftPolicy:
         if exploring and max(lengths) >= 2:
             self.priced = dict(zip(seq_ids, zip(lengths, expected[best])))
             return best, "explore"  # plain is winning: re-try speculation now and then, where there is a match
-        self._probe_at[b] = now + self._probe_gap(b, len(seq_ids), costs[1], probed)
+        self._probe_at[b] = now + self._probe_gap(b, len(seq_ids), plain, probed)
         if exploring:
             self._explore_at[b] = now + self.explore_every
         return 1, "plain"
 
-    def _probe_gap(self, bucket: Bucket, batch_size: int, plain: float | None, since: float) -> int:
+    def _probe_gap(self, bucket: Bucket, batch_size: int, plain: float, since: float) -> int:
         """After a probe (begun at ``since``, ``time.perf_counter``) that found nothing worth
         verifying, the next one in this bucket waits this many steps (0 and 1 both mean the next
         step; g > 1: one probe per g steps): ``bucket // 4``, or more where probing that often
         would take more than ``probe_share`` of plain decoding's time. ``plain``: the bucket's plain
-        step cost (normalized to the bucket's size). A probe is host Python over every member
+        step cost (normalized to the bucket's size; always timed by then: ``_decide`` probes only
+        once every width has a cost). A probe is host Python over every member
         (match lengths, then pricing each at every width: 51-92 µs per probing call at batch 8 on
         the 2-core CPU box, session 13), and where the host has little idle time it lengthens the
         step. Probe costs are kept per bucket: they grow with the batch."""
@@ -327,11 +330,8 @@ class AdaptiveDraftPolicy:
         old = self.probe_cost.get(bucket)
         # Host time only spikes upwards (a page fault, a GC pause): follow a cheaper sample at once.
         cost = self.probe_cost[bucket] = seconds if old is None or seconds < old else old + 0.2 * (seconds - old)
-        floor = bucket[0] // 4
-        if not plain:
-            return floor
         need = cost / (self.probe_share * plain * batch_size / bucket[0])  # steps per probe at the share
-        return max(floor, math.ceil(need) if need > 1.0 else 0)
+        return max(bucket[0] // 4, math.ceil(need) if need > 1.0 else 0)
 
     def step_cost(self, bucket: Bucket, width: int) -> float | None:
         """Seconds per step at this bucket and width (normalized to the bucket size): measured
