@@ -8,6 +8,8 @@ Part 2, a random-weight Llama-3-8B-shaped model: plain decode and tree-verify st
 graphs) against the bandwidth floor measured in the same run.
 Part ``kernels`` (not run by default): ``benchmarks.bench_kernels``, the fused small-step linear
 kernel against the unfused ops, and whole steps with it on and off (``kernel_steps``: the steps only; ``kernel_splits``: batch-1 decode by split cap and context).
+Part ``links``: host-derived tree links against the readback switch on equal work (NGRAM + grammar,
+the policy off so that both variants verify at every step and emit the same tokens).
 Part ``overhead`` (not run by default; runs on a CPU too): plain against NGRAM with one draft width
 (corpus upkeep only, never a verify step) and NGRAM with D = 16 (``bench_spec_overhead``).
 
@@ -263,6 +265,50 @@ def grammar_equal_work(spec: LLM, prompts: list[Any], max_tokens: int, repeats: 
     }
 
 
+def bench_links_equal_work(model: str | None, batch_sizes: list[int], max_tokens: int,
+                           repeats: int) -> dict[str, Any]:
+    """Host-derived tree links against the readback switch on the same work (``links_equal_work``)
+    with the policy off: every decode step verifies at D = 16."""
+    spec = LLM(**_engine_kwargs(model, True), speculative="ngram", num_draft_tokens=16, spec_adaptive=False)
+    return {f"b{bs}": links_equal_work(spec, extraction_prompts(bs), max_tokens, repeats) for bs in batch_sizes}
+
+
+def links_equal_work(spec: LLM, prompts: list[Any], max_tokens: int, repeats: int) -> dict[str, Any]:
+    """NGRAM + the record schema with host-derived links and with the readback switch, in
+    interleaved pairs (after one dropped warm-up pair). ``spec`` must not adapt its width: then
+    both variants run the same verify steps and emit the same tokens (checked: ``identical``).
+    With the policy on, the variants' different step times change which steps verify, and bf16
+    verify and plain steps round differently, so the two ``_grammar_variants`` rows emit
+    different text."""
+    worker = spec.engine.spec
+    assert worker is not None and not spec.engine.config.speculative.adaptive
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, json_schema=RECORD_SCHEMA)
+    runs: dict[bool, list[tuple[float, list[Any], float]]] = {False: [], True: []}
+    stats = spec.engine.stats
+    try:
+        for i in range(repeats + 1):
+            for readback in ((False, True) if i % 2 else (True, False)):
+                worker.readback_links = readback
+                steps, seconds = stats.spec_steps, stats.verify_seconds
+                tok_s, outs = _run(spec, prompts, params)
+                verify_ms = 1e3 * (stats.verify_seconds - seconds) / max(stats.spec_steps - steps, 1)
+                if i:
+                    runs[readback].append((tok_s, outs, verify_ms))
+    finally:
+        worker.readback_links = False
+    host, back = runs[False], runs[True]
+    same = [a.token_ids == b.token_ids for a, b in zip(host[-1][1], back[-1][1])]
+    return {
+        "host_links_tok_s": statistics.median(r[0] for r in host),
+        "readback_tok_s": statistics.median(r[0] for r in back),
+        "ratio": statistics.median(a[0] / b[0] for a, b in zip(host, back)),
+        "host_links_verify_ms": statistics.median(r[2] for r in host),
+        "readback_verify_ms": statistics.median(r[2] for r in back),
+        "accept_len": _accept(host[-1][1]),
+        "identical": sum(same) / len(same),
+    }
+
+
 def bench_transformers(plain: LLM, llm_model: str | None, max_tokens: int) -> dict[str, Any]:
     """transformers generate at batch 1 (plain and prompt lookup) on the first prompt per category."""
     from transformers import LlamaForCausalLM
@@ -432,6 +478,13 @@ def summarize(log: dict[str, Any]) -> None:
             for label in ("hf_plain", "hf_prompt_lookup10"):
                 if label in v:
                     rows.append([f"b1/{cat}", f"{label} (same {v[label + '_identical_to_ngrammar']})", v[label], ""])
+    for key, v in log.get("links_equal_work", {}).items():
+        if isinstance(v, dict) and "ratio" in v:
+            rows.append([f"{key}/json D=16", f"readback links ({v['readback_verify_ms']:.2f} ms/verify)",
+                         v["readback_tok_s"], v["accept_len"]])
+            rows.append([f"{key}/json D=16", f"host links (x{v['ratio']:.3f}, {v['host_links_verify_ms']:.2f} "
+                                            f"ms/verify, same {v['identical']:.0%})", v["host_links_tok_s"],
+                         v["accept_len"]])
     print_table("SmolLM2-135M bf16", ["batch/workload", "variant", "tok/s", "accept len"], rows)
     big = log.get("llama3_8b_shape", {})
     if "floor_ms" in big:
@@ -448,7 +501,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--no-transformers", action="store_true", help="skip transformers generate (A/B runs)")
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--parts", default="smollm2,8b")
+    p.add_argument("--parts", default="smollm2,links,8b")
     args = p.parse_args()
     log: dict[str, Any] = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     parts = args.parts.split(",")
@@ -460,6 +513,8 @@ def main() -> int:
             _safe("smollm2_eager", lambda: bench_small_model(args.model, sizes, args.max_tokens, args.repeats,
                                                              graphs=False, transformers=not args.no_transformers),
                   log)
+    if "links" in parts:
+        _safe("links_equal_work", lambda: bench_links_equal_work(args.model, sizes, args.max_tokens, args.repeats), log)
     if "overhead" in parts:
         _safe("spec_overhead", lambda: bench_spec_overhead(args.model, sizes, args.max_tokens, args.repeats), log)
     if "8b" in parts and torch.cuda.is_available():

@@ -51,3 +51,19 @@ def test_calibration_pairs_each_priced_verify_step_with_what_it_accepted() -> No
     assert sum(out[k]["steps"] for k in lengths) <= spec.engine.stats.spec_steps
     assert all(out[k]["expected"] > 0 and 0 <= out[k]["accepted"] <= 7 for k in lengths)
 
+
+
+def test_links_equal_work_runs_both_link_paths_on_the_same_tokens(spec_llm: Any) -> None:
+    """Host-derived links against the readback switch: a fair comparison only if both emit the same
+    tokens, and the switch is off again afterwards."""
+    from benchmarks.bench_grammar import extraction_prompts
+    from benchmarks.gpu_bench import links_equal_work
+
+    stats = spec_llm.engine.stats
+    steps, plain_tokens = stats.spec_steps, stats.decode_tokens
+    out = links_equal_work(spec_llm, extraction_prompts(2), max_tokens=12, repeats=1)
+    assert out["identical"] == 1.0
+    assert out["host_links_tok_s"] > 0 and out["readback_tok_s"] > 0 and out["ratio"] > 0
+    assert out["host_links_verify_ms"] > 0 and out["readback_verify_ms"] > 0
+    assert stats.spec_steps >= steps + 4 and stats.decode_tokens == plain_tokens  # every decode step verified
+    assert spec_llm.engine.spec.readback_links is False
