@@ -36,6 +36,11 @@ ENGINE_PHASES: tuple[tuple[str, str, str], ...] = (
     ("  observe", "ngrammar.engine.engine.LLMEngine", "_observe"),
     ("  sample", "ngrammar.engine.engine.LLMEngine", "_sample"),
     ("    to_host_async", "ngrammar.runner.model_runner.ModelRunner", "to_host_async"),
+    ("    grammar rows", "ngrammar.engine.engine.LLMEngine", "apply_grammar_rows"),
+    ("      settle grammars", "ngrammar.engine.engine.LLMEngine", "settle_grammars"),
+    ("      allocate bitmask", "ngrammar.grammar", "allocate_bitmask"),
+    ("      fill bitmask (a row)", "ngrammar.grammar.backend.GrammarMatcher", "fill_bitmask"),
+    ("      apply bitmask", "ngrammar.grammar", "apply_bitmask"),
     ("  index plain step", "ngrammar.spec.worker.NgramSpecWorker", "index_plain_step"),
     ("  choose width", "ngrammar.spec.worker.NgramSpecWorker", "choose_width"),
     ("  schedule", "ngrammar.engine.scheduler.Scheduler", "schedule"),
@@ -43,6 +48,7 @@ ENGINE_PHASES: tuple[tuple[str, str, str], ...] = (
     ("    draft (batch_get)", "ngrammar.spec.corpus.NgramCorpus", "batch_get"),
     ("    step input", "ngrammar.spec.worker.NgramSpecWorker", "_step_input"),
     ("    index outputs", "ngrammar.spec.worker.NgramSpecWorker", "index_outputs"),
+    ("    grammar tree masks", "ngrammar.spec.worker.NgramSpecWorker", "_apply_grammar"),
     ("    accept graph", "ngrammar.runner.cuda_graph.CUDAGraphRunner", "accept"),
     ("    compact KV", "ngrammar.runner.model_runner.ModelRunner", "compact_accepted_kv"),
     ("    to_host (waits)", "ngrammar.runner.model_runner.ModelRunner", "to_host"),
@@ -52,7 +58,8 @@ ENGINE_PHASES: tuple[tuple[str, str, str], ...] = (
 
 
 class PhaseTimer:
-    """While entered, each listed method accumulates its inclusive wall time and call count.
+    """While entered, each listed method (or module function, looked up where it is defined and
+    re-imported at each call) accumulates its inclusive wall time and call count.
 
     Recursion-safe only in the sense that nested calls of the *same* method are counted twice; none
     of the engine phases recurse."""

@@ -22,6 +22,7 @@ from typing import Any, Iterator
 
 import torch
 
+from benchmarks.bench_grammar import extraction_prompts
 from benchmarks.common import chat, decode_seconds, forget_outputs, load_workload, machine, print_table
 from benchmarks.host_phases import ENGINE_PHASES, PhaseTimer, graph_launch_us, op_costs
 from ngrammar import LLM, SamplingParams
@@ -32,9 +33,12 @@ def _prompts(kind: str, bs: int) -> list[Any]:
     return [chat(items[i % len(items)]) for i in range(bs)]
 
 
-def _generate(llm: LLM, prompts: list[Any], max_tokens: int) -> tuple[float, int]:
+def _generate(llm: LLM, prompts: list[Any], max_tokens: int, grammar: bool = False) -> tuple[float, int]:
+    """Greedy decoding of ``prompts``: to max_tokens, or with ``grammar`` under "any JSON object"
+    until the JSON ends."""
     forget_outputs(llm)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    params = (SamplingParams(max_tokens=max_tokens, temperature=0, json_object=True) if grammar
+              else SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     eng = llm.engine
     steps0 = eng.stats.steps
     outs = llm.chat(prompts, params, use_tqdm=False)
@@ -115,11 +119,13 @@ def profile_variant(llm: LLM, label: str, prompts: list[Any], max_tokens: int, o
     return res
 
 
-def _variants(plain: LLM, spec: LLM, batch_sizes: list[int]) -> Iterator[tuple[str, LLM, list[Any]]]:
-    """("plain|ngram/b{bs}/{grounded|open}", engine, prompts) for every batch size, in table order."""
+def _variants(plain: LLM, spec: LLM, batch_sizes: list[int],
+              grammar: bool = False) -> Iterator[tuple[str, LLM, list[Any]]]:
+    """("plain|ngram/b{bs}/{grounded|open|json}", engine, prompts) for every batch size, in table
+    order; with ``grammar`` only the extraction prompts that the JSON grammar runs on."""
     for bs in batch_sizes:
-        for kind in ("grounded", "open"):
-            prompts = _prompts(kind, bs)
+        for kind in (("json",) if grammar else ("grounded", "open")):
+            prompts = extraction_prompts(bs) if kind == "json" else _prompts(kind, bs)
             for name, llm in (("plain", plain), ("ngram", spec)):
                 yield f"{name}/b{bs}/{kind}", llm, prompts
 
@@ -129,19 +135,20 @@ def _max_width(llm: LLM) -> int:
     return 1 if llm.engine.spec is None else llm.engine.spec.policy.max_width
 
 
-def phase_variant(llm: LLM, prompts: list[Any], max_tokens: int) -> dict[str, Any]:
+def phase_variant(llm: LLM, prompts: list[Any], max_tokens: int, grammar: bool = False) -> dict[str, Any]:
     """Host µs per engine step of each engine phase (``PhaseTimer``) over one generation."""
-    _generate(llm, prompts, 16)
+    _generate(llm, prompts, 16, grammar)
     with PhaseTimer() as timer:
-        tok_s, steps = _generate(llm, prompts, max_tokens)
+        tok_s, steps = _generate(llm, prompts, max_tokens, grammar)
     return {"tok_s": tok_s, "steps": steps,
             "phases": {name: [us, calls] for name, us, calls in timer.per_step(steps)}}
 
 
-def run_phases(plain: LLM, spec: LLM, batch_sizes: list[int], max_tokens: int) -> dict[str, Any]:
+def run_phases(plain: LLM, spec: LLM, batch_sizes: list[int], max_tokens: int,
+               grammar: bool = False) -> dict[str, Any]:
     """The phase table of plain and NGRAM decoding at each batch size, plus single CUDA call costs."""
-    log: dict[str, Any] = {label: phase_variant(llm, prompts, max_tokens)
-                           for label, llm, prompts in _variants(plain, spec, batch_sizes)}
+    log: dict[str, Any] = {label: phase_variant(llm, prompts, max_tokens, grammar)
+                           for label, llm, prompts in _variants(plain, spec, batch_sizes, grammar)}
     names = [n for n, _, _ in ENGINE_PHASES if any(n in v["phases"] for v in log.values())]
     rows = [[n] + [f"{v['phases'][n][0]:.0f} ({v['phases'][n][1]:.2f})" if n in v["phases"] else ""
                    for v in log.values()] for n in names]
@@ -192,6 +199,8 @@ def main() -> int:
     p.add_argument("--fixed-width", action="store_true", help="NGRAM always verifies at D=16 (policy off)")
     p.add_argument("--phases", action="store_true",
                    help="only the host phase table (benchmarks/host_phases.py), no cProfile or kernels")
+    p.add_argument("--grammar", action="store_true",
+                   help="with --phases: extraction prompts under the json_object grammar")
     args = p.parse_args()
     out = Path(args.out)
     plain = LLM(args.model, device=args.device)
@@ -199,7 +208,7 @@ def main() -> int:
                spec_adaptive=not args.fixed_width)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     out.mkdir(parents=True, exist_ok=True)
-    result = (run_phases(plain, spec, sizes, args.max_tokens) if args.phases
+    result = (run_phases(plain, spec, sizes, args.max_tokens, args.grammar) if args.phases
               else run_profile(plain, spec, sizes, args.max_tokens, out, args.kernels))
     log = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "result": result}
     (out / "profile.json").write_text(json.dumps(log, indent=1, default=str))

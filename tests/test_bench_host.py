@@ -37,3 +37,21 @@ def test_phase_timer_times_engine_phases_and_restores_them(tmp_path: Path) -> No
     assert table["step"][1] == 1.0 and table["step"][0] > 0
     assert timer.calls["  verify"] == llm.engine.stats.spec_steps > 0  # every decode step verified
     assert set(table) <= {name for name, _, _ in ENGINE_PHASES}
+
+
+def test_phase_timer_times_grammar_functions_and_restores_them(tmp_path: Path) -> None:
+    """Module functions (the bitmask helpers) are wrapped where they are defined; the engine imports
+    them at each call, so the timed versions run, and the originals are back afterwards."""
+    import ngrammar.grammar as grammar
+    from benchmarks.host_phases import PhaseTimer
+
+    folder = tiny_checkpoint(tmp_path / "tiny")
+    llm = LLM(model=str(folder), device="cpu", dtype="float32", kv_cache_tokens=1024, overlap_schedule=True)
+    original = grammar.apply_bitmask
+    params = SamplingParams(max_tokens=5, temperature=0, json_object=True)
+    with PhaseTimer() as timer:
+        out = llm.chat([[{"role": "user", "content": "Say hi."}]], params, use_tqdm=False)[0]
+    assert grammar.apply_bitmask is original
+    decode_steps = len(out.token_ids) - 1  # the prefill samples the first token
+    assert timer.calls["      apply bitmask"] == timer.calls["    grammar rows"] == decode_steps + 1
+    assert timer.calls["      fill bitmask (a row)"] >= decode_steps
