@@ -52,7 +52,6 @@ def test_calibration_pairs_each_priced_verify_step_with_what_it_accepted() -> No
     assert all(out[k]["expected"] > 0 and 0 <= out[k]["accepted"] <= 7 for k in lengths)
 
 
-
 def test_links_equal_work_runs_both_link_paths_on_the_same_tokens(spec_llm: Any) -> None:
     """Host-derived links against the readback switch: a fair comparison only if both emit the same
     tokens, and the switch is off again afterwards."""
