@@ -24,6 +24,11 @@ def series(log: dict) -> dict[str, list[tuple[int, float]]]:  # type: ignore[typ
         else:
             out[f"{cat} plain"].append((bs, v["plain_tok_s"]))
             out[f"{cat} ngram"].append((bs, v["ngram_tok_s"]))
+    for key, v in log.get("links_equal_work", {}).items():  # the policy-off D = 16 pair (part "links")
+        if isinstance(v, dict) and "host_links_tok_s" in v:
+            bs = int(key[1:])
+            out["json D=16 host links"].append((bs, v["host_links_tok_s"]))
+            out["json D=16 readback links"].append((bs, v["readback_tok_s"]))
     return out
 
 
