@@ -153,9 +153,10 @@ def bench_steps(shapes: dict[str, ModelConfig], batches: tuple[int, ...] = (1, 8
 
 
 def bench_decode_splits(cfg: ModelConfig, caps: tuple[int, ...] = (4, 8, 16, 64),
-                        contexts: tuple[int, ...] = (128, 512, 1024, 2048, 4096)) -> dict[str, Any]:
-    """Batch-1 decode step against the context length with the split-KV count capped: how the
-    attention's serial tile loop trades against the last split's serial merge."""
+                        contexts: tuple[int, ...] = (128, 512, 1024, 2048, 4096), q: int = 1) -> dict[str, Any]:
+    """Batch-1 step of q tokens per request (1: decode; more: a tree verify) against the context
+    length with the split-KV count capped: how the attention's serial tile loop trades against
+    the merge (the last split's at q = 1, the merge kernel's for tree verify)."""
     from benchmarks.gpu_bench import random_model, step_time
     from ngrammar.kernels.triton_attention import TritonAttentionBackend
 
@@ -165,13 +166,13 @@ def bench_decode_splits(cfg: ModelConfig, caps: tuple[int, ...] = (4, 8, 16, 64)
         model, backend = random_model(cfg, backend=TritonAttentionBackend(max_kv_splits=cap))
         row: list[Any] = [cap]
         for ctx in contexts:
-            ms = step_time(model, backend, cfg, 1, 1, ctx, 8192) * 1e3
+            ms = step_time(model, backend, cfg, 1, q, ctx, 8192) * 1e3
             res[f"cap{cap}/ctx{ctx}_ms"] = ms
             row.append(ms)
         rows.append(row)
         del model
         torch.cuda.empty_cache()
-    print_table("batch-1 decode step ms by split cap (rows) and context (columns)",
+    print_table(f"batch-1 step of {q} token(s) per request, ms by split cap (rows) and context (columns)",
                 ["max splits"] + [str(c) for c in contexts], rows)
     return res
 
@@ -187,4 +188,6 @@ def run(parts: tuple[str, ...] = ("linear", "steps")) -> dict[str, Any]:
         out["steps"] = bench_steps(shapes)
     if "splits" in parts:
         out["splits"] = bench_decode_splits(SMOLLM2_SHAPE)
+    if "verify_splits" in parts:
+        out["verify_splits"] = bench_decode_splits(SMOLLM2_SHAPE, caps=(1, 2, 4, 8, 16, 64), q=16)
     return out

@@ -7,7 +7,7 @@ grounded and open-ended prompts at several batch sizes; the spec+grammar step ru
 Part 2, a random-weight Llama-3-8B-shaped model: plain decode and tree-verify step times (CUDA
 graphs) against the bandwidth floor measured in the same run.
 Part ``kernels`` (not run by default): ``benchmarks.bench_kernels``, the fused small-step linear
-kernel against the unfused ops, and whole steps with it on and off (``kernel_steps``: the steps only; ``kernel_splits``: batch-1 decode by split cap and context).
+kernel against the unfused ops, and whole steps with it on and off (``kernel_steps``: the steps only; ``kernel_splits``: batch-1 decode by split cap and context; ``verify_splits``: the same for a 16-token tree verify).
 Part ``links``: host-derived tree links against the readback switch on equal work (NGRAM + grammar,
 the policy off so that both variants verify at every step and emit the same tokens).
 Part ``overhead`` (not run by default; runs on a CPU too): plain against NGRAM with one draft width
@@ -520,7 +520,8 @@ def main() -> int:
     if "8b" in parts and torch.cuda.is_available():
         _safe("llama3_8b_shape", bench_8b, log)
     kernel_parts = tuple(p for p, name in (("linear", "kernels"), ("steps", "kernels"), ("steps", "kernel_steps"),
-                                           ("splits", "kernel_splits")) if name in parts)
+                                           ("splits", "kernel_splits"), ("verify_splits", "verify_splits"))
+                         if name in parts)
     if kernel_parts and torch.cuda.is_available():
         from benchmarks.bench_kernels import run as run_kernels
 
