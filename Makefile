@@ -28,7 +28,8 @@ test: setup
 	$(BIN)/python -m pytest -q
 	# The Triton kernels against their torch references, under Triton's CPU interpreter.
 	NGRAMMAR_TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m gpu -p no:cacheprovider \
-		tests/test_fused_ops.py tests/test_fused_linear.py tests/test_triton_attention.py
+		tests/test_fused_ops.py tests/test_fused_linear.py tests/test_triton_attention.py \
+		tests/test_tree_accept_kernel.py
 
 bench: setup
 	$(BIN)/ngrammar bench

@@ -10,6 +10,8 @@ Part ``kernels`` (not run by default): ``benchmarks.bench_kernels``, the fused s
 kernel against the unfused ops, and whole steps with it on and off (``kernel_steps``: the steps only; ``kernel_splits``: batch-1 decode by split cap and context; ``verify_splits``: the same for a 16-token tree verify).
 Part ``links``: host-derived tree links against the readback switch on equal work (NGRAM + grammar,
 the policy off so that both variants verify at every step and emit the same tokens).
+Part ``acceptor`` (not run by default): the greedy acceptor graph, torch ops against the one-launch
+kernel (``ngrammar.kernels.tree_accept``).
 Part ``overhead`` (not run by default; runs on a CPU too): plain against NGRAM with one draft width
 (corpus upkeep only, never a verify step) and NGRAM with D = 16 (``bench_spec_overhead``).
 
@@ -309,6 +311,41 @@ def links_equal_work(spec: LLM, prompts: list[Any], max_tokens: int, repeats: in
     }
 
 
+def bench_acceptor(batch_sizes: list[int], width: int = 16, vocab: int = 49152) -> dict[str, Any]:
+    """Greedy acceptance of a verify step in a CUDA graph: the torch ops the engine captures
+    (``verify_tree_greedy_from_logits``) against the one-launch kernel (``greedy_tree_accept``
+    after the same argmax), on random chain-shaped trees and fp32 logits; µs per replay and
+    whether the two agree."""
+    from ngrammar.kernels.tree_accept import greedy_tree_accept
+    from ngrammar.spec.verify import verify_tree_greedy_from_logits
+
+    res: dict[str, Any] = {}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for bs in batch_sizes:
+        logits = torch.randn(bs * width, vocab, device="cuda", generator=gen)
+        predict = logits.argmax(-1).view(bs, width)
+        mask = torch.tril(torch.ones(width, width, dtype=torch.bool, device="cuda")).expand(bs, width, width).contiguous()
+        cands = torch.cat([predict[:, :1], predict[:, :-1]], dim=1)  # a chain that follows the argmax ...
+        cands[:, width // 2] += 1  # ... up to its middle
+        variants = {"torch": lambda: verify_tree_greedy_from_logits(cands, mask, logits),
+                    "kernel": lambda: greedy_tree_accept(cands, mask, logits.argmax(-1).view(bs, width))}
+        outs, row = {}, {}
+        for name, fn in variants.items():
+            fn()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs[name] = fn()
+            graph.replay()
+            row[f"{name}_us"] = cuda_seconds(graph.replay, 50) * 1e6
+        row["agree"] = all(torch.equal(getattr(outs["torch"], f), getattr(outs["kernel"], f))
+                           for f in ("accept_index", "accept_len", "accept_tokens", "accept_nodes", "bonus"))
+        res[f"b{bs}"] = row
+    print_table(f"greedy acceptor graph, D = {width} (µs per replay)", ["batch", "torch ops", "kernel", "agree"],
+                [[k, v["torch_us"], v["kernel_us"], v["agree"]] for k, v in res.items()])
+    return res
+
+
 def bench_transformers(plain: LLM, llm_model: str | None, max_tokens: int) -> dict[str, Any]:
     """transformers generate at batch 1 (plain and prompt lookup) on the first prompt per category."""
     from transformers import LlamaForCausalLM
@@ -515,6 +552,8 @@ def main() -> int:
                   log)
     if "links" in parts:
         _safe("links_equal_work", lambda: bench_links_equal_work(args.model, sizes, args.max_tokens, args.repeats), log)
+    if "acceptor" in parts and torch.cuda.is_available():
+        _safe("acceptor", lambda: bench_acceptor(sizes), log)
     if "overhead" in parts:
         _safe("spec_overhead", lambda: bench_spec_overhead(args.model, sizes, args.max_tokens, args.repeats), log)
     if "8b" in parts and torch.cuda.is_available():
