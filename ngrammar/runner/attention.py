@@ -81,6 +81,9 @@ class SDPAPlan:
     kv_slots: torch.Tensor  # [B, Lk] int64: cache slot of each kv index (padding -> slot 0)
     bias: torch.Tensor  # [B, 1, 1, Qm, Lk] float32: 0 where attention is allowed, -inf elsewhere
     q_rows: torch.Tensor  # [T] int64: padded row (b * Qm + i) of each packed query
+    # On a CPU, a single request whose pages are consecutive has its K/V in slots first..first+Lk-1:
+    # a slice of the pool replaces the per-layer gather. None otherwise.
+    first_slot: int | None = None
 
 
 def build_attention_mask(meta: AttentionMetadata) -> torch.Tensor:
@@ -104,6 +107,17 @@ def build_attention_mask(meta: AttentionMetadata) -> torch.Tensor:
     return torch.where(valid_q, mask, pad_row)
 
 
+def contiguous_first_slot(meta: AttentionMetadata) -> int | None:
+    """The first cache slot of a lone request whose kv indices map to consecutive slots (its pages
+    are consecutive), else None. Reads the page table, so only for host (CPU) metadata."""
+    if meta.batch_size != 1 or meta.page_table.device.type != "cpu":
+        return None
+    pages = meta.page_table[0, : -(-meta.max_kv_len // meta.page_size)].tolist()
+    if any(b != a + 1 for a, b in zip(pages, pages[1:])):
+        return None
+    return pages[0] * meta.page_size
+
+
 def kv_slot_indices(meta: AttentionMetadata) -> torch.Tensor:
     """[B, Lk] flat cache slot of every kv index of every request."""
     kv_idx = torch.arange(meta.max_kv_len, device=meta.kv_lens.device)
@@ -124,7 +138,7 @@ class TorchSDPABackend:
         within = torch.arange(int(meta.slot_mapping.shape[0]), device=b.device) - meta.q_start[b]
         mask = build_attention_mask(meta)[:, None, None]
         bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
-        return SDPAPlan(meta, kv_slot_indices(meta), bias, b * meta.max_q_len + within)
+        return SDPAPlan(meta, kv_slot_indices(meta), bias, b * meta.max_q_len + within, contiguous_first_slot(meta))
 
     def forward(
         self,
@@ -142,7 +156,10 @@ class TorchSDPABackend:
         write_kv(layer_cache, meta.slot_mapping, k, v)
         _, pages, page_size, hkv, d = layer_cache.shape
         flat = layer_cache.view(2, pages * page_size, hkv, d)
-        kv = flat[:, plan.kv_slots]  # one gather for K and V: [2, B, Lk, Hkv, d]
+        if plan.first_slot is not None:  # a view, no copy: [2, 1, Lk, Hkv, d]
+            kv = flat[:, plan.first_slot : plan.first_slot + meta.max_kv_len].unsqueeze(1)
+        else:
+            kv = flat[:, plan.kv_slots]  # one gather for K and V: [2, B, Lk, Hkv, d]
         keys = kv[0].permute(0, 2, 3, 1)  # [B, Hkv, d, Lk]
         values = kv[1].transpose(1, 2)  # [B, Hkv, Lk, d]
         bsz, qm, hq = meta.batch_size, meta.max_q_len, q.shape[1]
