@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from ngrammar.runner.attention import AttentionMetadata, TorchSDPABackend, contiguous_first_slot
+from ngrammar.runner.attention import AttentionMetadata, TorchSDPABackend, contiguous_first_slot, kv_slot_indices
 
 
 def _meta(page_tables: list[list[int]], kv_lens: list[int], q_len: int, tree: bool) -> AttentionMetadata:
@@ -37,7 +37,7 @@ def test_consecutive_pages_read_a_slice_with_the_gathers_result(q_len: int, tree
     cache = torch.randn(2, 8, 4, 2, 8)  # [k/v, pages, page size, kv heads, d]
     q, k, v = torch.randn(q_len, 4, 8), torch.randn(q_len, 2, 8), torch.randn(q_len, 2, 8)
     sliced = backend.forward(q.clone(), k, v, cache.clone(), plan, 0.35)
-    gathered = backend.forward(q.clone(), k, v, cache.clone(), dataclasses.replace(plan, first_slot=None), 0.35)
+    gathered = backend.forward(q.clone(), k, v, cache.clone(), dataclasses.replace(plan, first_slot=None, kv_slots=kv_slot_indices(meta)), 0.35)
     torch.testing.assert_close(sliced, gathered, rtol=1e-6, atol=1e-6)
 
 

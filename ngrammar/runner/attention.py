@@ -78,12 +78,14 @@ def write_kv(layer_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Ten
 @dataclass(frozen=True)
 class SDPAPlan:
     meta: AttentionMetadata
-    kv_slots: torch.Tensor  # [B, Lk] int64: cache slot of each kv index (padding -> slot 0)
     bias: torch.Tensor  # [B, 1, 1, Qm, Lk] float32: 0 where attention is allowed, -inf elsewhere
     q_rows: torch.Tensor  # [T] int64: padded row (b * Qm + i) of each packed query
-    # On a CPU, a single request whose pages are consecutive has its K/V in slots first..first+Lk-1:
-    # a slice of the pool replaces the per-layer gather. None otherwise.
-    first_slot: int | None = None
+    # Where each request's K/V is, exactly one of the two set. On a CPU, a single request whose
+    # pages are consecutive has its K/V in slots first_slot..first_slot+Lk-1, a slice of the pool;
+    # otherwise kv_slots [B, Lk] int64 holds the cache slot of each kv index (padding -> slot 0),
+    # gathered once per layer.
+    first_slot: int | None
+    kv_slots: torch.Tensor | None
 
 
 def build_attention_mask(meta: AttentionMetadata) -> torch.Tensor:
@@ -138,7 +140,8 @@ class TorchSDPABackend:
         within = torch.arange(int(meta.slot_mapping.shape[0]), device=b.device) - meta.q_start[b]
         mask = build_attention_mask(meta)[:, None, None]
         bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
-        return SDPAPlan(meta, kv_slot_indices(meta), bias, b * meta.max_q_len + within, contiguous_first_slot(meta))
+        first = contiguous_first_slot(meta)
+        return SDPAPlan(meta, bias, b * meta.max_q_len + within, first, None if first is not None else kv_slot_indices(meta))
 
     def forward(
         self,
@@ -156,7 +159,8 @@ class TorchSDPABackend:
         write_kv(layer_cache, meta.slot_mapping, k, v)
         _, pages, page_size, hkv, d = layer_cache.shape
         flat = layer_cache.view(2, pages * page_size, hkv, d)
-        if plan.first_slot is not None:  # a view, no copy: [2, 1, Lk, Hkv, d]
+        if plan.kv_slots is None:  # a view, no copy: [2, 1, Lk, Hkv, d]
+            assert plan.first_slot is not None
             kv = flat[:, plan.first_slot : plan.first_slot + meta.max_kv_len].unsqueeze(1)
         else:
             kv = flat[:, plan.kv_slots]  # one gather for K and V: [2, B, Lk, Hkv, d]
