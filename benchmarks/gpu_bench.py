@@ -11,7 +11,7 @@ kernel against the unfused ops, and whole steps with it on and off (``kernel_ste
 Part ``links``: host-derived tree links against the readback switch on equal work (NGRAM + grammar,
 the policy off so that both variants verify at every step and emit the same tokens).
 Part ``acceptor`` (not run by default): the greedy acceptor graph, torch ops against the one-launch
-kernel (``ngrammar.kernels.tree_accept``).
+kernel (``ngrammar.kernels.tree_accept``), alone and in the engine on equal work.
 Part ``overhead`` (not run by default; runs on a CPU too): plain against NGRAM with one draft width
 (corpus upkeep only, never a verify step) and NGRAM with D = 16 (``bench_spec_overhead``).
 
@@ -312,12 +312,26 @@ def links_equal_work(spec: LLM, prompts: list[Any], max_tokens: int, repeats: in
 
 
 def bench_acceptor(batch_sizes: list[int], width: int = 16, vocab: int = 49152) -> dict[str, Any]:
-    """Greedy acceptance of a verify step in a CUDA graph: the torch ops the engine captures
-    (``verify_tree_greedy_from_logits``) against the one-launch kernel (``greedy_tree_accept``
-    after the same argmax), on random chain-shaped trees and fp32 logits; µs per replay and
-    whether the two agree."""
+    """The greedy acceptor graph of a verify step: the torch ops (``verify_tree_greedy_from_logits``,
+    ``compact_path_kv``, ``packed``) against the one-launch kernel (the argmax, ``greedy_tree_accept``,
+    ``move_kv_slots``), on random chain-shaped trees, fp32 logits and a SmolLM2-shaped bf16 KV pool;
+    µs per replay and whether results and the moved KV agree."""
     from ngrammar.kernels.tree_accept import greedy_tree_accept
+    from ngrammar.runner.model_runner import compact_path_kv, move_kv_slots
     from ngrammar.spec.verify import verify_tree_greedy_from_logits
+
+    def ops(pool: torch.Tensor, cands: torch.Tensor, mask: torch.Tensor, logits: torch.Tensor,
+            slots: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        result = verify_tree_greedy_from_logits(cands, mask, logits)
+        compact_path_kv(pool, slots, result.accept_nodes, result.accept_len)
+        return result, result.packed()
+
+    def fused(pool: torch.Tensor, cands: torch.Tensor, mask: torch.Tensor, logits: torch.Tensor,
+              slots: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        out = greedy_tree_accept(cands, mask, logits.argmax(-1).view(cands.shape), slots)
+        assert out.kv_src is not None
+        move_kv_slots(pool, slots, out.kv_src)
+        return out.result, out.packed
 
     res: dict[str, Any] = {}
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -327,22 +341,66 @@ def bench_acceptor(batch_sizes: list[int], width: int = 16, vocab: int = 49152) 
         mask = torch.tril(torch.ones(width, width, dtype=torch.bool, device="cuda")).expand(bs, width, width).contiguous()
         cands = torch.cat([predict[:, :1], predict[:, :-1]], dim=1)  # a chain that follows the argmax ...
         cands[:, width // 2] += 1  # ... up to its middle
-        variants = {"torch": lambda: verify_tree_greedy_from_logits(cands, mask, logits),
-                    "kernel": lambda: greedy_tree_accept(cands, mask, logits.argmax(-1).view(bs, width))}
-        outs, row = {}, {}
-        for name, fn in variants.items():
-            fn()
+        pages = bs * width // 16 + 8
+        pool = torch.randn(30, 2, pages, 16, 3, 64, device="cuda", generator=gen).to(torch.bfloat16)
+        slots = torch.randperm(pages * 16, device="cuda", generator=gen)[: bs * width].view(bs, width)
+        outs, pools, row = {}, {}, {}
+        for name, fn in {"torch": ops, "kernel": fused}.items():
+            pools[name] = pool.clone()
+            fn(pools[name], cands, mask, logits, slots)  # warm-up (compiles); moves are idempotent here
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                outs[name] = fn()
+                outs[name] = fn(pools[name], cands, mask, logits, slots)
             graph.replay()
             row[f"{name}_us"] = cuda_seconds(graph.replay, 50) * 1e6
-        row["agree"] = all(torch.equal(getattr(outs["torch"], f), getattr(outs["kernel"], f))
-                           for f in ("accept_index", "accept_len", "accept_tokens", "accept_nodes", "bonus"))
+        (a, pa), (b, pb) = outs["torch"], outs["kernel"]
+        row["agree"] = bool(torch.equal(pa, pb) and torch.equal(pools["torch"], pools["kernel"]) and all(
+            torch.equal(getattr(a, f), getattr(b, f))
+            for f in ("accept_index", "accept_len", "accept_tokens", "accept_nodes", "bonus")))
         res[f"b{bs}"] = row
     print_table(f"greedy acceptor graph, D = {width} (µs per replay)", ["batch", "torch ops", "kernel", "agree"],
                 [[k, v["torch_us"], v["kernel_us"], v["agree"]] for k, v in res.items()])
+    return res
+
+
+def bench_acceptor_engine(model: str | None, batch_sizes: list[int], max_tokens: int,
+                          repeats: int) -> dict[str, Any]:
+    """NGRAM at D = 16 with the policy off (every decode step verifies) and the CUDA-graph acceptor
+    as the one-launch kernel or as torch ops (``spec_accept_kernel``), in interleaved pairs after a
+    dropped warm-up pair, per grounded category and batch size: tok/s, verify ms per step and
+    whether both emitted the same tokens."""
+    kw = dict(_engine_kwargs(model, True), speculative="ngram", num_draft_tokens=16, spec_adaptive=False)
+    llms = {True: LLM(**kw), False: LLM(**kw, spec_accept_kernel=False)}
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    res: dict[str, Any] = {}
+    for cat, prompts in _categories().items():
+        for bs in batch_sizes:
+            runs: dict[bool, list[tuple[float, list[Any], float]]] = {True: [], False: []}
+            for i in range(repeats + 1):
+                for kernel in ((True, False) if i % 2 else (False, True)):
+                    stats = llms[kernel].engine.stats
+                    steps, seconds = stats.spec_steps, stats.verify_seconds
+                    tok_s, outs = _run(llms[kernel], _batch(prompts, bs), params)
+                    if i:
+                        runs[kernel].append((tok_s, outs, 1e3 * (stats.verify_seconds - seconds)
+                                             / max(stats.spec_steps - steps, 1)))
+            fused, ops = runs[True], runs[False]
+            same = [a.token_ids == b.token_ids for a, b in zip(fused[-1][1], ops[-1][1])]
+            res[f"{cat}_b{bs}"] = {
+                "kernel_tok_s": statistics.median(r[0] for r in fused),
+                "torch_tok_s": statistics.median(r[0] for r in ops),
+                "ratio": statistics.median(a[0] / b[0] for a, b in zip(fused, ops)),
+                "kernel_verify_ms": statistics.median(r[2] for r in fused),
+                "torch_verify_ms": statistics.median(r[2] for r in ops),
+                "accept_len": _accept(fused[-1][1]),
+                "identical": sum(same) / len(same),
+            }
+    print_table("NGRAM D = 16, policy off: acceptor kernel vs torch ops",
+                ["cell", "kernel tok/s", "torch tok/s", "ratio", "verify ms k/t", "accept", "same"],
+                [[k, v["kernel_tok_s"], v["torch_tok_s"], v["ratio"],
+                  f"{v['kernel_verify_ms']:.3f}/{v['torch_verify_ms']:.3f}", v["accept_len"], v["identical"]]
+                 for k, v in res.items()])
     return res
 
 
@@ -554,6 +612,7 @@ def main() -> int:
         _safe("links_equal_work", lambda: bench_links_equal_work(args.model, sizes, args.max_tokens, args.repeats), log)
     if "acceptor" in parts and torch.cuda.is_available():
         _safe("acceptor", lambda: bench_acceptor(sizes), log)
+        _safe("acceptor_engine", lambda: bench_acceptor_engine(args.model, sizes, args.max_tokens, args.repeats), log)
     if "overhead" in parts:
         _safe("spec_overhead", lambda: bench_spec_overhead(args.model, sizes, args.max_tokens, args.repeats), log)
     if "8b" in parts and torch.cuda.is_available():

@@ -19,6 +19,9 @@ class SpeculativeConfig:
     threshold_acc: float = 1.0
     adaptive: bool = True  # shrink D or decode plainly when speculation would not pay
     index_prompt: bool = True  # prompts feed the corpus at admission (prompt copying)
+    # CUDA-graph greedy verify steps accept with the one-launch Triton kernel (kernels/tree_accept.py);
+    # False: with the torch ops of verify_tree_greedy (an A/B switch; CPU always uses the torch ops).
+    accept_kernel: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_draft_tokens <= 64:

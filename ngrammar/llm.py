@@ -24,6 +24,7 @@ _SPEC_ARGS = {
     "spec_threshold_acc": "threshold_acc",
     "spec_adaptive": "adaptive",
     "ngram_index_prompt": "index_prompt",
+    "spec_accept_kernel": "accept_kernel",
 }
 
 

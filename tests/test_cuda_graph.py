@@ -334,3 +334,25 @@ def test_cuda_graph_capture_replay_matches_eager() -> None:
             for pg in pages:
                 spec.engine.blocks.allocator.free(pg)
         torch.testing.assert_close(static, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernel_acceptor_and_torch_acceptor_give_the_same_tokens() -> None:
+    # The CUDA-graph acceptor with the one-launch kernel (the default) against the torch ops, on
+    # prompts that copy (long accepted runs, KV moves) and at batch sizes that pad their bucket.
+    kw = dict(device="cuda", dtype="float32", kv_cache_tokens=16384, cuda_graph_max_bs=8,
+              speculative="ngram", num_draft_tokens=16, spec_adaptive=False)
+    fused = LLM(**kw)  # type: ignore[arg-type]
+    ops = LLM(**kw, spec_accept_kernel=False)  # type: ignore[arg-type]
+    assert fused.engine.spec.accept_kernel and not ops.engine.spec.accept_kernel
+    copy = [f"Repeat this list exactly: {', '.join(str(i) for i in range(k, k + 30))}." for k in range(5)]
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    for prompts in (copy[:1], copy[:3], copy + PROMPTS[:2]):
+        want = [o.token_ids for o in ops.generate(prompts, params)]
+        assert [o.token_ids for o in fused.generate(prompts, params)] == want
+    for llm in (fused, ops):
+        assert sum(_graphs(llm).accept_replays.values()) > 0
+        alloc = llm.engine.blocks.allocator
+        alloc.check_integrity()
+        assert alloc.num_free == alloc.num_pages

@@ -12,7 +12,7 @@ import pytest
 import torch
 from triton_env import DEVICE
 
-from ngrammar.kernels.tree_accept import greedy_tree_accept
+from ngrammar.kernels.tree_accept import GreedyAccept, greedy_tree_accept
 from ngrammar.spec.verify import TreeAcceptResult, verify_tree_greedy
 
 pytestmark = pytest.mark.gpu
@@ -34,9 +34,18 @@ def _random_trees(rng: np.random.Generator, bs: int, d: int, vocab: int) -> tupl
     return (torch.as_tensor(tokens), torch.as_tensor(mask), torch.as_tensor(predict))
 
 
-def _same(got: TreeAcceptResult, want: TreeAcceptResult) -> None:
+def _same(got: GreedyAccept, want: TreeAcceptResult) -> None:
     for name in ("accept_index", "accept_len", "accept_tokens", "accept_nodes", "bonus"):
-        assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), name
+        assert torch.equal(getattr(got.result, name).cpu(), getattr(want, name)), name
+    assert torch.equal(got.packed.cpu(), want.packed())
+
+
+def _kv_src(slots: torch.Tensor, want: TreeAcceptResult) -> torch.Tensor:
+    """What ``ModelRunner.compact_accepted_kv`` moves to each slot: the path's node slots at
+    positions 1..len-1, the slot itself elsewhere."""
+    j = torch.arange(slots.shape[1])
+    on_path = (j >= 1) & (j < want.accept_len[:, None])
+    return torch.where(on_path, slots.gather(1, want.accept_nodes.clamp(min=0)), slots)
 
 
 @pytest.mark.parametrize("d", [1, 2, 5, 8, 16, 33])
@@ -46,8 +55,13 @@ def test_kernel_accepts_what_the_torch_walk_accepts(bs: int, d: int) -> None:
     for _ in range(4):
         tokens, mask, predict = _random_trees(rng, bs, d, vocab=3)
         want = verify_tree_greedy(tokens, mask, predict)
-        got = greedy_tree_accept(tokens.to(DEVICE), mask.to(DEVICE), predict.to(DEVICE))
+        slots = torch.as_tensor(rng.permutation(1000)[: bs * d].reshape(bs, d))
+        got = greedy_tree_accept(tokens.to(DEVICE), mask.to(DEVICE), predict.to(DEVICE), slots.to(DEVICE))
         _same(got, want)
+        assert got.kv_src is not None and torch.equal(got.kv_src.cpu(), _kv_src(slots, want))
+        bare = greedy_tree_accept(tokens.to(DEVICE), mask.to(DEVICE), predict.to(DEVICE))
+        _same(bare, want)
+        assert bare.kv_src is None
 
 
 def test_kernel_on_chains_padding_and_the_golden_tree() -> None:
@@ -61,11 +75,13 @@ def test_kernel_on_chains_padding_and_the_golden_tree() -> None:
     want = verify_tree_greedy(tokens, mask, predict)
     got = greedy_tree_accept(tokens.to(DEVICE), mask.to(DEVICE), predict.to(DEVICE))
     _same(got, want)
-    assert got.accept_len.tolist() == [4, 4, 3]  # golden: root -> node 2 (7) -> node 3 (3), bonus 1
-    assert got.accept_tokens[2].tolist() == [7, 3, 1, -1]
+    assert got.result.accept_len.tolist() == [4, 4, 3]  # golden: root -> node 2 (7) -> node 3 (3), bonus 1
+    assert got.result.accept_tokens[2].tolist() == [7, 3, 1, -1]
 
 
 def test_kernel_rejects_mismatched_shapes() -> None:
     tokens = torch.zeros(2, 4, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="shapes disagree"):
         greedy_tree_accept(tokens, torch.ones(2, 4, 3, dtype=torch.bool, device=DEVICE), tokens)
+    with pytest.raises(ValueError, match="shapes disagree"):
+        greedy_tree_accept(tokens, torch.ones(2, 4, 4, dtype=torch.bool, device=DEVICE), tokens, tokens[:1])

@@ -219,30 +219,43 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compact_accepted_kv(self, slots: torch.Tensor, nodes: torch.Tensor, lens: torch.Tensor) -> None:
-        """Move each request's accepted draft path to the slots right after its prefix, on the device.
+        """``compact_path_kv`` on this runner's KV pool."""
+        compact_path_kv(self.kv_cache, slots, nodes, lens)
 
-        slots [B, W] int64: the KV slot of tree node i of request b in the last verify step (node i
-        sits at kv index start + i, so slot j is also where path position j belongs); nodes [B, P]
-        (P <= W, at least the longest path): the accepted path's node indices, root first (-1 past
-        the path); lens [B]: accepted drafts + 1, so path positions 0..lens-1 are the root and the
-        accepted drafts. Afterwards slot slots[b, j] holds the KV of node nodes[b, j] for
-        1 <= j < lens[b]; the root is in place already. (A request that keeps fewer tokens - EOS, a
-        stop string - has moved KV past its length, which nothing reads.)
 
-        Fixed shapes and no host read: each of the first P positions moves, the ones off the path
-        onto themselves (a real row's slots are distinct and never another row's, and all reads
-        happen before any write). CUDA-graph padding rows all use the same dummy-page slots, so
-        those are written more than once, in no set order; nothing reads the dummy page.
+@torch.inference_mode()
+def compact_path_kv(kv_cache: torch.Tensor, slots: torch.Tensor, nodes: torch.Tensor, lens: torch.Tensor) -> None:
+    """Move each request's accepted draft path to the slots right after its prefix, on the device.
 
-        One gather and one scatter over every layer's K and V at once: the pool viewed as
-        [layers * 2, slots, row] indexed on its middle dimension. (Against ``index_select`` /
-        ``index_copy_`` on dim 2 of [layers, 2, slots, heads, d], the H200's greedy acceptor graph
-        replayed in 0.293 instead of 0.309 ms at batch 1 and 0.406 instead of 0.440 ms at batch 32,
-        session 14.)"""
-        dst = slots[:, : nodes.shape[1]]
-        j = torch.arange(dst.shape[1], device=slots.device)
-        on_path = (j >= 1) & (j < lens[:, None])
-        src = torch.where(on_path, slots.gather(1, nodes.clamp(min=0)), dst)
-        c = self.kv_cache
-        rows = c.view(c.shape[0] * 2, c.shape[2] * c.shape[3], c.shape[4] * c.shape[5])
-        rows[:, dst.reshape(-1)] = rows[:, src.reshape(-1)]
+    slots [B, W] int64: the KV slot of tree node i of request b in the last verify step (node i
+    sits at kv index start + i, so slot j is also where path position j belongs); nodes [B, P]
+    (P <= W, at least the longest path): the accepted path's node indices, root first (-1 past
+    the path); lens [B]: accepted drafts + 1, so path positions 0..lens-1 are the root and the
+    accepted drafts. Afterwards slot slots[b, j] holds the KV of node nodes[b, j] for
+    1 <= j < lens[b]; the root is in place already. (A request that keeps fewer tokens - EOS, a
+    stop string - has moved KV past its length, which nothing reads.)
+
+    Fixed shapes and no host read: each of the first P positions moves, the ones off the path
+    onto themselves (a real row's slots are distinct and never another row's, and all reads
+    happen before any write). CUDA-graph padding rows all use the same dummy-page slots, so
+    those are written more than once, in no set order; nothing reads the dummy page.
+
+    One gather and one scatter over every layer's K and V at once: the pool viewed as
+    [layers * 2, slots, row] indexed on its middle dimension. (Against ``index_select`` /
+    ``index_copy_`` on dim 2 of [layers, 2, slots, heads, d], the H200's greedy acceptor graph
+    replayed in 0.293 instead of 0.309 ms at batch 1 and 0.406 instead of 0.440 ms at batch 32,
+    session 14.)"""
+    dst = slots[:, : nodes.shape[1]]
+    j = torch.arange(dst.shape[1], device=slots.device)
+    on_path = (j >= 1) & (j < lens[:, None])
+    src = torch.where(on_path, slots.gather(1, nodes.clamp(min=0)), dst)
+    move_kv_slots(kv_cache, dst, src)
+
+
+@torch.inference_mode()
+def move_kv_slots(kv_cache: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy the KV at slots ``src`` to slots ``dst`` (same shape, int64) in every layer of
+    ``kv_cache`` [layers, 2, pages, page size, kv heads, head dim]; all reads happen before any
+    write. (The one-launch acceptor kernel computes ``src`` itself.)"""
+    rows = kv_cache.view(kv_cache.shape[0] * 2, kv_cache.shape[2] * kv_cache.shape[3], -1)
+    rows[:, dst.reshape(-1)] = rows[:, src.reshape(-1)]

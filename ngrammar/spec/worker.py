@@ -23,7 +23,7 @@ import torch
 
 from ngrammar.config import SpeculativeConfig
 from ngrammar.engine.sequence import Sequence
-from ngrammar.runner.model_runner import StepInput
+from ngrammar.runner.model_runner import StepInput, move_kv_slots
 from ngrammar.runner.transfer import to_device
 from ngrammar.runner.sampler import STREAM_FINAL_COIN, STREAM_TREE_COIN, SamplingTensors, hash_uniform, target_probs
 from ngrammar.spec.corpus import NgramCorpus
@@ -81,6 +81,8 @@ class NgramSpecWorker:
         self.shadows = ShadowDrafts(self.corpus, self.policy.widths[1:])
         self.readback_links = False  # benchmark switch: the old path that reads links back first
         self.sync_debug = False  # GPU check: drafting -> verify launch runs under sync debug "error"
+        # Triton compiles for CUDA only; CPU graph-path runs (no capture) keep the torch ops.
+        self.accept_kernel = config.accept_kernel and engine.device.type == "cuda"
         self.last_drafts: dict[str, int] = {}  # seq id -> drafts it accepted in the last verify step
         self._censored: set[str] = set()  # ... of those, whose run ended at a leaf of its tree
         self._tree_depths: dict[str, int] = {}  # ... and how deep each one's draft tree was
@@ -264,7 +266,18 @@ class NgramSpecWorker:
         logits [bucket * W, V], slots [bucket, W]. The move covers all W positions of every row: a
         graph cannot size it by the deepest tree (a host value); positions past a path move onto
         themselves, and padding rows move dummy-page KV among dummy-page slots (shared by all
-        padding rows, so written more than once, in no set order: nothing reads them)."""
+        padding rows, so written more than once, in no set order: nothing reads them).
+
+        With ``accept_kernel`` (CUDA): the argmax, ``greedy_tree_accept`` (which also writes the
+        packed row and each move's source slot) and one gather/scatter, instead of ~100 small ops."""
+        if self.accept_kernel:
+            from ngrammar.kernels.tree_accept import greedy_tree_accept
+
+            bs, width = candidates.shape
+            fused = greedy_tree_accept(candidates, mask, logits.argmax(dim=-1).view(bs, width), slots)
+            assert fused.kv_src is not None
+            move_kv_slots(self.engine.runner.kv_cache, slots, fused.kv_src)
+            return fused.result, fused.packed
         result = verify_tree_greedy_from_logits(candidates, mask, logits)
         self.engine.runner.compact_accepted_kv(slots, result.accept_nodes, result.accept_len)
         return result, result.packed()
