@@ -1,4 +1,4 @@
-"""``ngrammar bench [engine|spec|grammar|serve|profile|host|calibration]``: build the engines once and run a suite."""
+"""``ngrammar bench [engine|spec|grammar|serve|profile|host|calibration|drafts]``: build the engines once and run a suite."""
 
 from __future__ import annotations
 
@@ -59,6 +59,10 @@ def run_benchmark(args: argparse.Namespace) -> int:
         from benchmarks.bench_calibration import run_calibration
 
         result = run_calibration(_llm(args, True), max_tokens=args.max_tokens or 64)
+    elif suite == "drafts":
+        from benchmarks.bench_draft_quality import run_draft_quality
+
+        result = run_draft_quality(_llm(args, False), args.max_tokens or 128)
     elif suite == "host":
         from benchmarks.bench_host import run_host_benchmark
 

@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (see benchmarks/)")
     bench.add_argument("suite", nargs="?", default="engine",
-                       choices=["engine", "spec", "grammar", "serve", "profile", "host", "calibration"])
+                       choices=["engine", "spec", "grammar", "serve", "profile", "host", "calibration", "drafts"])
     bench.add_argument("--grammar", action="store_true", help="same as the 'grammar' suite")
     bench.add_argument("--batch-sizes", default=None, help="comma-separated, e.g. 1,8,32")
     bench.add_argument("--max-tokens", type=int, default=None)

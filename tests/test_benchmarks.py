@@ -66,3 +66,17 @@ def test_links_equal_work_runs_both_link_paths_on_the_same_tokens(spec_llm: Any)
     assert out["host_links_verify_ms"] > 0 and out["readback_verify_ms"] > 0
     assert stats.spec_steps >= steps + 4  # each of the four runs verified
     assert spec_llm.engine.spec.readback_links is False
+
+
+def test_draft_replay_accepts_copied_text_and_nothing_of_novel_text() -> None:
+    from benchmarks.bench_draft_quality import Stream, accept_lengths, replay_steps
+
+    prompt = list(range(100, 160))
+    copy = Stream("copy", prompt, prompt[:40])  # the output repeats the prompt: drafts follow it
+    novel = Stream("novel", prompt, list(range(1000, 1040)))  # tokens never seen: nothing accepted
+    steps = replay_steps(copy, 8)
+    assert sum(steps) == 39 and max(steps) == 8  # every step but the last emits a full chain
+    assert replay_steps(novel, 8) == [1] * 39
+    assert replay_steps(copy, 4, match_type="PROB") == [4] * 9 + [3]
+    got = accept_lengths([copy, novel], 8)
+    assert got["novel"] == 1.0 and got["copy"] == pytest.approx(39 / len(steps))
