@@ -274,18 +274,6 @@ def _paged_attention_kernel(
     if MERGE_IN_KERNEL:
         if split >= used_splits:
             return
-    elif SPLIT_OUTPUT:
-        if split >= used_splits:
-            # Nothing to attend: mark the split empty (lse = -inf) for the merge kernel, which then
-            # skips its partial; neither q nor a partial is touched (a graph captured for a long
-            # context launches many more splits than a short one uses).
-            e_rows = tl.arange(0, BLOCK_M)
-            e_tok = tok_begin + e_rows // GROUP
-            e_valid = (e_rows < Q_PER_BLOCK * GROUP) & (e_tok < q_len)
-            e_offs = (q_first + e_tok) * stride_pl_t + kv_head * GROUP + e_rows % GROUP
-            tl.store(part_lse_ptr + split * stride_pl_s + e_offs, tl.full([BLOCK_M], float("-inf"), tl.float32),
-                     mask=e_valid)
-            return
     lo = split * tiles_per_split * BLOCK_N
     hi = tl.minimum(kv_end, lo + tiles_per_split * BLOCK_N)
     full_hi = lo + (tl.maximum(tl.minimum(hi, full_end) - lo, 0) // BLOCK_N) * BLOCK_N
@@ -412,11 +400,9 @@ def _merge_splits_kernel(
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     weight = tl.exp2(lse - lse_max)  # empty splits carry lse = -inf -> weight 0
     total = tl.sum(weight, 0)
-    # An empty split wrote no partial (see the attention kernel): it is not read, and weighs 0.
-    used = split_ok & (lse != float("-inf"))
     part = tl.load(
         part_o_ptr + splits[:, None] * stride_po_s + t * stride_po_t + h * stride_po_h + offs_d[None, :],
-        mask=used[:, None],
+        mask=split_ok[:, None],
         other=0.0,
     )
     out = tl.sum(part * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
