@@ -102,6 +102,19 @@ def test_config_validation() -> None:
         EngineConfig(cuda_graph_max_bs=0)
 
 
+def test_the_acceptor_kernel_is_a_cuda_only_switch(static_spec_llm: LLM) -> None:
+    from ngrammar.llm import build_engine_config
+
+    assert build_engine_config(speculative="ngram").speculative.accept_kernel  # type: ignore[union-attr]
+    off = build_engine_config(speculative="ngram", spec_accept_kernel=False)
+    assert not off.speculative.accept_kernel  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="need speculative"):
+        build_engine_config(spec_accept_kernel=False)
+    # Triton compiles for CUDA only: a CPU engine's graph path (no capture) keeps the torch ops.
+    worker = static_spec_llm.engine.spec
+    assert worker is not None and worker.config.accept_kernel and not worker.accept_kernel
+
+
 def test_cpu_engines_stay_eager(llm: LLM) -> None:
     assert llm.engine.runner.graphs is None  # no CUDA: nothing is captured unless forced
     assert not graph_capturable(llm.engine.runner.backend)
