@@ -78,11 +78,12 @@ def _engine_kwargs(model: str | None, graphs: bool) -> dict[str, Any]:
 
 
 def bench_small_model(model: str | None, batch_sizes: list[int], max_tokens: int, repeats: int,
-                      graphs: bool = True, transformers: bool = True) -> dict[str, Any]:
-    res: dict[str, Any] = {"cuda_graphs": graphs}
+                      graphs: bool = True, transformers: bool = True, width: int = 16) -> dict[str, Any]:
+    """``width``: the NGRAM engine's num_draft_tokens (its policy picks widths up to it)."""
+    res: dict[str, Any] = {"cuda_graphs": graphs, "num_draft_tokens": width}
     t = time.perf_counter()
     plain = LLM(**_engine_kwargs(model, graphs))
-    spec = LLM(**_engine_kwargs(model, graphs), speculative="ngram", num_draft_tokens=16)
+    spec = LLM(**_engine_kwargs(model, graphs), speculative="ngram", num_draft_tokens=width)
     # Plain decoding that commits every step before launching the next (what overlap scheduling hides).
     stepwise = LLM(**_engine_kwargs(model, graphs), overlap_schedule=False)
     res["engine_start_s"] = time.perf_counter() - t
@@ -597,16 +598,19 @@ def main() -> int:
     p.add_argument("--no-transformers", action="store_true", help="skip transformers generate (A/B runs)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--parts", default="smollm2,links,8b")
+    p.add_argument("--num-draft-tokens", type=int, default=16, help="D of the smollm2 part's NGRAM engine")
     args = p.parse_args()
     log: dict[str, Any] = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     parts = args.parts.split(",")
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     if "smollm2" in parts:
         _safe("smollm2", lambda: bench_small_model(args.model, sizes, args.max_tokens, args.repeats,
-                                                   transformers=not args.no_transformers), log)
+                                                   transformers=not args.no_transformers,
+                                                   width=args.num_draft_tokens), log)
         if "error" in log["smollm2"]:  # recorded above; measure the eager path too rather than nothing
             _safe("smollm2_eager", lambda: bench_small_model(args.model, sizes, args.max_tokens, args.repeats,
-                                                             graphs=False, transformers=not args.no_transformers),
+                                                             graphs=False, transformers=not args.no_transformers,
+                                                             width=args.num_draft_tokens),
                   log)
     if "links" in parts:
         _safe("links_equal_work", lambda: bench_links_equal_work(args.model, sizes, args.max_tokens, args.repeats), log)
