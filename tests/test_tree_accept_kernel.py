@@ -13,6 +13,7 @@ import torch
 from triton_env import DEVICE
 
 from ngrammar.kernels.tree_accept import GreedyAccept, greedy_tree_accept
+from ngrammar.runner.model_runner import compact_path_kv, move_kv_slots
 from ngrammar.spec.verify import TreeAcceptResult, verify_tree_greedy
 
 pytestmark = pytest.mark.gpu
@@ -40,12 +41,15 @@ def _same(got: GreedyAccept, want: TreeAcceptResult) -> None:
     assert torch.equal(got.packed.cpu(), want.packed())
 
 
-def _kv_src(slots: torch.Tensor, want: TreeAcceptResult) -> torch.Tensor:
-    """What ``ModelRunner.compact_accepted_kv`` moves to each slot: the path's node slots at
-    positions 1..len-1, the slot itself elsewhere."""
-    j = torch.arange(slots.shape[1])
-    on_path = (j >= 1) & (j < want.accept_len[:, None])
-    return torch.where(on_path, slots.gather(1, want.accept_nodes.clamp(min=0)), slots)
+def _same_moves(slots: torch.Tensor, kv_src: torch.Tensor | None, want: TreeAcceptResult) -> None:
+    """Moving a KV pool by the kernel's source slots (``move_kv_slots``) leaves it as the torch
+    path's ``compact_path_kv`` does."""
+    assert kv_src is not None
+    pool = torch.randn(2, 2, 1000 // 8, 8, 1, 4)  # [layers, k/v, pages, page size, kv heads, d]: 1000 slots
+    want_pool, got_pool = pool.clone(), pool.clone()
+    compact_path_kv(want_pool, slots, want.accept_nodes, want.accept_len)
+    move_kv_slots(got_pool, slots, kv_src.cpu())
+    assert torch.equal(got_pool, want_pool)
 
 
 @pytest.mark.parametrize("d", [1, 2, 5, 8, 16, 33])
@@ -58,7 +62,7 @@ def test_kernel_accepts_what_the_torch_walk_accepts(bs: int, d: int) -> None:
         slots = torch.as_tensor(rng.permutation(1000)[: bs * d].reshape(bs, d))
         got = greedy_tree_accept(tokens.to(DEVICE), mask.to(DEVICE), predict.to(DEVICE), slots.to(DEVICE))
         _same(got, want)
-        assert got.kv_src is not None and torch.equal(got.kv_src.cpu(), _kv_src(slots, want))
+        _same_moves(slots, got.kv_src, want)
         bare = greedy_tree_accept(tokens.to(DEVICE), mask.to(DEVICE), predict.to(DEVICE))
         _same(bare, want)
         assert bare.kv_src is None
