@@ -69,12 +69,40 @@ def replay_steps(stream: Stream, draft_token_num: int, **overrides: Any) -> list
     return emitted
 
 
-def accept_lengths(streams: Sequence[Stream], draft_token_num: int, **overrides: Any) -> dict[str, float]:
-    """Mean tokens per verify step per category (pooled over its prompts' steps)."""
+def _as_text(tokens: Sequence[int]) -> str:
+    """Token ids as one character each (code points from U+10000: valid for ids below 2^20, never
+    surrogates), so that ``in`` is a substring search over token sequences."""
+    return "".join(chr(0x10000 + t) for t in tokens)
+
+
+def oracle_steps(stream: Stream, draft_token_num: int) -> list[int]:
+    """Tokens each verify step would emit if every step drafted one chain that continues the output
+    as far as any earlier occurrence in the prompt or the output so far does: the accepted drafts
+    are the longest prefix (at most D - 1 tokens) of the true continuation that appears anywhere
+    in the context. An upper bound for copy-based drafting of a chain with D nodes, whatever the
+    matching and ranking."""
+    context = _as_text(stream.prompt) + _as_text(stream.output[:1])
+    pos, emitted = 1, []
+    while pos < len(stream.output):
+        future = _as_text(stream.output[pos : pos + draft_token_num - 1])
+        n = 0
+        while n < len(future) and future[: n + 1] in context:
+            n += 1
+        n = min(n + 1, len(stream.output) - pos)
+        context += _as_text(stream.output[pos : pos + n])
+        pos += n
+        emitted.append(n)
+    return emitted
+
+
+def accept_lengths(streams: Sequence[Stream], draft_token_num: int, oracle: bool = False,
+                   **overrides: Any) -> dict[str, float]:
+    """Mean tokens per verify step per category (pooled over its prompts' steps); ``oracle``: of
+    ``oracle_steps`` instead of the corpus's drafts."""
     tokens: dict[str, int] = {}
     steps: dict[str, int] = {}
     for s in streams:
-        emitted = replay_steps(s, draft_token_num, **overrides)
+        emitted = oracle_steps(s, draft_token_num) if oracle else replay_steps(s, draft_token_num, **overrides)
         tokens[s.category] = tokens.get(s.category, 0) + sum(emitted)
         steps[s.category] = steps.get(s.category, 0) + len(emitted)
     return {c: tokens[c] / steps[c] for c in tokens if steps[c]}
@@ -86,6 +114,7 @@ CONFIGS: list[tuple[str, int, dict[str, Any]]] = [
     *[(f"D=16 max_bfs_breadth={b}", 16, {"max_bfs_breadth": b}) for b in (2, 4, 20)],
     *[(f"D=16 min_bfs_breadth={b}", 16, {"min_bfs_breadth": b}) for b in (2, 4)],
     *[(f"D=16 max_trie_depth={t}", 16, {"max_trie_depth": t}) for t in (4, 8, 32)],
+    *[(f"D={d} oracle chain (any earlier copy)", d, {"oracle": True}) for d in (16, 64)],
 ]
 
 

@@ -80,3 +80,19 @@ def test_draft_replay_accepts_copied_text_and_nothing_of_novel_text() -> None:
     assert replay_steps(copy, 4, match_type="PROB") == [4] * 9 + [3]
     got = accept_lengths([copy, novel], 8)
     assert got["novel"] == 1.0 and got["copy"] == pytest.approx(39 / len(steps))
+
+
+def test_the_oracle_chain_bounds_the_corpus_drafts() -> None:
+    from benchmarks.bench_draft_quality import Stream, accept_lengths, oracle_steps, replay_steps
+
+    prompt = list(range(100, 160))
+    copy = Stream("copy", prompt, prompt[:40])
+    assert oracle_steps(copy, 8) == replay_steps(copy, 8)  # a plain copy: both draft full chains
+    assert oracle_steps(Stream("novel", prompt, list(range(1000, 1040))), 8) == [1] * 39
+    # Two sources that share their first tokens: BFS follows the more recent one, the oracle the
+    # right one; the oracle is never worse, and here better.
+    a, b = [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 9, 10, 11, 12, 13]
+    mixed = Stream("mixed", a + [50] + b + [50], [1, 2, 3, 4, 5, 6, 7, 8, 60])
+    ora, rep = accept_lengths([mixed], 8, oracle=True), accept_lengths([mixed], 8)
+    assert ora["mixed"] > rep["mixed"]
+    assert sum(oracle_steps(mixed, 8)) == sum(replay_steps(mixed, 8)) == 8
