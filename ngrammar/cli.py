@@ -33,6 +33,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--ngram-max-trie-depth", type=int, default=None)
     s.add_argument("--ngram-capacity", type=int, default=None)
     s.add_argument("--no-spec-adaptive", dest="spec_adaptive", action="store_const", const=False, default=None)
+    s.add_argument("--no-spec-accept-kernel", dest="spec_accept_kernel", action="store_const", const=False,
+                   default=None, help="CUDA graphs: greedy acceptance with torch ops, not the Triton kernel")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -51,7 +53,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "speculative": args.speculative,
     }
     for name in ("num_draft_tokens", "ngram_match_type", "ngram_max_bfs_breadth", "ngram_min_bfs_breadth",
-                 "ngram_max_trie_depth", "ngram_capacity", "spec_adaptive"):
+                 "ngram_max_trie_depth", "ngram_capacity", "spec_adaptive", "spec_accept_kernel"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
     return kw

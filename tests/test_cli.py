@@ -27,3 +27,16 @@ def test_jsonl_batch_job(tmp_path) -> None:  # type: ignore[no-untyped-def]
     rows = [json.loads(line) for line in dst.read_text().splitlines()]
     assert len(rows) == 2 and rows[0]["metrics"]["completion_tokens"] == 3
     assert all(r["finish_reason"] in ("stop", "length") for r in rows)
+
+
+def test_speculative_flags_reach_the_engine_config() -> None:
+    from ngrammar.cli import build_parser, engine_kwargs
+    from ngrammar.llm import build_engine_config
+
+    args = build_parser().parse_args(["generate", "hi", "--speculative", "ngram", "--num-draft-tokens", "16",
+                                      "--no-spec-adaptive", "--no-spec-accept-kernel"])
+    spec = build_engine_config(**engine_kwargs(args)).speculative
+    assert spec is not None and spec.num_draft_tokens == 16 and not spec.adaptive and not spec.accept_kernel
+    args = build_parser().parse_args(["generate", "hi", "--speculative", "ngram"])
+    spec = build_engine_config(**engine_kwargs(args)).speculative
+    assert spec is not None and spec.adaptive and spec.accept_kernel
