@@ -18,7 +18,7 @@ is shared and keeps earlier requests, and its policy may shrink D, so engine fig
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from benchmarks.bench_drafting import accepted_length
 from benchmarks.common import chat, load_workload, print_table
@@ -45,28 +45,37 @@ def record_streams(llm: Any, max_tokens: int) -> list[Stream]:
     return streams
 
 
+def _decode(stream: Stream, draft_token_num: int, accepted: Callable[[list[int], list[int]], int]) -> list[int]:
+    """Tokens each verify step emits when ``stream`` is decoded speculatively: ``accepted(history,
+    future)`` says how many drafts of the step's D - 1 would be accepted given the true next tokens.
+    The first output token comes from the prefill, so the steps emit ``len(output) - 1`` tokens."""
+    history = list(stream.prompt) + stream.output[:1]
+    pos, emitted = 1, []
+    while pos < len(stream.output):
+        future = stream.output[pos : pos + draft_token_num - 1]
+        n = min(accepted(history, future) + 1, len(stream.output) - pos)
+        history += stream.output[pos : pos + n]
+        pos += n
+        emitted.append(n)
+    return emitted
+
+
 def replay_steps(stream: Stream, draft_token_num: int, **overrides: Any) -> list[int]:
-    """Tokens each verify step would emit when ``stream`` is decoded speculatively with a fresh
-    corpus built as the engine builds it from ``SpeculativeConfig(num_draft_tokens=draft_token_num,
-    **overrides)`` (its prompt indexed at admission, its output as it grows). The first output
-    token comes from the prefill, so the steps emit ``len(output) - 1`` tokens."""
+    """``_decode`` with a fresh corpus built as the engine builds it from
+    ``SpeculativeConfig(num_draft_tokens=draft_token_num, **overrides)`` (its prompt indexed at
+    admission, its output as it grows)."""
     c = SpeculativeConfig(num_draft_tokens=draft_token_num, **overrides)
     corpus = NgramCorpus(max_trie_depth=c.max_trie_depth, min_bfs_breadth=c.min_bfs_breadth,
                          max_bfs_breadth=c.max_bfs_breadth, draft_token_num=draft_token_num,
                          match_type=c.match_type, capacity=c.capacity)
     corpus.index_prompt(0, stream.prompt)
-    history = list(stream.prompt) + stream.output[:1]
-    corpus.update(0, history)
-    pos, emitted = 1, []
-    while pos < len(stream.output):
-        tree = corpus.batch_get([0], [history], draft_token_num)
-        future = stream.output[pos : pos + draft_token_num]
-        n = min(accepted_length(tree.tokens_2d()[0], tree.parents()[0], future) + 1, len(stream.output) - pos)
-        history += stream.output[pos : pos + n]
-        pos += n
-        emitted.append(n)
+
+    def accepted(history: list[int], future: list[int]) -> int:
         corpus.update(0, history)
-    return emitted
+        tree = corpus.batch_get([0], [history], draft_token_num)
+        return accepted_length(tree.tokens_2d()[0], tree.parents()[0], future)
+
+    return _decode(stream, draft_token_num, accepted)
 
 
 def _as_text(tokens: Sequence[int]) -> str:
@@ -76,23 +85,20 @@ def _as_text(tokens: Sequence[int]) -> str:
 
 
 def oracle_steps(stream: Stream, draft_token_num: int) -> list[int]:
-    """Tokens each verify step would emit if every step drafted one chain that continues the output
-    as far as any earlier occurrence in the prompt or the output so far does: the accepted drafts
-    are the longest prefix (at most D - 1 tokens) of the true continuation that appears anywhere
-    in the context. An upper bound for copy-based drafting of a chain with D nodes, whatever the
-    matching and ranking."""
-    context = _as_text(stream.prompt) + _as_text(stream.output[:1])
-    pos, emitted = 1, []
-    while pos < len(stream.output):
-        future = _as_text(stream.output[pos : pos + draft_token_num - 1])
+    """``_decode`` where every step drafts one chain that continues the output as far as any
+    earlier occurrence in the prompt or the output so far does: the accepted drafts are the longest
+    prefix (at most D - 1 tokens) of the true continuation that appears anywhere in the context.
+    An upper bound for copy-based drafting of a chain with D nodes, whatever the matching and
+    ranking."""
+
+    def accepted(history: list[int], future: list[int]) -> int:
+        context, ahead = _as_text(history), _as_text(future)
         n = 0
-        while n < len(future) and future[: n + 1] in context:
+        while n < len(ahead) and ahead[: n + 1] in context:
             n += 1
-        n = min(n + 1, len(stream.output) - pos)
-        context += _as_text(stream.output[pos : pos + n])
-        pos += n
-        emitted.append(n)
-    return emitted
+        return n
+
+    return _decode(stream, draft_token_num, accepted)
 
 
 def accept_lengths(streams: Sequence[Stream], draft_token_num: int, oracle: bool = False,

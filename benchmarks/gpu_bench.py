@@ -268,6 +268,42 @@ def grammar_equal_work(spec: LLM, prompts: list[Any], max_tokens: int, repeats: 
     }
 
 
+VerifyRun = tuple[float, list[Any], float]  # tok/s, outputs, ms per verify step
+
+
+def _verify_run(llm: LLM, prompts: list[Any], params: SamplingParams) -> VerifyRun:
+    stats = llm.engine.stats
+    steps, seconds = stats.spec_steps, stats.verify_seconds
+    tok_s, outs = _run(llm, prompts, params)
+    return tok_s, outs, 1e3 * (stats.verify_seconds - seconds) / max(stats.spec_steps - steps, 1)
+
+
+def verify_pairs(a: tuple[str, Callable[[], VerifyRun]], b: tuple[str, Callable[[], VerifyRun]],
+                 repeats: int) -> dict[str, Any]:
+    """Two variants of the same work run in interleaved pairs after one dropped warm-up pair (odd
+    pairs run ``a`` first): medians of tok/s and ms per verify step per side (keys prefixed by the
+    side's name), the paired tok/s ratio a / b, ``a``'s accept length, and the share of requests
+    whose tokens were identical on both sides in the last pair."""
+    (name_a, run_a), (name_b, run_b) = a, b
+    runs: tuple[list[VerifyRun], list[VerifyRun]] = ([], [])
+    for i in range(repeats + 1):
+        for side in ((0, 1) if i % 2 else (1, 0)):
+            r = (run_a, run_b)[side]()
+            if i:
+                runs[side].append(r)
+    ra, rb = runs
+    same = [x.token_ids == y.token_ids for x, y in zip(ra[-1][1], rb[-1][1])]
+    return {
+        f"{name_a}_tok_s": statistics.median(r[0] for r in ra),
+        f"{name_b}_tok_s": statistics.median(r[0] for r in rb),
+        "ratio": statistics.median(x[0] / y[0] for x, y in zip(ra, rb)),
+        f"{name_a}_verify_ms": statistics.median(r[2] for r in ra),
+        f"{name_b}_verify_ms": statistics.median(r[2] for r in rb),
+        "accept_len": _accept(ra[-1][1]),
+        "identical": sum(same) / len(same),
+    }
+
+
 def bench_links_equal_work(model: str | None, batch_sizes: list[int], max_tokens: int,
                            repeats: int) -> dict[str, Any]:
     """Host-derived tree links against the readback switch on the same work (``links_equal_work``)
@@ -286,30 +322,17 @@ def links_equal_work(spec: LLM, prompts: list[Any], max_tokens: int, repeats: in
     worker = spec.engine.spec
     assert worker is not None and not spec.engine.config.speculative.adaptive
     params = SamplingParams(max_tokens=max_tokens, temperature=0, json_schema=RECORD_SCHEMA)
-    runs: dict[bool, list[tuple[float, list[Any], float]]] = {False: [], True: []}
-    stats = spec.engine.stats
+
+    def run(readback: bool) -> Callable[[], VerifyRun]:
+        def go() -> VerifyRun:
+            worker.readback_links = readback
+            return _verify_run(spec, prompts, params)
+        return go
+
     try:
-        for i in range(repeats + 1):
-            for readback in ((False, True) if i % 2 else (True, False)):
-                worker.readback_links = readback
-                steps, seconds = stats.spec_steps, stats.verify_seconds
-                tok_s, outs = _run(spec, prompts, params)
-                verify_ms = 1e3 * (stats.verify_seconds - seconds) / max(stats.spec_steps - steps, 1)
-                if i:
-                    runs[readback].append((tok_s, outs, verify_ms))
+        return verify_pairs(("host_links", run(False)), ("readback", run(True)), repeats)
     finally:
         worker.readback_links = False
-    host, back = runs[False], runs[True]
-    same = [a.token_ids == b.token_ids for a, b in zip(host[-1][1], back[-1][1])]
-    return {
-        "host_links_tok_s": statistics.median(r[0] for r in host),
-        "readback_tok_s": statistics.median(r[0] for r in back),
-        "ratio": statistics.median(a[0] / b[0] for a, b in zip(host, back)),
-        "host_links_verify_ms": statistics.median(r[2] for r in host),
-        "readback_verify_ms": statistics.median(r[2] for r in back),
-        "accept_len": _accept(host[-1][1]),
-        "identical": sum(same) / len(same),
-    }
 
 
 def bench_acceptor(batch_sizes: list[int], width: int = 16, vocab: int = 49152) -> dict[str, Any]:
@@ -377,26 +400,9 @@ def bench_acceptor_engine(model: str | None, batch_sizes: list[int], max_tokens:
     res: dict[str, Any] = {}
     for cat, prompts in _categories().items():
         for bs in batch_sizes:
-            runs: dict[bool, list[tuple[float, list[Any], float]]] = {True: [], False: []}
-            for i in range(repeats + 1):
-                for kernel in ((True, False) if i % 2 else (False, True)):
-                    stats = llms[kernel].engine.stats
-                    steps, seconds = stats.spec_steps, stats.verify_seconds
-                    tok_s, outs = _run(llms[kernel], _batch(prompts, bs), params)
-                    if i:
-                        runs[kernel].append((tok_s, outs, 1e3 * (stats.verify_seconds - seconds)
-                                             / max(stats.spec_steps - steps, 1)))
-            fused, ops = runs[True], runs[False]
-            same = [a.token_ids == b.token_ids for a, b in zip(fused[-1][1], ops[-1][1])]
-            res[f"{cat}_b{bs}"] = {
-                "kernel_tok_s": statistics.median(r[0] for r in fused),
-                "torch_tok_s": statistics.median(r[0] for r in ops),
-                "ratio": statistics.median(a[0] / b[0] for a, b in zip(fused, ops)),
-                "kernel_verify_ms": statistics.median(r[2] for r in fused),
-                "torch_verify_ms": statistics.median(r[2] for r in ops),
-                "accept_len": _accept(fused[-1][1]),
-                "identical": sum(same) / len(same),
-            }
+            batch = _batch(prompts, bs)
+            res[f"{cat}_b{bs}"] = verify_pairs(("kernel", lambda: _verify_run(llms[True], batch, params)),
+                                               ("torch", lambda: _verify_run(llms[False], batch, params)), repeats)
     print_table("NGRAM D = 16, policy off: acceptor kernel vs torch ops",
                 ["cell", "kernel tok/s", "torch tok/s", "ratio", "verify ms k/t", "accept", "same"],
                 [[k, v["kernel_tok_s"], v["torch_tok_s"], v["ratio"],
