@@ -51,7 +51,10 @@ def _rate(llm: LLM, prompts: list[Any], params: SamplingParams) -> tuple[float, 
 
 
 def run_grammar_benchmark(plain: LLM, spec: LLM, batch_size: int = 1, max_tokens: int = 96,
-                          repeats: int = 2) -> dict[str, Any]:
+                          repeats: int = 2, unpruned: LLM | None = None) -> dict[str, Any]:
+    """Per workload: plain and NGRAM, without and with the grammar, and NGRAM + grammar with the
+    readback switch; with ``unpruned`` (an NGRAM engine with ``spec_grammar_prune=False``) also
+    NGRAM + grammar verifying the trees as drafted, the A/B side of grammar pruning."""
     assert spec.engine.spec is not None
     workloads = {
         "json-extraction": (extraction_prompts(batch_size), dict(json_schema=RECORD_SCHEMA)),
@@ -69,6 +72,9 @@ def run_grammar_benchmark(plain: LLM, spec: LLM, batch_size: int = 1, max_tokens
             ("spec+grammar readback", spec, SamplingParams(**base, **grammar), True),
         ]
         _rate(spec, prompts, variants[3][2])  # warm the corpus and grammar caches
+        if unpruned is not None:
+            variants.append(("spec+grammar unpruned", unpruned, variants[3][2], False))
+            _rate(unpruned, prompts, variants[3][2])
         for label, llm, params, readback in variants:
             spec.engine.spec.readback_links = readback
             figs = [_rate(llm, prompts, params) for _ in range(repeats)]
@@ -84,6 +90,9 @@ def run_grammar_benchmark(plain: LLM, spec: LLM, batch_size: int = 1, max_tokens
         r = results
         r[f"{name}/spec+grammar_vs_plain+grammar"] = (
             r[f"{name}/spec+grammar"]["tok_s"] / r[f"{name}/plain+grammar"]["tok_s"])
+        if unpruned is not None:
+            r[f"{name}/spec+grammar_vs_unpruned"] = (
+                r[f"{name}/spec+grammar"]["tok_s"] / r[f"{name}/spec+grammar unpruned"]["tok_s"])
     print_table(f"grammar (batch {batch_size}, greedy, {max_tokens} tokens)",
                 ["workload", "variant", "tok/s", "accept len", "grammar ms/step", "forward ms/step",
                  "grammar/forward"], rows)

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from benchmarks.bench_grammar import RECORD_SCHEMA, extraction_prompts
+from benchmarks.bench_grammar import LOG_REGEX, RECORD_SCHEMA, extraction_prompts, regex_prompts
 from benchmarks.common import chat, decode_seconds, forget_outputs, load_workload, machine, print_table
 from ngrammar import LLM, SamplingParams
 from ngrammar.config import EngineConfig
@@ -329,10 +329,14 @@ def links_equal_work(spec: LLM, prompts: list[Any], max_tokens: int, repeats: in
             return _verify_run(spec, prompts, params)
         return go
 
+    # Grammar pruning would call off or narrow steps whose drafts the schema forbids: off, so that
+    # every decode step verifies a D-node tree on both sides.
+    prune, worker.grammar_prune = worker.grammar_prune, False
     try:
         return verify_pairs(("host_links", run(False)), ("readback", run(True)), repeats)
     finally:
         worker.readback_links = False
+        worker.grammar_prune = prune
 
 
 def bench_acceptor(batch_sizes: list[int], width: int = 16, vocab: int = 49152) -> dict[str, Any]:
@@ -408,6 +412,39 @@ def bench_acceptor_engine(model: str | None, batch_sizes: list[int], max_tokens:
                 [[k, v["kernel_tok_s"], v["torch_tok_s"], v["ratio"],
                   f"{v['kernel_verify_ms']:.3f}/{v['torch_verify_ms']:.3f}", v["accept_len"], v["identical"]]
                  for k, v in res.items()])
+    return res
+
+
+def bench_grammar_prune(model: str | None, batch_sizes: list[int], max_tokens: int,
+                        repeats: int) -> dict[str, Any]:
+    """NGRAM + grammar with the draft policy on (the default engine, D = 16), pruning the trees by
+    the grammar before each verify launch or verifying them as drafted (``spec_grammar_prune``), in
+    interleaved pairs after a dropped warm-up pair: tok/s, verify ms per step, accept length, and
+    whether both emitted the same tokens (bf16 verify and plain steps may round differently, and
+    the two sides verify at different steps). Also the steps pruning called off and the nodes it
+    dropped, over the pruned side's runs."""
+    kw = dict(_engine_kwargs(model, True), speculative="ngram", num_draft_tokens=16)
+    llms = {True: LLM(**kw), False: LLM(**kw, spec_grammar_prune=False)}
+    workloads = {"json_schema": (extraction_prompts, dict(json_schema=RECORD_SCHEMA)),
+                 "json_object": (extraction_prompts, dict(json_object=True)),
+                 "regex": (regex_prompts, dict(regex=LOG_REGEX))}
+    stats = llms[True].engine.stats
+    res: dict[str, Any] = {}
+    for name, (make_prompts, grammar) in workloads.items():
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, **grammar)  # type: ignore[arg-type]
+        for bs in batch_sizes:
+            prompts = make_prompts(bs)
+            vetoed, pruned = stats.grammar_vetoed_steps, stats.grammar_pruned_nodes
+            cell = verify_pairs(("pruned", lambda: _verify_run(llms[True], prompts, params)),
+                                ("full", lambda: _verify_run(llms[False], prompts, params)), repeats)
+            cell["vetoed_steps"] = stats.grammar_vetoed_steps - vetoed
+            cell["pruned_nodes"] = stats.grammar_pruned_nodes - pruned
+            res[f"{name}_b{bs}"] = cell
+    print_table("NGRAM + grammar, policy on: trees pruned by the grammar vs verified as drafted",
+                ["cell", "pruned tok/s", "full tok/s", "ratio", "verify ms p/f", "accept", "same", "vetoed", "dropped"],
+                [[k, v["pruned_tok_s"], v["full_tok_s"], v["ratio"],
+                  f"{v['pruned_verify_ms']:.3f}/{v['full_verify_ms']:.3f}", v["accept_len"], v["identical"],
+                  v["vetoed_steps"], v["pruned_nodes"]] for k, v in res.items()])
     return res
 
 
@@ -623,6 +660,8 @@ def main() -> int:
     if "acceptor" in parts and torch.cuda.is_available():
         _safe("acceptor", lambda: bench_acceptor(sizes), log)
         _safe("acceptor_engine", lambda: bench_acceptor_engine(args.model, sizes, args.max_tokens, args.repeats), log)
+    if "prune" in parts:
+        _safe("grammar_prune", lambda: bench_grammar_prune(args.model, sizes, args.max_tokens, args.repeats), log)
     if "overhead" in parts:
         _safe("spec_overhead", lambda: bench_spec_overhead(args.model, sizes, args.max_tokens, args.repeats), log)
     if "8b" in parts and torch.cuda.is_available():

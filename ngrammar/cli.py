@@ -35,6 +35,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--no-spec-adaptive", dest="spec_adaptive", action="store_const", const=False, default=None)
     s.add_argument("--no-spec-accept-kernel", dest="spec_accept_kernel", action="store_const", const=False,
                    default=None, help="CUDA graphs: greedy acceptance with torch ops, not the Triton kernel")
+    s.add_argument("--no-spec-grammar-prune", dest="spec_grammar_prune", action="store_const", const=False,
+                   default=None, help="verify constrained draft trees as drafted, grammar-forbidden nodes included")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -53,7 +55,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "speculative": args.speculative,
     }
     for name in ("num_draft_tokens", "ngram_match_type", "ngram_max_bfs_breadth", "ngram_min_bfs_breadth",
-                 "ngram_max_trie_depth", "ngram_capacity", "spec_adaptive", "spec_accept_kernel"):
+                 "ngram_max_trie_depth", "ngram_capacity", "spec_adaptive", "spec_accept_kernel",
+                 "spec_grammar_prune"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
     return kw

@@ -24,6 +24,7 @@ from ngrammar.grammar import (
     build_tree_bitmask,
     fill_tree_bitmask,
     grammar_spec_from_request,
+    grammar_valid_nodes,
     unpack_bitmask,
 )
 from ngrammar.grammar.tree_mask import (
@@ -465,6 +466,51 @@ def test_tree_masks_equal_naive_recomputation(backend: GrammarBackend, tokenizer
             assert allowed(matcher) == allowed(reference)
         checked_rows += int((expected != -1).any(dim=1).sum())
     assert checked_rows >= 30  # the trees exercise real grammar rows, not just skipped ones
+
+
+def naive_valid_nodes(
+    backend: GrammarBackend, compiled: object, committed: list[int], parents: list[int], tokens: list[int]
+) -> list[bool]:
+    """Node i is valid iff a fresh matcher fed the committed tokens takes i's whole path, no token
+    of it but the last terminating the grammar (the root: iff the grammar has not terminated)."""
+    out = []
+    for node in range(len(tokens)):
+        path, walk = [], node
+        while walk != 0:
+            path.append(tokens[walk])
+            walk = parents[walk]
+        fresh = backend.new_matcher(compiled)
+        fresh.commit(committed)
+        if fresh.is_terminated():
+            out.append(False)
+            continue
+        retained, rejected = fresh.commit(path[::-1])
+        out.append(retained == len(path) and not rejected)
+    return out
+
+
+@pytest.mark.parametrize("case", range(len(TREE_GRAMMARS)))
+def test_grammar_valid_nodes_equal_naive_recomputation(backend: GrammarBackend, tokenizer: Tokenizer,
+                                                       case: int) -> None:
+    make_spec, text = TREE_GRAMMARS[case]
+    compiled = backend.compile(make_spec())
+    ids = tokenizer.encode(text) + [EOS]
+    rng = random.Random(100 + case)
+    verdicts = set()
+    for _ in range(45):
+        committed = ids[: rng.randrange(0, len(ids) + 1)]
+        matcher = backend.new_matcher(compiled)
+        matcher.commit(committed)
+        parents, tokens = random_tree(matcher, rng.choice([1, 2, 4, 8, 16]), rng)
+        valid = grammar_valid_nodes(matcher, tokens, parents)
+        assert valid == naive_valid_nodes(backend, compiled, committed, parents, tokens)
+        verdicts.update(valid[1:])
+        reference = backend.new_matcher(compiled)  # the walk leaves the matcher as it found it
+        reference.commit(committed)
+        assert matcher.is_terminated() == reference.is_terminated()
+        if not matcher.is_terminated():
+            assert allowed(matcher) == allowed(reference)
+    assert verdicts == {True, False}  # the trees hold both kinds of draft
 
 
 def test_build_tree_bitmask_batch(backend: GrammarBackend, tokenizer: Tokenizer) -> None:

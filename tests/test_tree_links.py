@@ -206,3 +206,91 @@ def test_host_and_device_agree_on_arbitrary_masks() -> None:
         host = derive_tree_links(mask, bs, d)
         _, _, *device = reconstruct_indices_from_tree_mask(torch.from_numpy(mask), torch.zeros(bs), bs, d)
         assert torch.equal(host[0], device[0]) and torch.equal(host[1], device[1])
+
+
+# ------------------------------------------------------------------ keep_nodes (grammar pruning)
+
+
+def _paths(parents: list[int], tokens: list[int]) -> list[tuple[int, ...]]:
+    """Each node's token path from the root's first child down to itself."""
+    out: list[tuple[int, ...]] = []
+    for i in range(len(parents)):
+        path, node = [], i
+        while node > 0:
+            path.append(tokens[node])
+            node = parents[node]
+        out.append(tuple(reversed(path)))
+    return out
+
+
+def test_keep_nodes_golden() -> None:
+    # Root 7 with children 11, 12, 13; 21 under 11, 22 under 12, 31 under 22; node 7 is padding.
+    parents = np.array([[-1, 0, 0, 0, 1, 2, 5, 0]])
+    tokens = np.array([7, 11, 12, 13, 21, 22, 31, 0])
+    tree = DraftTree.from_parents(tokens, parents)
+    assert tree.padding().tolist() == [[False] * 7 + [True]]
+    keep = np.array([[True, False, True, True, False, True, True, False]])  # 11's subtree and the pad go
+    pruned = tree.keep_nodes(keep, 8)
+    assert pruned.tokens.tolist() == [7, 12, 13, 22, 31, 0, 0, 0]
+    assert pruned.parents().tolist() == [[-1, 0, 0, 1, 3, 0, 0, 0]]
+    narrow = tree.keep_nodes(keep, 5)
+    assert narrow.draft_token_num == 5 and narrow.tokens.tolist() == [7, 12, 13, 22, 31]
+    assert np.array_equal(narrow.mask, mask_from_parents(np.array([[-1, 0, 0, 1, 3]])))
+
+
+@pytest.mark.parametrize("bad, message", [
+    ([[False, True, True]], "keep every root"),
+    ([[True, False, True]], "parent of every kept node"),
+])
+def test_keep_nodes_rejects_a_set_that_is_not_a_tree(bad: list[list[bool]], message: str) -> None:
+    tree = DraftTree.from_parents(np.array([5, 6, 7]), np.array([[-1, 0, 1]]))
+    with pytest.raises(ValueError, match=message):
+        tree.keep_nodes(np.array(bad), 3)
+    with pytest.raises(ValueError, match="more than width"):
+        tree.keep_nodes(np.ones((1, 3), dtype=bool), 2)
+
+
+def test_pruned_trees_accept_what_the_full_trees_accept() -> None:
+    """Dropping nodes the target can never pick (as a grammar's bitmask guarantees) keeps every
+    kept node's path and sibling order, so greedy verification accepts the same tokens."""
+    from ngrammar.spec.verify import verify_tree_greedy
+
+    rng = np.random.default_rng(11)
+    for _ in range(300):
+        bs, d = int(rng.integers(1, 5)), int(rng.choice([2, 4, 8, 16]))
+        parents = np.stack([random_parents(rng, d, str(rng.choice(["star", "chain", "bfs", "padded"])))
+                            for _ in range(bs)])
+        tokens = rng.integers(1, 6, size=(bs, d))  # few distinct tokens: siblings often repeat
+        keep = rng.random((bs, d)) < 0.7
+        keep[:, 0] = True
+        for i in range(1, d):  # closed under ancestors
+            keep[:, i] &= keep[np.arange(bs), np.maximum(parents[:, i], 0)]
+        tree = DraftTree.from_parents(tokens.reshape(-1), parents)
+        width = int(keep.sum(axis=1).max())
+        pruned = tree.keep_nodes(keep, width)
+        # The target at a path: a token no dropped child of that path carries (a grammar's mask
+        # would forbid those), drawn from the path so both trees see the same target.
+        paths = [_paths(parents[b].tolist(), tokens[b].tolist()) for b in range(bs)]
+        forbidden: dict[tuple[int, tuple[int, ...]], set[int]] = {}
+        for b in range(bs):
+            for i in range(1, d):
+                if not keep[b, i]:
+                    forbidden.setdefault((b, paths[b][int(parents[b, i])]), set()).add(int(tokens[b, i]))
+
+        def target(b: int, path: tuple[int, ...]) -> int:
+            options = [t for t in range(1, 6) if t not in forbidden.get((b, path), set())]
+            return options[hash((b, path)) % len(options)] if options else 9
+
+        def accepted(t: DraftTree) -> list[list[int]]:
+            w = t.draft_token_num
+            toks = t.tokens_2d()
+            ps = [_paths(t.parents()[b].tolist(), toks[b].tolist()) for b in range(bs)]
+            predict = torch.tensor([[target(b, ps[b][i]) for i in range(w)] for b in range(bs)])
+            r = verify_tree_greedy(torch.from_numpy(toks), torch.from_numpy(t.mask), predict)
+            return [r.accept_tokens[b, : int(r.accept_len[b])].tolist() for b in range(bs)]
+
+        assert accepted(pruned) == accepted(tree)
+        kept_paths = [sorted(p for p, k in zip(paths[b], keep[b]) if k) for b in range(bs)]
+        new_paths = [sorted(_paths(pruned.parents()[b].tolist(), pruned.tokens_2d()[b].tolist())[: int(keep[b].sum())])
+                     for b in range(bs)]
+        assert new_paths == kept_paths  # (from_parents checked parent < child)

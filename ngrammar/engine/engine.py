@@ -108,6 +108,8 @@ class EngineStats:
     shadow_samples: int = 0  # ... walked to a decision and taught to the draft policy
     shadow_seconds: float = 0.0  # host time of both
     grammar_seconds: float = 0.0  # host grammar masks (links + DFS), overlapped with the forward
+    grammar_pruned_nodes: int = 0  # draft nodes a grammar forbade, dropped before the verify launch
+    grammar_vetoed_steps: int = 0  # verify steps called off: the grammars left no draft (a plain step ran)
     verify_seconds: float = 0.0  # whole verify steps
     forward_seconds: float = 0.0
     step_seconds: float = 0.0
@@ -350,9 +352,10 @@ class LLMEngine:
         if not batch.decode:
             return "idle", 0, 1
         if batch.width > 1 and self.spec is not None:
-            self.spec.run_verify(batch.decode, batch.width)
-            self._observe(len(batch.decode), batch.width, self._step_start)
-            return "verify", len(batch.decode), batch.width
+            width = self.spec.run_verify(batch.decode, batch.width)
+            if width:
+                self._observe(len(batch.decode), width, self._step_start)
+                return "verify", len(batch.decode), width
         self._run_decode(batch.decode, tail if self.overlap else None)
         return "decode", len(batch.decode), 1
 

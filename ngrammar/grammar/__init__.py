@@ -17,6 +17,7 @@ from ngrammar.grammar.tree_mask import (
     build_tree_bitmask,
     fill_tree_bitmask,
     fill_tree_bitmask_native,
+    grammar_valid_nodes,
     native_traverse_available,
     unpack_bitmask,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "fill_tree_bitmask",
     "fill_tree_bitmask_native",
     "grammar_spec_from_request",
+    "grammar_valid_nodes",
     "native_traverse_available",
     "unpack_bitmask",
 ]

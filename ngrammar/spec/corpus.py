@@ -39,10 +39,9 @@ from itertools import chain, count, islice
 
 import numpy as np
 
-from ngrammar.spec.tree import DraftTree
+from ngrammar.spec.tree import PAD_TOKEN, DraftTree
 
 MATCH_TYPES = ("BFS", "PROB")
-PAD_TOKEN = 0
 
 _ROOT = 0
 # Shortest run of new tokens worth the bulk insert path (below it, per-position inserts are cheaper).

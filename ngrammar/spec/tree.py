@@ -30,6 +30,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+PAD_TOKEN = 0  # the token of padding nodes (extra root children)
 
 @dataclass(frozen=True)
 class DraftTree:
@@ -78,6 +79,38 @@ class DraftTree:
         if self.parent_index is not None:
             return self.parent_index
         return _parents_np(self.mask)
+
+    def padding(self) -> np.ndarray:
+        """[bs, D] bool: padding nodes (``PAD_TOKEN`` root children; a drafted root child with that
+        token reads as padding too, which costs at most a draft nobody needs: it is EOS-like)."""
+        return (self.tokens_2d() == PAD_TOKEN) & (self.parents() == 0)
+
+    def keep_nodes(self, keep: np.ndarray, width: int) -> DraftTree:
+        """The subtrees of kept nodes, renumbered in their order and padded to ``width`` nodes.
+
+        ``keep`` [bs, D] bool must hold each root and be closed under ancestors (a kept node's
+        parent is kept), and no row may keep more than ``width`` nodes. Relative order is kept, so
+        the result is BFS-ordered with parent < child and every kept node keeps its first-child /
+        next-sibling order among the kept nodes: a verify walk that could never accept the
+        dropped nodes accepts the same path in both trees."""
+        bs, d = self.bs, self.draft_token_num
+        keep = np.asarray(keep, dtype=np.bool_)
+        parents = self.parents()
+        if keep.shape != (bs, d) or not keep[:, 0].all():
+            raise ValueError(f"keep must be bool [{bs}, {d}] and keep every root")
+        if (keep[:, 1:] & ~np.take_along_axis(keep, np.maximum(parents[:, 1:], 0), axis=1)).any():
+            raise ValueError("keep must hold the parent of every kept node")
+        counts = keep.sum(axis=1)
+        if (counts > width).any():
+            raise ValueError(f"a tree keeps {int(counts.max())} nodes, more than width {width}")
+        new_index = np.cumsum(keep, axis=1) - 1  # [bs, D]: a kept node's index in its new tree
+        tokens = np.full((bs, width), PAD_TOKEN, dtype=np.int64)
+        new_parents = np.zeros((bs, width), dtype=np.int64)
+        rows, cols = np.nonzero(keep)
+        dest = new_index[rows, cols]
+        tokens[rows, dest] = self.tokens_2d()[rows, cols]
+        new_parents[rows, dest] = np.where(cols > 0, new_index[rows, np.maximum(parents[rows, cols], 0)], -1)
+        return DraftTree.from_parents(tokens.reshape(-1), new_parents)
 
 
 def mask_from_parents(parents: np.ndarray) -> np.ndarray:

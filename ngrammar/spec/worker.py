@@ -83,6 +83,9 @@ class NgramSpecWorker:
         self.sync_debug = False  # GPU check: drafting -> verify launch runs under sync debug "error"
         # Triton compiles for CUDA only; CPU graph-path runs (no capture) keep the torch ops.
         self.accept_kernel = config.accept_kernel and engine.device.type == "cuda"
+        # ``config.grammar_prune``, switchable: equal-work benchmarks that must verify every tree
+        # at full width (the readback comparison) turn it off for their runs.
+        self.grammar_prune = config.grammar_prune
         self.last_drafts: dict[str, int] = {}  # seq id -> drafts it accepted in the last verify step
         self._censored: set[str] = set()  # ... of those, whose run ended at a leaf of its tree
         self._tree_depths: dict[str, int] = {}  # ... and how deep each one's draft tree was
@@ -282,12 +285,19 @@ class NgramSpecWorker:
         self.engine.runner.compact_accepted_kv(slots, result.accept_nodes, result.accept_len)
         return result, result.packed()
 
-    def run_verify(self, seqs: list[Sequence], width: int) -> None:
+    def run_verify(self, seqs: list[Sequence], width: int) -> int:
+        """One verify step of ``width`` nodes per sequence; returns the width verified, narrower when
+        grammars pruned the trees, or 0 when they left no draft (the caller runs a plain step)."""
         eng, runner = self.engine, self.engine.runner
         t0 = time.perf_counter()
         with self._no_sync_region():
             tree = self.corpus.batch_get([s.seq_id for s in seqs], [s.token_ids for s in seqs], width)
             eng.stats.draft_seconds += time.perf_counter() - t0
+            if self._prunes(seqs):
+                pruned = self._prune_by_grammar(seqs, tree)
+                if pruned is None:
+                    return 0
+                tree, width = pruned, pruned.draft_token_num
             depths = tree.depths()  # [B, D] host: the mask is host data, no device read
             step = self._step_input(seqs, tree, depths)
             greedy = all(s.params.greedy for s in seqs)
@@ -322,6 +332,51 @@ class NgramSpecWorker:
         self._commit(seqs, tree, tree_depths, host)
         eng.stats.spec_steps += 1
         eng.stats.verify_seconds += time.perf_counter() - t0
+        return width
+
+    def _prunes(self, seqs: list[Sequence]) -> bool:
+        """Whether this step's trees go through ``_prune_by_grammar``: a grammar constrains some
+        member, and the policy did not pick the width to time it (a step it called off would leave
+        the width untimed, and the policy would ask again at every step)."""
+        return (self.grammar_prune and any(s.grammar is not None for s in seqs)
+                and self.policy.reason != "time")
+
+    def _prune_by_grammar(self, seqs: list[Sequence], tree: DraftTree) -> DraftTree | None:
+        """Drop the draft nodes a member's grammar forbids, and all padding, before the launch.
+
+        A forbidden node can never be accepted (its parent's bitmask row masks it out of the
+        logits), so verifying it buys nothing: the kept nodes are verified at the narrowest of the
+        policy's widths that holds every member's, which accepts exactly what the full tree would.
+        None: no member kept a draft, so the step would emit one token per member at a verify
+        step's cost: the policy learns that each member accepted nothing (as a verify step would
+        have taught it) and the caller runs a plain step instead. Members without a grammar keep
+        their drafts. The grammars settle here, before the launch (``grammar_valid_nodes`` is
+        ``accept_token`` / ``rollback`` calls only; the bitmask rows are still built while the
+        forward runs)."""
+        from ngrammar.grammar import grammar_valid_nodes
+
+        eng = self.engine
+        t = time.perf_counter()
+        eng.settle_grammars(seqs)
+        keep = ~tree.padding()
+        keep[:, 0] = True
+        tokens, parents = tree.tokens_2d().tolist(), tree.parents().tolist()
+        for b, seq in enumerate(seqs):
+            if seq.is_finished:  # a grammar that failed to settle: nothing of its tree is committed
+                keep[b, 1:] = False
+            elif seq.grammar is not None:
+                drafted = int(keep[b].sum())
+                keep[b] &= grammar_valid_nodes(seq.grammar, tokens[b], parents[b])
+                eng.stats.grammar_pruned_nodes += drafted - int(keep[b].sum())
+        most = int(keep.sum(axis=1).max()) - 1  # the most drafts any member kept
+        eng.stats.grammar_seconds += time.perf_counter() - t
+        d = tree.draft_token_num
+        if most == 0:
+            eng.stats.grammar_vetoed_steps += 1
+            self.policy.observe_vetoed(len(seqs), d, self._constrained, [s.seq_id for s in seqs])
+            return None
+        width = min((w for w in self.policy.widths if most < w <= d), default=d)
+        return tree.keep_nodes(keep, width)
 
     @contextlib.contextmanager
     def _no_sync_region(self) -> Iterator[None]:
