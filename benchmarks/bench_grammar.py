@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import statistics
-from typing import Any
+from typing import Any, Callable
 
-from benchmarks.common import chat, decode_seconds, forget_outputs, print_table, timed
+from benchmarks.common import (
+    VerifyRun,
+    chat,
+    decode_seconds,
+    forget_outputs,
+    print_table,
+    timed,
+    verify_pairs,
+    verify_run,
+)
 from ngrammar import LLM, SamplingParams
 
 PEOPLE = [
@@ -51,17 +60,19 @@ def _rate(llm: LLM, prompts: list[Any], params: SamplingParams) -> tuple[float, 
 
 
 def run_grammar_benchmark(plain: LLM, spec: LLM, batch_size: int = 1, max_tokens: int = 96,
-                          repeats: int = 2, unpruned: LLM | None = None) -> dict[str, Any]:
+                          repeats: int = 2, trim_ab: bool = False) -> dict[str, Any]:
     """Per workload: plain and NGRAM, without and with the grammar, and NGRAM + grammar with the
-    readback switch; with ``unpruned`` (an NGRAM engine with ``spec_grammar_prune=False``) also
-    NGRAM + grammar verifying the trees as drafted, the A/B side of grammar pruning."""
+    readback switch, each run ``repeats`` times in a row. With ``trim_ab`` also NGRAM + grammar
+    with its trees trimmed (padding and grammar-forbidden drafts dropped) against verified as
+    drafted (``trim_pairs``)."""
     assert spec.engine.spec is not None
     workloads = {
         "json-extraction": (extraction_prompts(batch_size), dict(json_schema=RECORD_SCHEMA)),
         "regex-logs": (regex_prompts(batch_size), dict(regex=LOG_REGEX)),
     }
     results: dict[str, Any] = {}
-    rows = []
+    rows: list[list[Any]] = []
+    trim_rows: list[list[Any]] = []
     for name, (prompts, grammar) in workloads.items():
         base = dict(max_tokens=max_tokens, temperature=0)
         variants = [
@@ -72,9 +83,6 @@ def run_grammar_benchmark(plain: LLM, spec: LLM, batch_size: int = 1, max_tokens
             ("spec+grammar readback", spec, SamplingParams(**base, **grammar), True),
         ]
         _rate(spec, prompts, variants[3][2])  # warm the corpus and grammar caches
-        if unpruned is not None:
-            variants.append(("spec+grammar unpruned", unpruned, variants[3][2], False))
-            _rate(unpruned, prompts, variants[3][2])
         for label, llm, params, readback in variants:
             spec.engine.spec.readback_links = readback
             figs = [_rate(llm, prompts, params) for _ in range(repeats)]
@@ -86,14 +94,52 @@ def run_grammar_benchmark(plain: LLM, spec: LLM, batch_size: int = 1, max_tokens
             results[f"{name}/{label}"] = {"tok_s": rate, "grammar_ms_step": gms, "forward_ms_step": fms,
                                           "accept_len": acc}
             rows.append([name, label, rate, acc, gms, fms, gms / fms if fms else 0.0])
+        if trim_ab:
+            ab = results[f"{name}/trim_ab"] = trim_pairs(spec, prompts, variants[3][2], repeats)
+            trim_rows.append([name, *trim_row(ab)])
     for name in workloads:
         r = results
         r[f"{name}/spec+grammar_vs_plain+grammar"] = (
             r[f"{name}/spec+grammar"]["tok_s"] / r[f"{name}/plain+grammar"]["tok_s"])
-        if unpruned is not None:
-            r[f"{name}/spec+grammar_vs_unpruned"] = (
-                r[f"{name}/spec+grammar"]["tok_s"] / r[f"{name}/spec+grammar unpruned"]["tok_s"])
     print_table(f"grammar (batch {batch_size}, greedy, {max_tokens} tokens)",
                 ["workload", "variant", "tok/s", "accept len", "grammar ms/step", "forward ms/step",
                  "grammar/forward"], rows)
+    if trim_rows:
+        print_table(f"spec+grammar, trees trimmed vs verified as drafted (batch {batch_size}, "
+                    f"{repeats} interleaved pairs)", ["workload", *TRIM_COLUMNS], trim_rows)
     return results
+
+
+def trim_pairs(spec: LLM, prompts: list[Any], params: SamplingParams, repeats: int) -> dict[str, Any]:
+    """One NGRAM engine with tree trimming switched on and off between runs (``verify_pairs``:
+    interleaved pairs after a dropped warm-up pair; one engine, because two engines in one process
+    differed by up to 10% on the CPU box with the same settings). Adds, over the trimmed side's
+    runs, the verify steps called off, the tree nodes not computed and the drafts a grammar forbade."""
+    worker = spec.engine.spec
+    assert worker is not None
+    stats, before = spec.engine.stats, worker.trim_trees
+    counts = ("vetoed_steps", "trimmed_nodes", "grammar_pruned_nodes")
+    start = {k: getattr(stats, k) for k in counts}
+
+    def run(trim: bool) -> Callable[[], VerifyRun]:
+        def go() -> VerifyRun:
+            worker.trim_trees = trim
+            return verify_run(spec, prompts, params)
+        return go
+
+    try:
+        out = verify_pairs(("trimmed", run(True)), ("full", run(False)), repeats)
+    finally:
+        worker.trim_trees = before
+    out.update({k: getattr(stats, k) - start[k] for k in counts})
+    return out
+
+
+TRIM_COLUMNS = ["trimmed tok/s", "full tok/s", "paired ratio", "verify ms t/f", "accept len", "same tokens",
+                "steps called off", "nodes trimmed", "drafts forbidden"]
+
+
+def trim_row(ab: dict[str, Any]) -> list[Any]:
+    return [ab["trimmed_tok_s"], ab["full_tok_s"], ab["ratio"],
+            f"{ab['trimmed_verify_ms']:.3g}/{ab['full_verify_ms']:.3g}", ab["accept_len"], ab["identical"],
+            ab["vetoed_steps"], ab["trimmed_nodes"], ab["grammar_pruned_nodes"]]

@@ -10,7 +10,7 @@ from typing import Any
 from benchmarks.common import machine
 
 
-def _llm(args: argparse.Namespace, speculative: bool, **overrides: Any) -> Any:
+def _llm(args: argparse.Namespace, speculative: bool) -> Any:
     from ngrammar.cli import engine_kwargs
     from ngrammar.llm import LLM
 
@@ -20,7 +20,6 @@ def _llm(args: argparse.Namespace, speculative: bool, **overrides: Any) -> Any:
         kw = {k: v for k, v in kw.items() if not k.startswith(("ngram_", "num_draft", "spec_"))}
     elif "num_draft_tokens" not in kw:
         kw["num_draft_tokens"] = 8
-    kw.update(overrides)
     return LLM(**kw)
 
 
@@ -54,8 +53,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
         from benchmarks.bench_grammar import run_grammar_benchmark
 
         plain, spec = _llm(args, False), _llm(args, True)
-        unpruned = _llm(args, True, spec_grammar_prune=False)  # the A/B side of grammar pruning
-        result = {f"b{b}": run_grammar_benchmark(plain, spec, b, args.max_tokens or 96, args.repeats or 2, unpruned)
+        result = {f"b{b}": run_grammar_benchmark(plain, spec, b, args.max_tokens or 96, args.repeats or 2, True)
                   for b in _sizes(args, (1,))}
     elif suite == "calibration":
         from benchmarks.bench_calibration import run_calibration

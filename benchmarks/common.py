@@ -1,4 +1,4 @@
-"""Shared benchmark helpers: the workload, timing, medians and table printing."""
+"""Shared benchmark helpers: the workload, timing, medians, paired A/B runs and table printing."""
 
 from __future__ import annotations
 
@@ -86,3 +86,54 @@ def forget_outputs(llm: Any) -> None:
     spec = llm.engine.spec
     if spec is not None:
         spec.corpus.reset()
+
+
+def run_chat(llm: Any, prompts: list[Any], params: Any) -> tuple[float, list[Any]]:
+    """One batch of chats from an empty corpus: decode tok/s (``decode_seconds``) and the outputs."""
+    forget_outputs(llm)
+    outs = llm.chat(prompts, params, use_tqdm=False)
+    decode = decode_seconds(outs)
+    return sum(len(o.token_ids) - 1 for o in outs) / decode, outs
+
+
+def accept_length(outs: list[Any]) -> float:
+    """Mean spec accept length over outputs (1.0 where none verified)."""
+    vals = [o.metrics["spec_accept_length"] for o in outs if "spec_accept_length" in o.metrics]
+    return statistics.mean(vals) if vals else 1.0
+
+
+VerifyRun = tuple[float, list[Any], float]  # tok/s, outputs, ms per verify step
+
+
+def verify_run(llm: Any, prompts: list[Any], params: Any) -> VerifyRun:
+    """``run_chat`` plus the run's mean ms per verify step (of the engine's stats)."""
+    stats = llm.engine.stats
+    steps, seconds = stats.spec_steps, stats.verify_seconds
+    tok_s, outs = run_chat(llm, prompts, params)
+    return tok_s, outs, 1e3 * (stats.verify_seconds - seconds) / max(stats.spec_steps - steps, 1)
+
+
+def verify_pairs(a: tuple[str, Callable[[], VerifyRun]], b: tuple[str, Callable[[], VerifyRun]],
+                 repeats: int) -> dict[str, Any]:
+    """Two variants of the same work run in interleaved pairs after one dropped warm-up pair (odd
+    pairs run ``a`` first): medians of tok/s and ms per verify step per side (keys prefixed by the
+    side's name), the paired tok/s ratio a / b, ``a``'s accept length, and the share of requests
+    whose tokens were identical on both sides in the last pair."""
+    (name_a, run_a), (name_b, run_b) = a, b
+    runs: tuple[list[VerifyRun], list[VerifyRun]] = ([], [])
+    for i in range(repeats + 1):
+        for side in ((0, 1) if i % 2 else (1, 0)):
+            r = (run_a, run_b)[side]()
+            if i:
+                runs[side].append(r)
+    ra, rb = runs
+    same = [x.token_ids == y.token_ids for x, y in zip(ra[-1][1], rb[-1][1])]
+    return {
+        f"{name_a}_tok_s": statistics.median(r[0] for r in ra),
+        f"{name_b}_tok_s": statistics.median(r[0] for r in rb),
+        "ratio": statistics.median(x[0] / y[0] for x, y in zip(ra, rb)),
+        f"{name_a}_verify_ms": statistics.median(r[2] for r in ra),
+        f"{name_b}_verify_ms": statistics.median(r[2] for r in rb),
+        "accept_len": accept_length(ra[-1][1]),
+        "identical": sum(same) / len(same),
+    }

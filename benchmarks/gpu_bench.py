@@ -32,8 +32,26 @@ from typing import Any, Callable
 
 import torch
 
-from benchmarks.bench_grammar import LOG_REGEX, RECORD_SCHEMA, extraction_prompts, regex_prompts
-from benchmarks.common import chat, decode_seconds, forget_outputs, load_workload, machine, print_table
+from benchmarks.bench_grammar import (
+    LOG_REGEX,
+    TRIM_COLUMNS,
+    RECORD_SCHEMA,
+    extraction_prompts,
+    trim_pairs,
+    trim_row,
+    regex_prompts,
+)
+from benchmarks.common import (
+    VerifyRun,
+    accept_length,
+    chat,
+    load_workload,
+    machine,
+    print_table,
+    run_chat,
+    verify_pairs,
+    verify_run,
+)
 from ngrammar import LLM, SamplingParams
 from ngrammar.config import EngineConfig
 from ngrammar.engine.engine import StepRecord
@@ -57,18 +75,6 @@ def _batch(prompts: list[Any], bs: int) -> list[Any]:
     return [prompts[i % len(prompts)] for i in range(bs)]
 
 
-def _run(llm: LLM, prompts: list[Any], params: SamplingParams) -> tuple[float, list[Any]]:
-    forget_outputs(llm)
-    outs = llm.chat(prompts, params, use_tqdm=False)
-    decode = decode_seconds(outs)
-    return sum(len(o.token_ids) - 1 for o in outs) / decode, outs
-
-
-def _accept(outs: list[Any]) -> float:
-    vals = [o.metrics["spec_accept_length"] for o in outs if "spec_accept_length" in o.metrics]
-    return statistics.mean(vals) if vals else 1.0
-
-
 def _engine_kwargs(model: str | None, graphs: bool) -> dict[str, Any]:
     kw: dict[str, Any] = {"model": model, "device": "cuda" if torch.cuda.is_available() else "cpu",
                           "kv_cache_tokens": 262144 if torch.cuda.is_available() else 16384}
@@ -90,23 +96,23 @@ def bench_small_model(model: str | None, batch_sizes: list[int], max_tokens: int
     assert spec.engine.spec is not None
     cats = _categories()
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    _run(plain, cats["open"][:2], greedy)
-    _run(spec, cats["open"][:2], greedy)
+    run_chat(plain, cats["open"][:2], greedy)
+    run_chat(spec, cats["open"][:2], greedy)
     for bs in batch_sizes:
         for cat, prompts in cats.items():
             batch = _batch(prompts, bs)
             # A first run of the cell, not in its figures: the policy times its draft widths once
             # per batch-size bucket (a server pays that once), which would land in the first pair.
-            first = _run(spec, batch, greedy)[0] / _run(plain, batch, greedy)[0]
+            first = run_chat(spec, batch, greedy)[0] / run_chat(plain, batch, greedy)[0]
             # Interleaved pairs: a slow spell of the host hits both sides of a pair.
             p, s, q = [], [], []
             stats = spec.engine.stats
             for _ in range(repeats):
-                p.append(_run(plain, batch, greedy))
+                p.append(run_chat(plain, batch, greedy))
                 steps, chained = stats.steps, stats.chained_steps
-                s.append(_run(spec, batch, greedy))
+                s.append(run_chat(spec, batch, greedy))
                 chained_share = (stats.chained_steps - chained) / max(stats.steps - steps, 1)
-                q.append(_run(stepwise, batch, greedy))
+                q.append(run_chat(stepwise, batch, greedy))
             same = [a.token_ids == b.token_ids for a, b in zip(p[-1][1], s[-1][1])]
             res[f"b{bs}/{cat}"] = {
                 "plain_tok_s": statistics.median(r[0] for r in p),
@@ -117,7 +123,7 @@ def bench_small_model(model: str | None, batch_sizes: list[int], max_tokens: int
                 # Every member ends at max_tokens, on the same step, so both engines run the same
                 # batches through the same kernels: overlap must not change a single token.
                 "overlap_identical": all(a.token_ids == c.token_ids for a, c in zip(p[-1][1], q[-1][1])),
-                "accept_len": _accept(s[-1][1]),
+                "accept_len": accept_length(s[-1][1]),
                 "ngram_chained_share": chained_share,  # of the last NGRAM run's engine steps
                 "ngram_identical_to_plain": sum(same) / len(same),
                 "first_run_ratio": first,  # NGRAM / plain in the cell's untimed first run
@@ -147,7 +153,7 @@ def bench_spec_overhead(model: str | None, batch_sizes: list[int], max_tokens: i
     cats = _categories()
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for llm in engines.values():
-        _run(llm, cats["open"][:2], greedy)
+        run_chat(llm, cats["open"][:2], greedy)
     res: dict[str, Any] = {}
     rows = []
     for bs in batch_sizes:
@@ -155,7 +161,7 @@ def bench_spec_overhead(model: str | None, batch_sizes: list[int], max_tokens: i
             batch = _batch(cats[cat], bs)
             runs: dict[str, list[tuple[float, float, int, int, int, int]]] = {name: [] for name in engines}
             # A first run of the cell, not in its figures (see bench_small_model); its ratios are kept.
-            first = {name: _run(llm, batch, greedy)[0] for name, llm in engines.items()}
+            first = {name: run_chat(llm, batch, greedy)[0] for name, llm in engines.items()}
             traces: dict[str, list[StepRecord]] = {}  # the last run's steps, one by one
             verify_reasons: dict[str, Counter[str]] = {name: Counter() for name in engines}  # over all runs
             for rep in range(repeats):
@@ -164,7 +170,7 @@ def bench_spec_overhead(model: str | None, batch_sizes: list[int], max_tokens: i
                     before = (st.steps, st.chained_steps, st.spec_steps, st.false_drains, st.policy_drains,
                               getattr(st, "shadow_samples", 0))  # (an engine before shadow drafts has none)
                     llm.engine.step_trace = traces[name] = []
-                    tok_s = _run(llm, batch, greedy)[0]
+                    tok_s = run_chat(llm, batch, greedy)[0]
                     llm.engine.step_trace = None
                     verify_reasons[name].update(r.reason for r in traces[name] if r.kind == "verify")
                     runs[name].append((tok_s, (st.chained_steps - before[1]) / max(st.steps - before[0], 1),
@@ -219,14 +225,14 @@ def _grammar_variants(plain: LLM, spec: LLM, bs: int, max_tokens: int, repeats: 
     worker = spec.engine.spec
     worker.sync_debug = True  # raises if anything syncs between drafting and the verify launch
     try:
-        _run(spec, prompts, gram)
+        run_chat(spec, prompts, gram)
         out["sync_debug_region_clean"] = True
         for label, llm, params, readback in [("plain+grammar", plain, gram, False), ("ngram", spec, base, False),
                                              ("ngram+grammar", spec, gram, False),
                                              ("ngram+grammar readback", spec, gram, True)]:
             worker.readback_links = readback
-            runs = [_run(llm, prompts, params) for _ in range(repeats)]
-            out[label] = {"tok_s": statistics.median(r[0] for r in runs), "accept_len": _accept(runs[-1][1])}
+            runs = [run_chat(llm, prompts, params) for _ in range(repeats)]
+            out[label] = {"tok_s": statistics.median(r[0] for r in runs), "accept_len": accept_length(runs[-1][1])}
     finally:
         worker.sync_debug = False
         worker.readback_links = False
@@ -241,7 +247,7 @@ def grammar_equal_work(spec: LLM, prompts: list[Any], max_tokens: int, repeats: 
     where the grammar ended each request. (The schema variants above compare runs that emit
     different text: a schema reshapes the output and ends it where the JSON ends.)"""
     constrained = SamplingParams(max_tokens=max_tokens, temperature=0, json_object=True)
-    _, first = _run(spec, prompts, constrained)  # fixes each request's length (greedy: every run)
+    _, first = run_chat(spec, prompts, constrained)  # fixes each request's length (greedy: every run)
     eos = spec.engine.grammar_backend.stop_token_ids  # the tokens the grammar ends on
 
     def text_tokens(ids: list[int]) -> list[int]:  # where the JSON ended, the grammar's run ends with EOS
@@ -253,7 +259,7 @@ def grammar_equal_work(spec: LLM, prompts: list[Any], max_tokens: int, repeats: 
     spec.engine.step_trace = trace = []  # both sides' steps: what a low ratio was made of
     for i in range(repeats):  # interleaved, alternating which side goes first
         order = [("grammar", constrained), ("free", free)]
-        runs = dict((label, _run(spec, prompts, params)) for label, params in (order if i % 2 else order[::-1]))
+        runs = dict((label, run_chat(spec, prompts, params)) for label, params in (order if i % 2 else order[::-1]))
         pairs.append((runs["grammar"], runs["free"]))
     spec.engine.step_trace = None
     same = [text_tokens(a.token_ids) == b.token_ids for a, b in zip(pairs[-1][0][1], pairs[-1][1][1])]
@@ -261,46 +267,10 @@ def grammar_equal_work(spec: LLM, prompts: list[Any], max_tokens: int, repeats: 
         "ngram+json_object_tok_s": statistics.median(g[0] for g, _ in pairs),
         "ngram_tok_s": statistics.median(f[0] for _, f in pairs),
         "ratio": statistics.median(g[0] / f[0] for g, f in pairs),
-        "accept_len": {"grammar": _accept(pairs[-1][0][1]), "free": _accept(pairs[-1][1][1])},
+        "accept_len": {"grammar": accept_length(pairs[-1][0][1]), "free": accept_length(pairs[-1][1][1])},
         "identical": sum(same) / len(same),
         "tokens": sum(len(o.token_ids) for o in first),
         "steps": _trace_summary(trace),
-    }
-
-
-VerifyRun = tuple[float, list[Any], float]  # tok/s, outputs, ms per verify step
-
-
-def _verify_run(llm: LLM, prompts: list[Any], params: SamplingParams) -> VerifyRun:
-    stats = llm.engine.stats
-    steps, seconds = stats.spec_steps, stats.verify_seconds
-    tok_s, outs = _run(llm, prompts, params)
-    return tok_s, outs, 1e3 * (stats.verify_seconds - seconds) / max(stats.spec_steps - steps, 1)
-
-
-def verify_pairs(a: tuple[str, Callable[[], VerifyRun]], b: tuple[str, Callable[[], VerifyRun]],
-                 repeats: int) -> dict[str, Any]:
-    """Two variants of the same work run in interleaved pairs after one dropped warm-up pair (odd
-    pairs run ``a`` first): medians of tok/s and ms per verify step per side (keys prefixed by the
-    side's name), the paired tok/s ratio a / b, ``a``'s accept length, and the share of requests
-    whose tokens were identical on both sides in the last pair."""
-    (name_a, run_a), (name_b, run_b) = a, b
-    runs: tuple[list[VerifyRun], list[VerifyRun]] = ([], [])
-    for i in range(repeats + 1):
-        for side in ((0, 1) if i % 2 else (1, 0)):
-            r = (run_a, run_b)[side]()
-            if i:
-                runs[side].append(r)
-    ra, rb = runs
-    same = [x.token_ids == y.token_ids for x, y in zip(ra[-1][1], rb[-1][1])]
-    return {
-        f"{name_a}_tok_s": statistics.median(r[0] for r in ra),
-        f"{name_b}_tok_s": statistics.median(r[0] for r in rb),
-        "ratio": statistics.median(x[0] / y[0] for x, y in zip(ra, rb)),
-        f"{name_a}_verify_ms": statistics.median(r[2] for r in ra),
-        f"{name_b}_verify_ms": statistics.median(r[2] for r in rb),
-        "accept_len": _accept(ra[-1][1]),
-        "identical": sum(same) / len(same),
     }
 
 
@@ -326,17 +296,17 @@ def links_equal_work(spec: LLM, prompts: list[Any], max_tokens: int, repeats: in
     def run(readback: bool) -> Callable[[], VerifyRun]:
         def go() -> VerifyRun:
             worker.readback_links = readback
-            return _verify_run(spec, prompts, params)
+            return verify_run(spec, prompts, params)
         return go
 
-    # Grammar pruning would call off or narrow steps whose drafts the schema forbids: off, so that
-    # every decode step verifies a D-node tree on both sides.
-    prune, worker.grammar_prune = worker.grammar_prune, False
+    # Tree trimming would call off or narrow steps (padding, drafts the schema forbids): off, so
+    # that every decode step verifies a D-node tree on both sides.
+    trim, worker.trim_trees = worker.trim_trees, False
     try:
         return verify_pairs(("host_links", run(False)), ("readback", run(True)), repeats)
     finally:
         worker.readback_links = False
-        worker.grammar_prune = prune
+        worker.trim_trees = trim
 
 
 def bench_acceptor(batch_sizes: list[int], width: int = 16, vocab: int = 49152) -> dict[str, Any]:
@@ -398,15 +368,16 @@ def bench_acceptor_engine(model: str | None, batch_sizes: list[int], max_tokens:
     as the one-launch kernel or as torch ops (``spec_accept_kernel``), in interleaved pairs after a
     dropped warm-up pair, per grounded category and batch size: tok/s, verify ms per step and
     whether both emitted the same tokens."""
-    kw = dict(_engine_kwargs(model, True), speculative="ngram", num_draft_tokens=16, spec_adaptive=False)
+    kw = dict(_engine_kwargs(model, True), speculative="ngram", num_draft_tokens=16, spec_adaptive=False,
+              spec_trim_trees=False)  # every step verifies 16 nodes
     llms = {True: LLM(**kw), False: LLM(**kw, spec_accept_kernel=False)}
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     res: dict[str, Any] = {}
     for cat, prompts in _categories().items():
         for bs in batch_sizes:
             batch = _batch(prompts, bs)
-            res[f"{cat}_b{bs}"] = verify_pairs(("kernel", lambda: _verify_run(llms[True], batch, params)),
-                                               ("torch", lambda: _verify_run(llms[False], batch, params)), repeats)
+            res[f"{cat}_b{bs}"] = verify_pairs(("kernel", lambda: verify_run(llms[True], batch, params)),
+                                               ("torch", lambda: verify_run(llms[False], batch, params)), repeats)
     print_table("NGRAM D = 16, policy off: acceptor kernel vs torch ops",
                 ["cell", "kernel tok/s", "torch tok/s", "ratio", "verify ms k/t", "accept", "same"],
                 [[k, v["kernel_tok_s"], v["torch_tok_s"], v["ratio"],
@@ -415,36 +386,26 @@ def bench_acceptor_engine(model: str | None, batch_sizes: list[int], max_tokens:
     return res
 
 
-def bench_grammar_prune(model: str | None, batch_sizes: list[int], max_tokens: int,
-                        repeats: int) -> dict[str, Any]:
-    """NGRAM + grammar with the draft policy on (the default engine, D = 16), pruning the trees by
-    the grammar before each verify launch or verifying them as drafted (``spec_grammar_prune``), in
-    interleaved pairs after a dropped warm-up pair: tok/s, verify ms per step, accept length, and
-    whether both emitted the same tokens (bf16 verify and plain steps may round differently, and
-    the two sides verify at different steps). Also the steps pruning called off and the nodes it
-    dropped, over the pruned side's runs."""
+def bench_trim_trees(model: str | None, batch_sizes: list[int], max_tokens: int,
+                     repeats: int) -> dict[str, Any]:
+    """NGRAM at D = 16 with its trees trimmed before each verify launch (padding and
+    grammar-forbidden drafts dropped) or verified as drafted (``trim_pairs``: one engine, switched
+    between runs), with the draft policy on (the default engine) and off (every decode step
+    verifies), per workload (two grammars, the four spec categories) and batch size."""
     kw = dict(_engine_kwargs(model, True), speculative="ngram", num_draft_tokens=16)
-    llms = {True: LLM(**kw), False: LLM(**kw, spec_grammar_prune=False)}
-    workloads = {"json_schema": (extraction_prompts, dict(json_schema=RECORD_SCHEMA)),
-                 "json_object": (extraction_prompts, dict(json_object=True)),
-                 "regex": (regex_prompts, dict(regex=LOG_REGEX))}
-    stats = llms[True].engine.stats
+    engines = {"policy": LLM(**kw), "fixed": LLM(**kw, spec_adaptive=False)}
+    base = dict(max_tokens=max_tokens, temperature=0)
+    workloads = {"json_schema": (extraction_prompts, SamplingParams(**base, json_schema=RECORD_SCHEMA)),
+                 "regex": (regex_prompts, SamplingParams(**base, regex=LOG_REGEX))}
+    for cat, prompts in _categories().items():
+        workloads[cat] = (lambda bs, p=prompts: _batch(p, bs), SamplingParams(**base, ignore_eos=True))
     res: dict[str, Any] = {}
-    for name, (make_prompts, grammar) in workloads.items():
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, **grammar)  # type: ignore[arg-type]
-        for bs in batch_sizes:
-            prompts = make_prompts(bs)
-            vetoed, pruned = stats.grammar_vetoed_steps, stats.grammar_pruned_nodes
-            cell = verify_pairs(("pruned", lambda: _verify_run(llms[True], prompts, params)),
-                                ("full", lambda: _verify_run(llms[False], prompts, params)), repeats)
-            cell["vetoed_steps"] = stats.grammar_vetoed_steps - vetoed
-            cell["pruned_nodes"] = stats.grammar_pruned_nodes - pruned
-            res[f"{name}_b{bs}"] = cell
-    print_table("NGRAM + grammar, policy on: trees pruned by the grammar vs verified as drafted",
-                ["cell", "pruned tok/s", "full tok/s", "ratio", "verify ms p/f", "accept", "same", "vetoed", "dropped"],
-                [[k, v["pruned_tok_s"], v["full_tok_s"], v["ratio"],
-                  f"{v['pruned_verify_ms']:.3f}/{v['full_verify_ms']:.3f}", v["accept_len"], v["identical"],
-                  v["vetoed_steps"], v["pruned_nodes"]] for k, v in res.items()])
+    for mode, llm in engines.items():
+        for name, (make_prompts, params) in workloads.items():
+            for bs in batch_sizes:
+                res[f"{mode}/{name}_b{bs}"] = trim_pairs(llm, make_prompts(bs), params, repeats)
+    print_table("NGRAM D = 16: trees trimmed vs verified as drafted (policy on / fixed D)",
+                ["cell", *TRIM_COLUMNS], [[k, *trim_row(v)] for k, v in res.items()])
     return res
 
 
@@ -660,8 +621,8 @@ def main() -> int:
     if "acceptor" in parts and torch.cuda.is_available():
         _safe("acceptor", lambda: bench_acceptor(sizes), log)
         _safe("acceptor_engine", lambda: bench_acceptor_engine(args.model, sizes, args.max_tokens, args.repeats), log)
-    if "prune" in parts:
-        _safe("grammar_prune", lambda: bench_grammar_prune(args.model, sizes, args.max_tokens, args.repeats), log)
+    if "trim" in parts:
+        _safe("trim_trees", lambda: bench_trim_trees(args.model, sizes, args.max_tokens, args.repeats), log)
     if "overhead" in parts:
         _safe("spec_overhead", lambda: bench_spec_overhead(args.model, sizes, args.max_tokens, args.repeats), log)
     if "8b" in parts and torch.cuda.is_available():

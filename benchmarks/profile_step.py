@@ -196,7 +196,7 @@ def main() -> int:
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--kernels", action="store_true", help="also print the kernels of the b=1 and b=8 graphs")
-    p.add_argument("--fixed-width", action="store_true", help="NGRAM always verifies at D=16 (policy off)")
+    p.add_argument("--fixed-width", action="store_true", help="NGRAM always verifies at D=16 (policy and tree trimming off)")
     p.add_argument("--phases", action="store_true",
                    help="only the host phase table (benchmarks/host_phases.py), no cProfile or kernels")
     p.add_argument("--grammar", action="store_true",
@@ -205,7 +205,7 @@ def main() -> int:
     out = Path(args.out)
     plain = LLM(args.model, device=args.device)
     spec = LLM(args.model, device=args.device, speculative="ngram", num_draft_tokens=16,
-               spec_adaptive=not args.fixed_width)
+               spec_adaptive=not args.fixed_width, spec_trim_trees=not args.fixed_width)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     out.mkdir(parents=True, exist_ok=True)
     result = (run_phases(plain, spec, sizes, args.max_tokens, args.grammar) if args.phases

@@ -35,8 +35,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--no-spec-adaptive", dest="spec_adaptive", action="store_const", const=False, default=None)
     s.add_argument("--no-spec-accept-kernel", dest="spec_accept_kernel", action="store_const", const=False,
                    default=None, help="CUDA graphs: greedy acceptance with torch ops, not the Triton kernel")
-    s.add_argument("--no-spec-grammar-prune", dest="spec_grammar_prune", action="store_const", const=False,
-                   default=None, help="verify constrained draft trees as drafted, grammar-forbidden nodes included")
+    s.add_argument("--no-spec-trim-trees", dest="spec_trim_trees", action="store_const", const=False,
+                   default=None, help="verify draft trees as drafted: padding and grammar-forbidden drafts included")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -56,7 +56,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     }
     for name in ("num_draft_tokens", "ngram_match_type", "ngram_max_bfs_breadth", "ngram_min_bfs_breadth",
                  "ngram_max_trie_depth", "ngram_capacity", "spec_adaptive", "spec_accept_kernel",
-                 "spec_grammar_prune"):
+                 "spec_trim_trees"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
     return kw

@@ -22,10 +22,10 @@ class SpeculativeConfig:
     # CUDA-graph greedy verify steps accept with the one-launch Triton kernel (kernels/tree_accept.py);
     # False: with the torch ops of verify_tree_greedy (an A/B switch; CPU always uses the torch ops).
     accept_kernel: bool = True
-    # Constrained verify steps drop the draft nodes their grammar forbids before the launch (they
-    # could never be accepted), verify the rest at the narrowest width that holds them, and run a
-    # plain step when no draft is left; False: verify the trees as drafted (an A/B switch).
-    grammar_prune: bool = True
+    # Verify steps drop their trees' padding and the drafts a grammar forbids before the launch
+    # (neither can be accepted), verify the rest at the narrowest policy width that holds them, and
+    # run a plain step when no draft is left; False: verify the trees as drafted (an A/B switch).
+    trim_trees: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_draft_tokens <= 64:

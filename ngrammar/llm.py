@@ -25,7 +25,7 @@ _SPEC_ARGS = {
     "spec_adaptive": "adaptive",
     "ngram_index_prompt": "index_prompt",
     "spec_accept_kernel": "accept_kernel",
-    "spec_grammar_prune": "grammar_prune",
+    "spec_trim_trees": "trim_trees",
 }
 
 

@@ -34,10 +34,10 @@ def test_speculative_flags_reach_the_engine_config() -> None:
     from ngrammar.llm import build_engine_config
 
     args = build_parser().parse_args(["generate", "hi", "--speculative", "ngram", "--num-draft-tokens", "16",
-                                      "--no-spec-adaptive", "--no-spec-accept-kernel", "--no-spec-grammar-prune"])
+                                      "--no-spec-adaptive", "--no-spec-accept-kernel", "--no-spec-trim-trees"])
     spec = build_engine_config(**engine_kwargs(args)).speculative
     assert spec is not None and spec.num_draft_tokens == 16 and not spec.adaptive and not spec.accept_kernel
-    assert not spec.grammar_prune
+    assert not spec.trim_trees
     args = build_parser().parse_args(["generate", "hi", "--speculative", "ngram"])
     spec = build_engine_config(**engine_kwargs(args)).speculative
-    assert spec is not None and spec.adaptive and spec.accept_kernel and spec.grammar_prune
+    assert spec is not None and spec.adaptive and spec.accept_kernel and spec.trim_trees

@@ -505,6 +505,13 @@ def test_grammar_valid_nodes_equal_naive_recomputation(backend: GrammarBackend, 
         valid = grammar_valid_nodes(matcher, tokens, parents)
         assert valid == naive_valid_nodes(backend, compiled, committed, parents, tokens)
         verdicts.update(valid[1:])
+        for limit in (1, 2):  # deeper nodes take the verdict of their ancestor at the limit
+            expected, depth = list(valid), [0] * len(tokens)
+            for i in range(1, len(tokens)):
+                depth[i] = depth[parents[i]] + 1
+                if depth[i] > limit:
+                    expected[i] = expected[parents[i]]
+            assert grammar_valid_nodes(matcher, tokens, parents, max_depth=limit) == expected
         reference = backend.new_matcher(compiled)  # the walk leaves the matcher as it found it
         reference.commit(committed)
         assert matcher.is_terminated() == reference.is_terminated()

@@ -204,13 +204,13 @@ def test_grammar_pruning_keeps_outputs_and_calls_off_hopeless_verify_steps(llm: 
     are verified at a narrower width. Here the prompt's lowercase words are what the corpus
     drafts, and the grammar allows only capitals."""
     eng = spec_llm.engine
-    assert eng.spec is not None and eng.spec.config.grammar_prune
+    assert eng.spec is not None and eng.spec.config.trim_trees
     prompts = [_chat("Repeat exactly: apples, bananas, cherries, apples, bananas, cherries"), CITY_PROMPT]
     params = [SamplingParams(max_tokens=32, temperature=0,
                              regex=r"(APPLES|BANANAS|CHERRIES)(, (APPLES|BANANAS|CHERRIES)){2,5}"),
               SamplingParams(max_tokens=32, temperature=0, json_schema=CITY_SCHEMA)]
     st = eng.stats
-    vetoed, pruned = st.grammar_vetoed_steps, st.grammar_pruned_nodes
+    vetoed, pruned = st.vetoed_steps, st.grammar_pruned_nodes
     eng.step_trace = trace = []
     try:
         spec = [spec_llm.chat(p, q)[0] for p, q in zip(prompts, params)]  # one at a time: batch 1
@@ -219,7 +219,7 @@ def test_grammar_pruning_keeps_outputs_and_calls_off_hopeless_verify_steps(llm: 
     plain = llm.chat(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert spec[0].text.startswith("APPLES")
-    assert st.grammar_vetoed_steps > vetoed and st.grammar_pruned_nodes > pruned
+    assert st.vetoed_steps > vetoed and st.grammar_pruned_nodes > pruned
     widths = {r.width for r in trace if r.kind == "verify"}
     assert widths and min(widths) < eng.spec.config.num_draft_tokens  # fixed D = 8, pruned narrower
     alloc = eng.blocks.allocator

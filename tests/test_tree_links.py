@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from ngrammar.spec.tree import DraftTree, derive_tree_links, mask_from_parents, reconstruct_indices_from_tree_mask
+from ngrammar.spec.tree import (
+    DraftTree,
+    carry_to_kept,
+    derive_tree_links,
+    mask_from_parents,
+    reconstruct_indices_from_tree_mask,
+)
 
 TREE_KINDS = ("star", "chain", "bfs", "padded", "any_order")
 
@@ -236,6 +242,13 @@ def test_keep_nodes_golden() -> None:
     narrow = tree.keep_nodes(keep, 5)
     assert narrow.draft_token_num == 5 and narrow.tokens.tolist() == [7, 12, 13, 22, 31]
     assert np.array_equal(narrow.mask, mask_from_parents(np.array([[-1, 0, 0, 1, 3]])))
+    # 11 kept without its child 21: as drafted it has a child (a run stopping there was rejected,
+    # not censored), which the pruned tree alone cannot tell.
+    keep[0, 1] = True
+    pruned = tree.keep_nodes(keep, 6)
+    assert pruned.tokens.tolist() == [7, 11, 12, 13, 22, 31]
+    assert pruned.has_child().tolist() == [[True, False, True, False, True, False]]
+    assert carry_to_kept(tree.has_child(), keep, 6, False).tolist() == [[True, True, True, False, True, False]]
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -109,7 +109,8 @@ class EngineStats:
     shadow_seconds: float = 0.0  # host time of both
     grammar_seconds: float = 0.0  # host grammar masks (links + DFS), overlapped with the forward
     grammar_pruned_nodes: int = 0  # draft nodes a grammar forbade, dropped before the verify launch
-    grammar_vetoed_steps: int = 0  # verify steps called off: the grammars left no draft (a plain step ran)
+    trimmed_nodes: int = 0  # tree nodes (padding, forbidden drafts) verify steps did not compute: B * (D - D')
+    vetoed_steps: int = 0  # verify steps called off: no draft was left to verify (a plain step ran)
     verify_seconds: float = 0.0  # whole verify steps
     forward_seconds: float = 0.0
     step_seconds: float = 0.0
@@ -177,13 +178,15 @@ class LLMEngine:
         """Serve uniform decode / verify steps from static buffers, replaying captured CUDA graphs.
 
         capture=False runs the same static-buffer and padding path eagerly (how it is tested on CPU).
-        Widths are every D the draft policy may pick; all graphs are captured here, up front, so no
-        capture lands inside a timed step.
+        Widths are every D the draft policy may pick, or a trimmed tree be verified at
+        (``NgramSpecWorker._trimmed_width``); all graphs are captured here, up front, so no capture
+        lands inside a timed step.
         """
         widths = [1]
         if self.spec is not None:
             policy = self.spec.policy
-            widths = policy.widths if policy.adaptive else [1, policy.max_width]
+            narrower = policy.adaptive or self.spec.config.trim_trees
+            widths = policy.widths if narrower else [1, policy.max_width]
         graphs = CUDAGraphRunner(
             self.runner,
             widths,
@@ -352,10 +355,12 @@ class LLMEngine:
         if not batch.decode:
             return "idle", 0, 1
         if batch.width > 1 and self.spec is not None:
-            width = self.spec.run_verify(batch.decode, batch.width)
-            if width:
-                self._observe(len(batch.decode), width, self._step_start)
-                return "verify", len(batch.decode), width
+            verified = self.spec.run_verify(batch.decode, batch.width)
+            if verified:  # (narrower than batch.width where the trees were trimmed)
+                # The policy is taught the width it chose: under a grammar, its cost is that of
+                # the trimmed trees it leads to.
+                self._observe(len(batch.decode), batch.width, self._step_start)
+                return "verify", len(batch.decode), verified
         self._run_decode(batch.decode, tail if self.overlap else None)
         return "decode", len(batch.decode), 1
 

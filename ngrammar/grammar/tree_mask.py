@@ -119,35 +119,47 @@ def fill_tree_bitmask(
     matcher.rollback(accepted)
 
 
-def grammar_valid_nodes(matcher: GrammarMatcher, tokens: Sequence[int], parents: Sequence[int]) -> list[bool]:
+def grammar_valid_nodes(
+    matcher: GrammarMatcher, tokens: Sequence[int], parents: Sequence[int], max_depth: int | None = None
+) -> list[bool]:
     """Which nodes of one draft tree the grammar allows: node i is valid iff its parent is, the
     grammar accepts its token after the parent's path, and that path did not terminate the grammar.
     The root (node 0, already committed) is valid unless the grammar has terminated.
 
-    Only ``accept_token`` / ``rollback`` calls (about a microsecond each on the benchmark's JSON
-    schema): cheap enough to run before the verify launch, where the bitmask rows (a few times
-    dearer each) cannot. ``parents`` [D] with parent < child; the matcher ends as it started."""
+    ``max_depth``: only nodes up to this depth are checked; a deeper node is reported valid when
+    its ancestor at that depth is (not known to be forbidden). Only ``accept_token`` / ``rollback``
+    calls: about a microsecond each for the benchmark's JSON schema on the CPU box, and several
+    times that for some states (a whole 16-node tree per member before each launch made constrained
+    batch-32 verify steps ~7 ms longer on the H200 host). ``parents`` [D] with parent < child; the
+    matcher ends as it started."""
     d = len(tokens)
     valid = [False] * d
     if d == 0 or matcher.is_terminated():
         return valid
     valid[0] = True
+    limit = d if max_depth is None else max_depth
+    depth = [0] * d
     children: list[list[int]] = [[] for _ in range(d)]
     for i in range(1, d):
         children[parents[i]].append(i)
-    stack = [(child, 0) for child in reversed(children[0])]  # (node, depth of its parent)
-    held = 0  # tokens the matcher holds beyond the committed state
+        depth[i] = depth[parents[i]] + 1
+    stack = [child for child in reversed(children[0])]  # pre-order
+    held = 0  # tokens the matcher holds beyond the committed state: the last visited node's depth
     while stack:
-        node, depth = stack.pop()
-        matcher.rollback(held - depth)
-        held = depth
+        node = stack.pop()
+        matcher.rollback(held - (depth[node] - 1))  # back to the parent's state
+        held = depth[node] - 1
         if not matcher.accept_token(int(tokens[node])):
             continue
         held += 1
         valid[node] = True
-        if not matcher.is_terminated():  # nothing follows a stop token: its subtree stays invalid
-            stack.extend((child, held) for child in reversed(children[node]))
+        # Nothing follows a stop token (its subtree stays invalid); past the limit nothing is walked.
+        if not matcher.is_terminated() and held < limit:
+            stack.extend(reversed(children[node]))
     matcher.rollback(held)
+    for i in range(1, d):  # parent < child: a parent's verdict is final before its children's
+        if depth[i] > limit:
+            valid[i] = valid[parents[i]]
     return valid
 
 

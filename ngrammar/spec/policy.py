@@ -557,10 +557,11 @@ class AdaptiveDraftPolicy:
             self._explore_at[b] = now + 1 + self._explore_gap(b, width)
 
     def observe_vetoed(self, batch_size: int, width: int, constrained: bool, seq_ids: Sequence[str]) -> None:
-        """A verify step of ``width`` nodes was called off before its launch: the members' grammars
-        forbid every draft of their trees (``NgramSpecWorker._prune_by_grammar``), so each would
-        have accepted nothing. That teaches acceptance as the step would have (a plain step runs
-        instead and is timed as one), and a width that was re-tried waits for its next re-try."""
+        """A verify step of ``width`` nodes was called off before its launch: the members' trees held
+        no draft to verify, only padding or drafts their grammars forbid
+        (``NgramSpecWorker._kept_nodes``), so each would have accepted nothing. That teaches
+        acceptance as the step would have (a plain step runs instead and is timed as one), and a
+        width that was re-tried waits for its next re-try."""
         self._learn(width, [(seq_id, self._lengths.get(seq_id, 0), 0, False, None) for seq_id in seq_ids])
         b = bucket_of(batch_size, constrained)
         if self.adaptive:

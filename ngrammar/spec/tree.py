@@ -80,6 +80,12 @@ class DraftTree:
             return self.parent_index
         return _parents_np(self.mask)
 
+    def has_child(self) -> np.ndarray:
+        """[bs, D] bool: node i has a child in its tree."""
+        out = np.zeros((self.bs, self.draft_token_num + 1), dtype=np.bool_)
+        out[np.arange(self.bs)[:, None], self.parents() + 1] = True  # column 0 collects the roots' -1
+        return out[:, 1:]
+
     def padding(self) -> np.ndarray:
         """[bs, D] bool: padding nodes (``PAD_TOKEN`` root children; a drafted root child with that
         token reads as padding too, which costs at most a draft nobody needs: it is EOS-like)."""
@@ -104,13 +110,19 @@ class DraftTree:
         if (counts > width).any():
             raise ValueError(f"a tree keeps {int(counts.max())} nodes, more than width {width}")
         new_index = np.cumsum(keep, axis=1) - 1  # [bs, D]: a kept node's index in its new tree
-        tokens = np.full((bs, width), PAD_TOKEN, dtype=np.int64)
-        new_parents = np.zeros((bs, width), dtype=np.int64)
-        rows, cols = np.nonzero(keep)
-        dest = new_index[rows, cols]
-        tokens[rows, dest] = self.tokens_2d()[rows, cols]
-        new_parents[rows, dest] = np.where(cols > 0, new_index[rows, np.maximum(parents[rows, cols], 0)], -1)
-        return DraftTree.from_parents(tokens.reshape(-1), new_parents)
+        new_parents = np.take_along_axis(new_index, np.maximum(parents, 0), axis=1)
+        new_parents[:, 0] = -1
+        tokens = carry_to_kept(self.tokens_2d(), keep, width, PAD_TOKEN)
+        return DraftTree.from_parents(tokens.reshape(-1), carry_to_kept(new_parents, keep, width, 0))
+
+
+def carry_to_kept(values: np.ndarray, keep: np.ndarray, width: int, fill: int | bool) -> np.ndarray:
+    """Per-node values [bs, D] of a tree moved onto the nodes of ``keep_nodes(keep, width)``
+    [bs, width] (kept nodes in order, then ``fill`` at the padding)."""
+    out = np.full((keep.shape[0], width), fill, dtype=values.dtype)
+    rows, cols = np.nonzero(keep)
+    out[rows, (np.cumsum(keep, axis=1) - 1)[rows, cols]] = values[rows, cols]
+    return out
 
 
 def mask_from_parents(parents: np.ndarray) -> np.ndarray:

@@ -29,7 +29,7 @@ from ngrammar.runner.sampler import STREAM_FINAL_COIN, STREAM_TREE_COIN, Samplin
 from ngrammar.spec.corpus import NgramCorpus
 from ngrammar.spec.policy import MAX_MATCH, AdaptiveDraftPolicy, bucket_of
 from ngrammar.spec.shadow import ShadowDrafts
-from ngrammar.spec.tree import DraftTree, derive_tree_links
+from ngrammar.spec.tree import DraftTree, carry_to_kept, derive_tree_links
 from ngrammar.spec.verify import (
     TreeAcceptResult,
     tree_speculative_sampling_target_only,
@@ -52,6 +52,12 @@ IDLE_MARGIN = 0.25
 HOST_BOUND = 0.05
 # A plain step that took at most this many plain steps' time hid its host work (``_idle_seconds``).
 HIDDEN_SLACK = 1.1
+# On CUDA a constrained step's grammar check before the launch covers the first level of each
+# tree only: walking whole 16-node trees made batch-32 verify steps ~7 ms longer on the H200 host
+# (the device idles meanwhile), and a member none of whose first drafts its grammar allows is what
+# calls a step off. On a CPU the forward waits for the host anyway and costs ~1 ms a token: the
+# whole tree is checked, so trimming narrows the verify as far as it can.
+CUDA_GRAMMAR_CHECK_DEPTH = 1
 # Shadow drafts (``ShadowDrafts``) may take this share of a plain step where the host has no idle
 # time (a CPU, or a host-bound step): about one member's trees per step at batch 1 on a CPU.
 SHADOW_SHARE = 0.005
@@ -83,9 +89,9 @@ class NgramSpecWorker:
         self.sync_debug = False  # GPU check: drafting -> verify launch runs under sync debug "error"
         # Triton compiles for CUDA only; CPU graph-path runs (no capture) keep the torch ops.
         self.accept_kernel = config.accept_kernel and engine.device.type == "cuda"
-        # ``config.grammar_prune``, switchable: equal-work benchmarks that must verify every tree
+        # ``config.trim_trees``, switchable: equal-work benchmarks that must verify every tree
         # at full width (the readback comparison) turn it off for their runs.
-        self.grammar_prune = config.grammar_prune
+        self.trim_trees = config.trim_trees
         self.last_drafts: dict[str, int] = {}  # seq id -> drafts it accepted in the last verify step
         self._censored: set[str] = set()  # ... of those, whose run ended at a leaf of its tree
         self._tree_depths: dict[str, int] = {}  # ... and how deep each one's draft tree was
@@ -286,18 +292,27 @@ class NgramSpecWorker:
         return result, result.packed()
 
     def run_verify(self, seqs: list[Sequence], width: int) -> int:
-        """One verify step of ``width`` nodes per sequence; returns the width verified, narrower when
-        grammars pruned the trees, or 0 when they left no draft (the caller runs a plain step)."""
+        """One verify step drafting ``width`` nodes per sequence; returns the width verified (narrower
+        where the trees were trimmed: ``_kept_nodes``), or 0 when no draft was left to verify (the
+        caller runs a plain step)."""
         eng, runner = self.engine, self.engine.runner
         t0 = time.perf_counter()
         with self._no_sync_region():
             tree = self.corpus.batch_get([s.seq_id for s in seqs], [s.token_ids for s in seqs], width)
             eng.stats.draft_seconds += time.perf_counter() - t0
-            if self._prunes(seqs):
-                pruned = self._prune_by_grammar(seqs, tree)
-                if pruned is None:
+            # The policy learns from the trees as drafted: whether each node had children (a run
+            # ending at a childless node is censored, not a rejection) and how deep each tree was.
+            # A trimmed tree would read a run the grammar stopped as one that ran out of tree.
+            has_child, levels = tree.has_child(), tree.depths().max(axis=1).tolist()
+            if self._trims():
+                keep = self._kept_nodes(seqs, tree)
+                if keep is None:
                     return 0
-                tree, width = pruned, pruned.draft_token_num
+                narrow = self._trimmed_width(keep, width)
+                if narrow < width:  # else the dropped nodes stay: they cost nothing extra at this width
+                    eng.stats.trimmed_nodes += len(seqs) * (width - narrow)
+                    width = narrow
+                    tree, has_child = tree.keep_nodes(keep, width), carry_to_kept(has_child, keep, width, False)
             depths = tree.depths()  # [B, D] host: the mask is host data, no device read
             step = self._step_input(seqs, tree, depths)
             greedy = all(s.params.greedy for s in seqs)
@@ -314,7 +329,7 @@ class NgramSpecWorker:
         t1 = time.perf_counter()
         self._apply_grammar(seqs, tree, logits)
         eng.stats.grammar_seconds += time.perf_counter() - t1
-        tree_depths = depths.max(axis=1).tolist()  # [B] levels below each root
+        deepest = int(depths.max())  # levels below the deepest root of the verified trees
         # The accepted paths' KV moves next to their prefixes on the device, before the read: the
         # host never computes slots, and the copy is queued while the verify forward still runs.
         if graph_accept:  # acceptance, the move and the packing: one graph launch
@@ -325,58 +340,72 @@ class NgramSpecWorker:
             result = self._accept(seqs, candidates, meta_mask, logits, width, greedy)
             # A path is at most as long as the deepest tree: only those positions can move.
             slots = runner.last_slots().view(len(seqs), width)  # [B, D] this forward's KV slots
-            runner.compact_accepted_kv(slots, result.accept_nodes[:, : max(tree_depths) + 1], result.accept_len)
+            runner.compact_accepted_kv(slots, result.accept_nodes[:, : deepest + 1], result.accept_len)
             packed = result.packed()
         lp = eng.logprob_tensors(seqs, logits, result.accept_index, result.accept_tokens)
         host = runner.to_host(packed, *lp)
-        self._commit(seqs, tree, tree_depths, host)
+        self._commit(seqs, tree, host, has_child, levels)
         eng.stats.spec_steps += 1
         eng.stats.verify_seconds += time.perf_counter() - t0
         return width
 
-    def _prunes(self, seqs: list[Sequence]) -> bool:
-        """Whether this step's trees go through ``_prune_by_grammar``: a grammar constrains some
-        member, and the policy did not pick the width to time it (a step it called off would leave
-        the width untimed, and the policy would ask again at every step)."""
-        return (self.grammar_prune and any(s.grammar is not None for s in seqs)
-                and self.policy.reason != "time")
+    def _trims(self) -> bool:
+        """Whether this step's trees are trimmed (``_kept_nodes``): unless switched off, or the
+        policy picked the width to time it (a step called off would leave the width untimed, and
+        the policy would ask again at every step)."""
+        return self.trim_trees and self.policy.reason != "time"
 
-    def _prune_by_grammar(self, seqs: list[Sequence], tree: DraftTree) -> DraftTree | None:
-        """Drop the draft nodes a member's grammar forbids, and all padding, before the launch.
+    def _kept_nodes(self, seqs: list[Sequence], tree: DraftTree) -> np.ndarray | None:
+        """The nodes to verify [B, D] bool, decided before the launch: each member's tree less its
+        padding and less the drafts its grammar forbids.
 
-        A forbidden node can never be accepted (its parent's bitmask row masks it out of the
-        logits), so verifying it buys nothing: the kept nodes are verified at the narrowest of the
-        policy's widths that holds every member's, which accepts exactly what the full tree would.
-        None: no member kept a draft, so the step would emit one token per member at a verify
-        step's cost: the policy learns that each member accepted nothing (as a verify step would
-        have taught it) and the caller runs a plain step instead. Members without a grammar keep
-        their drafts. The grammars settle here, before the launch (``grammar_valid_nodes`` is
-        ``accept_token`` / ``rollback`` calls only; the bitmask rows are still built while the
-        forward runs)."""
+        Neither can be accepted: padding is there only to fill D (a corpus with few continuations
+        leaves trees with a handful of real nodes: 5 of 16 on average in one JSON run), and a
+        forbidden draft is masked out of its parent's logits by the bitmask. So the kept nodes are
+        verified at the narrowest of the policy's widths that holds every member's
+        (``_trimmed_width``, ``DraftTree.keep_nodes``), which accepts exactly what the full trees
+        would. None: no member kept a draft, so the step would emit one token per member at a
+        verify step's cost: the policy learns that each member accepted nothing (as that step
+        would have taught it) and the caller runs a plain step instead. A constrained batch's
+        grammars settle here, before the launch: ``grammar_valid_nodes`` is ``accept_token`` /
+        ``rollback`` calls only; the bitmask rows are still built while the forward runs."""
+        keep = ~tree.padding()
+        keep[:, 0] = True
+        constrained = any(s.grammar is not None for s in seqs)
+        if constrained:
+            self._keep_grammar_valid(seqs, tree, keep)
+        if not keep[:, 1:].any():
+            self.engine.stats.vetoed_steps += 1
+            self.policy.observe_vetoed(len(seqs), tree.draft_token_num, constrained, [s.seq_id for s in seqs])
+            return None
+        return keep
+
+    def _keep_grammar_valid(self, seqs: list[Sequence], tree: DraftTree, keep: np.ndarray) -> None:
+        """Clear ``keep`` [B, D] at the drafts each member's grammar forbids (after settling it)."""
         from ngrammar.grammar import grammar_valid_nodes
 
         eng = self.engine
         t = time.perf_counter()
         eng.settle_grammars(seqs)
-        keep = ~tree.padding()
-        keep[:, 0] = True
         tokens, parents = tree.tokens_2d().tolist(), tree.parents().tolist()
+        depth = CUDA_GRAMMAR_CHECK_DEPTH if eng.device.type == "cuda" else None
         for b, seq in enumerate(seqs):
             if seq.is_finished:  # a grammar that failed to settle: nothing of its tree is committed
                 keep[b, 1:] = False
             elif seq.grammar is not None:
                 drafted = int(keep[b].sum())
-                keep[b] &= grammar_valid_nodes(seq.grammar, tokens[b], parents[b])
+                keep[b] &= grammar_valid_nodes(seq.grammar, tokens[b], parents[b], depth)
                 eng.stats.grammar_pruned_nodes += drafted - int(keep[b].sum())
-        most = int(keep.sum(axis=1).max()) - 1  # the most drafts any member kept
         eng.stats.grammar_seconds += time.perf_counter() - t
-        d = tree.draft_token_num
-        if most == 0:
-            eng.stats.grammar_vetoed_steps += 1
-            self.policy.observe_vetoed(len(seqs), d, self._constrained, [s.seq_id for s in seqs])
-            return None
-        width = min((w for w in self.policy.widths if most < w <= d), default=d)
-        return tree.keep_nodes(keep, width)
+
+    def _trimmed_width(self, keep: np.ndarray, width: int) -> int:
+        """The narrowest width that holds every member's kept nodes ([B, D] bool), at most the
+        drafted ``width``: one of the CUDA graphs' widths where there are graphs (an eager verify
+        step costs several graph replays on the H200), else one of the policy's."""
+        graphs = self.engine.runner.graphs
+        widths = graphs.widths if graphs is not None else self.policy.widths
+        most = int(keep.sum(axis=1).max())
+        return min((w for w in widths if most <= w <= width), default=width)
 
     @contextlib.contextmanager
     def _no_sync_region(self) -> Iterator[None]:
@@ -448,25 +477,23 @@ class NgramSpecWorker:
             candidates, mask, probs, coins, final, c.threshold_single, c.threshold_acc
         )
 
-    def _commit(self, seqs: list[Sequence], tree: DraftTree, tree_depths: list[int], host: list[torch.Tensor]) -> None:
-        """Append each sequence's accepted run; ``tree_depths`` [B]: how many levels each tree has
-        below its root; ``host``: the packed result (``TreeAcceptResult.packed``), then logprobs."""
+    def _commit(self, seqs: list[Sequence], tree: DraftTree, host: list[torch.Tensor], has_child: np.ndarray,
+                levels: list[int]) -> None:
+        """Append each sequence's accepted run. ``tree``: the verified trees; ``host``: the packed
+        result (``TreeAcceptResult.packed``), then logprobs; for the policy, of the trees as drafted:
+        ``has_child`` [B, D] (over the verified nodes) says whether a node had children, so a run
+        ending at a childless node did not stop at a rejection (it is censored), and ``levels`` [B]
+        how many levels each had below its root."""
         eng = self.engine
         width = tree.draft_token_num
         tokens, lens, nodes = unpack_accepted(host[0])
         logprobs = eng.unpack_logprobs(seqs, host[1:], lens)
-        # has_child[b, i]: node i has a child in its tree; a run ending at a childless node did
-        # not stop at a rejection (the policy must not count it as one).
-        parents = tree.parents()
-        has_child = np.zeros((len(seqs), width + 1), dtype=bool)
-        has_child[np.arange(len(seqs))[:, None], parents + 1] = True
-        has_child = has_child[:, 1:]
         emitted = 0
         # What the policy learns is the model's agreement with the drafts (lens - 1 accepted),
         # not what the request kept of it (EOS, a stop string or max_tokens may cut the run).
         self.last_drafts = {seq.seq_id: lens[b] - 1 for b, seq in enumerate(seqs)}
         self._censored = {seq.seq_id for b, seq in enumerate(seqs) if not has_child[b, nodes[b][lens[b] - 1]]}
-        self._tree_depths = {seq.seq_id: tree_depths[b] for b, seq in enumerate(seqs)}
+        self._tree_depths = {seq.seq_id: levels[b] for b, seq in enumerate(seqs)}
         for b, seq in enumerate(seqs):
             start = seq.num_cached
             # (Only a grammar that failed to settle finishes a sequence mid-step: it keeps nothing.)
