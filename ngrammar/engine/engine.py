@@ -357,8 +357,8 @@ class LLMEngine:
         if batch.width > 1 and self.spec is not None:
             verified = self.spec.run_verify(batch.decode, batch.width)
             if verified:  # (narrower than batch.width where the trees were trimmed)
-                # The policy is taught the width it chose: under a grammar, its cost is that of
-                # the trimmed trees it leads to.
+                # The policy is taught the width it chose, at the cost of the trimmed trees it
+                # led to.
                 self._observe(len(batch.decode), batch.width, self._step_start)
                 return "verify", len(batch.decode), verified
         self._run_decode(batch.decode, tail if self.overlap else None)

@@ -350,7 +350,7 @@ class NgramSpecWorker:
         return width
 
     def _trims(self) -> bool:
-        """Whether this step's trees are trimmed (``_kept_nodes``): unless switched off, or the
+        """Whether to trim this step's trees (``_kept_nodes``): yes, unless switched off or the
         policy picked the width to time it (a step called off would leave the width untimed, and
         the policy would ask again at every step)."""
         return self.trim_trees and self.policy.reason != "time"
@@ -362,9 +362,9 @@ class NgramSpecWorker:
         Neither can be accepted: padding is there only to fill D (a corpus with few continuations
         leaves trees with a handful of real nodes: 5 of 16 on average in one JSON run), and a
         forbidden draft is masked out of its parent's logits by the bitmask. So the kept nodes are
-        verified at the narrowest of the policy's widths that holds every member's
-        (``_trimmed_width``, ``DraftTree.keep_nodes``), which accepts exactly what the full trees
-        would. None: no member kept a draft, so the step would emit one token per member at a
+        verified at the narrowest captured width that holds every member's (``_trimmed_width``,
+        ``DraftTree.keep_nodes``; where none is narrower the trees stay as drafted), which accepts
+        exactly what the full trees would. None: no member kept a draft, so the step would emit one token per member at a
         verify step's cost: the policy learns that each member accepted nothing (as that step
         would have taught it) and the caller runs a plain step instead. A constrained batch's
         grammars settle here, before the launch: ``grammar_valid_nodes`` is ``accept_token`` /
