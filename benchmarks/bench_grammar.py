@@ -3,18 +3,9 @@
 from __future__ import annotations
 
 import statistics
-from typing import Any, Callable
+from typing import Any
 
-from benchmarks.common import (
-    VerifyRun,
-    chat,
-    decode_seconds,
-    forget_outputs,
-    print_table,
-    timed,
-    verify_pairs,
-    verify_run,
-)
+from benchmarks.common import chat, print_table, run_chat, switch_pairs
 from ngrammar import LLM, SamplingParams
 
 PEOPLE = [
@@ -47,15 +38,13 @@ def regex_prompts(n: int) -> list[Any]:
 
 
 def _rate(llm: LLM, prompts: list[Any], params: SamplingParams) -> tuple[float, float, float, float]:
-    forget_outputs(llm)
+    """Decode tok/s, grammar and forward ms per engine step, and mean accept length of one run."""
     eng = llm.engine
     g0, f0, s0 = eng.stats.grammar_seconds, eng.stats.forward_seconds, eng.stats.steps
-    _, outs = timed(lambda: llm.chat(prompts, params, use_tqdm=False))
-    decode = decode_seconds(outs)
-    tokens = sum(len(o.token_ids) - 1 for o in outs)
+    tok_s, outs = run_chat(llm, prompts, params)
     steps = max(eng.stats.steps - s0, 1)
     accept = [o.metrics.get("spec_accept_length", 1.0) for o in outs]
-    return (tokens / decode, 1e3 * (eng.stats.grammar_seconds - g0) / steps,
+    return (tok_s, 1e3 * (eng.stats.grammar_seconds - g0) / steps,
             1e3 * (eng.stats.forward_seconds - f0) / steps, statistics.mean(accept))
 
 
@@ -115,22 +104,11 @@ def trim_pairs(spec: LLM, prompts: list[Any], params: SamplingParams, repeats: i
     interleaved pairs after a dropped warm-up pair; one engine, because two engines in one process
     differed by up to 10% on the CPU box with the same settings). Adds, over the trimmed side's
     runs, the verify steps called off, the tree nodes not computed and the drafts a grammar forbade."""
-    worker = spec.engine.spec
-    assert worker is not None
-    stats, before = spec.engine.stats, worker.trim_trees
+    assert spec.engine.spec is not None
+    stats = spec.engine.stats
     counts = ("vetoed_steps", "trimmed_nodes", "grammar_pruned_nodes")
     start = {k: getattr(stats, k) for k in counts}
-
-    def run(trim: bool) -> Callable[[], VerifyRun]:
-        def go() -> VerifyRun:
-            worker.trim_trees = trim
-            return verify_run(spec, prompts, params)
-        return go
-
-    try:
-        out = verify_pairs(("trimmed", run(True)), ("full", run(False)), repeats)
-    finally:
-        worker.trim_trees = before
+    out = switch_pairs(spec, prompts, params, "trim_trees", ("trimmed", True), ("full", False), repeats)
     out.update({k: getattr(stats, k) - start[k] for k in counts})
     return out
 

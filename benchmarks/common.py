@@ -137,3 +137,23 @@ def verify_pairs(a: tuple[str, Callable[[], VerifyRun]], b: tuple[str, Callable[
         "accept_len": accept_length(ra[-1][1]),
         "identical": sum(same) / len(same),
     }
+
+
+def switch_pairs(llm: Any, prompts: list[Any], params: Any, switch: str, a: tuple[str, Any], b: tuple[str, Any],
+                 repeats: int) -> dict[str, Any]:
+    """``verify_pairs`` of one engine whose NGRAM worker attribute ``switch`` is set to ``a``'s
+    value for side a and ``b``'s for side b (name, value), restored afterwards: one engine, so the
+    two sides share everything but the switch."""
+    worker = llm.engine.spec
+    before = getattr(worker, switch)
+
+    def side(value: Any) -> Callable[[], VerifyRun]:
+        def go() -> VerifyRun:
+            setattr(worker, switch, value)
+            return verify_run(llm, prompts, params)
+        return go
+
+    try:
+        return verify_pairs((a[0], side(a[1])), (b[0], side(b[1])), repeats)
+    finally:
+        setattr(worker, switch, before)

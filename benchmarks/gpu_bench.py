@@ -42,13 +42,13 @@ from benchmarks.bench_grammar import (
     regex_prompts,
 )
 from benchmarks.common import (
-    VerifyRun,
     accept_length,
     chat,
     load_workload,
     machine,
     print_table,
     run_chat,
+    switch_pairs,
     verify_pairs,
     verify_run,
 )
@@ -292,20 +292,13 @@ def links_equal_work(spec: LLM, prompts: list[Any], max_tokens: int, repeats: in
     worker = spec.engine.spec
     assert worker is not None and not spec.engine.config.speculative.adaptive
     params = SamplingParams(max_tokens=max_tokens, temperature=0, json_schema=RECORD_SCHEMA)
-
-    def run(readback: bool) -> Callable[[], VerifyRun]:
-        def go() -> VerifyRun:
-            worker.readback_links = readback
-            return verify_run(spec, prompts, params)
-        return go
-
     # Tree trimming would call off or narrow steps (padding, drafts the schema forbids): off, so
     # that every decode step verifies a D-node tree on both sides.
     trim, worker.trim_trees = worker.trim_trees, False
     try:
-        return verify_pairs(("host_links", run(False)), ("readback", run(True)), repeats)
+        return switch_pairs(spec, prompts, params, "readback_links", ("host_links", False), ("readback", True),
+                            repeats)
     finally:
-        worker.readback_links = False
         worker.trim_trees = trim
 
 

@@ -23,7 +23,7 @@ class SpeculativeConfig:
     # False: with the torch ops of verify_tree_greedy (an A/B switch; CPU always uses the torch ops).
     accept_kernel: bool = True
     # Verify steps drop their trees' padding and the drafts a grammar forbids before the launch
-    # (neither can be accepted), verify the rest at the narrowest policy width that holds them, and
+    # (neither can be accepted), verify the rest at the narrowest captured width that holds them, and
     # run a plain step when no draft is left; False: verify the trees as drafted (an A/B switch).
     trim_trees: bool = True
 

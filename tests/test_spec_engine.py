@@ -115,7 +115,8 @@ def test_trees_are_trimmed_to_their_drafts_before_the_verify_launch(spec_llm: LL
             worker.trim_trees = True
         assert [o.token_ids for o in outs] == expected
         widths[trim] = {r.width for r in trace if r.kind == "verify"}
-        assert (eng.stats.trimmed_nodes > trimmed) == trim and (eng.stats.vetoed_steps >= vetoed)
+        assert (eng.stats.trimmed_nodes > trimmed) == trim
+        assert trim or eng.stats.vetoed_steps == vetoed  # as drafted, every scheduled verify step runs
     assert widths[False] == {8} and min(widths[True]) < 8
 
 

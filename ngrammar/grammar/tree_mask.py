@@ -143,7 +143,7 @@ def grammar_valid_nodes(
     for i in range(1, d):
         children[parents[i]].append(i)
         depth[i] = depth[parents[i]] + 1
-    stack = [child for child in reversed(children[0])]  # pre-order
+    stack = children[0][::-1]  # popped in pre-order
     held = 0  # tokens the matcher holds beyond the committed state: the last visited node's depth
     while stack:
         node = stack.pop()

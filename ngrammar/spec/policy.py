@@ -553,8 +553,7 @@ class AdaptiveDraftPolicy:
              None if depths is None else depths.get(seq_id))
             for seq_id, accepted in drafts.items()
         ])
-        if self.adaptive:
-            self._explore_at[b] = now + 1 + self._explore_gap(b, width)
+        self._defer_retry(b, now + 1, width)
 
     def observe_vetoed(self, batch_size: int, width: int, constrained: bool, seq_ids: Sequence[str]) -> None:
         """A verify step of ``width`` nodes was called off before its launch: the members' trees held
@@ -564,8 +563,13 @@ class AdaptiveDraftPolicy:
         width that was re-tried waits for its next re-try."""
         self._learn(width, [(seq_id, self._lengths.get(seq_id, 0), 0, False, None) for seq_id in seq_ids])
         b = bucket_of(batch_size, constrained)
+        self._defer_retry(b, self._steps.get(b, 0) + 1, width)
+
+    def _defer_retry(self, bucket: Bucket, step: int, width: int) -> None:
+        """A verify step of ``width`` just ran (or was called off) in ``bucket``: the next re-try
+        of a losing width comes one interval after bucket step ``step``."""
         if self.adaptive:
-            self._explore_at[b] = self._steps.get(b, 0) + 1 + self._explore_gap(b, width)
+            self._explore_at[bucket] = step + self._explore_gap(bucket, width)
 
     def observe_shadow(self, width: int, samples: Sequence[tuple[str, int, int, bool, int]]) -> None:
         """Walks of shadow trees of ``width`` nodes drafted during plain steps (``ShadowDrafts``),

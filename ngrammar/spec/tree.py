@@ -32,6 +32,7 @@ import torch
 
 PAD_TOKEN = 0  # the token of padding nodes (extra root children)
 
+
 @dataclass(frozen=True)
 class DraftTree:
     """A batch of ``bs`` draft trees with exactly ``draft_token_num`` nodes each."""

@@ -300,19 +300,18 @@ class NgramSpecWorker:
         with self._no_sync_region():
             tree = self.corpus.batch_get([s.seq_id for s in seqs], [s.token_ids for s in seqs], width)
             eng.stats.draft_seconds += time.perf_counter() - t0
-            # The policy learns from the trees as drafted: whether each node had children (a run
-            # ending at a childless node is censored, not a rejection) and how deep each tree was.
-            # A trimmed tree would read a run the grammar stopped as one that ran out of tree.
-            has_child, levels = tree.has_child(), tree.depths().max(axis=1).tolist()
+            drafted, keep = tree, None  # keep [B, D]: the drafted nodes a trimmed tree verifies
             if self._trims():
                 keep = self._kept_nodes(seqs, tree)
                 if keep is None:
                     return 0
                 narrow = self._trimmed_width(keep, width)
-                if narrow < width:  # else the dropped nodes stay: they cost nothing extra at this width
+                if narrow < width:
                     eng.stats.trimmed_nodes += len(seqs) * (width - narrow)
                     width = narrow
-                    tree, has_child = tree.keep_nodes(keep, width), carry_to_kept(has_child, keep, width, False)
+                    tree = tree.keep_nodes(keep, width)
+                else:  # the dropped nodes stay: they cost nothing extra at this width
+                    keep = None
             depths = tree.depths()  # [B, D] host: the mask is host data, no device read
             step = self._step_input(seqs, tree, depths)
             greedy = all(s.params.greedy for s in seqs)
@@ -344,10 +343,24 @@ class NgramSpecWorker:
             packed = result.packed()
         lp = eng.logprob_tensors(seqs, logits, result.accept_index, result.accept_tokens)
         host = runner.to_host(packed, *lp)
+        has_child, levels = self._as_drafted(drafted, keep, depths)
         self._commit(seqs, tree, host, has_child, levels)
         eng.stats.spec_steps += 1
         eng.stats.verify_seconds += time.perf_counter() - t0
         return width
+
+    @staticmethod
+    def _as_drafted(drafted: DraftTree, keep: np.ndarray | None, depths: np.ndarray) -> tuple[np.ndarray, list[int]]:
+        """What the policy learns from, of the trees as drafted (after the launch: host work that
+        overlaps the forward): whether each verified node had children there ([B, D'] bool: a run
+        ending at a childless node is censored, not a rejection; a trimmed tree would read a run the
+        grammar stopped as one that ran out of tree), and how many levels each tree had below its
+        root [B]. ``keep``: the drafted nodes the verified trees hold, None where they are the
+        drafted trees themselves (then ``depths`` [B, D] are theirs)."""
+        if keep is None:
+            return drafted.has_child(), depths.max(axis=1).tolist()
+        width = int(depths.shape[1])
+        return carry_to_kept(drafted.has_child(), keep, width, False), drafted.depths().max(axis=1).tolist()
 
     def _trims(self) -> bool:
         """Whether to trim this step's trees (``_kept_nodes``): yes, unless switched off or the
