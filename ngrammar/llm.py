@@ -79,8 +79,14 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
         ids = self._add_all(prompts, plist)
         results: dict[str, RequestOutput] = {}
-        for out in self._progress(self._drain(set(ids)), len(ids), use_tqdm):
-            results[out.request_id] = out
+        try:
+            for out in self._progress(self._drain(set(ids)), len(ids), use_tqdm):
+                results[out.request_id] = out
+        except BaseException:
+            # A step that raised (an engine bug, an interrupt) must not leave this call's requests
+            # queued: every later call would step them again and fail the same way.
+            self.engine.abort_and_release(ids)
+            raise
         return [results[i] for i in ids]
 
     def _add_all(self, prompts: list[Any], plist: list[SamplingParams]) -> list[str]:

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 MAX_LOGPROBS = 20
+# Below this temperature a request decodes greedily: dividing fp32 logits by a smaller one can
+# overflow to inf, and softmax of inf is NaN (1e-40 sampled token 0 over and over).
+GREEDY_TEMPERATURE = 1e-5
+MAX_TOP_K = 2**31 - 1
+_INT64 = 2**63  # seeds and top_k travel to the device as int64
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class InvalidRequestError(ValueError):
@@ -15,7 +25,7 @@ class InvalidRequestError(ValueError):
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 256
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_TEMPERATURE) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
     min_p: float = 0.0
@@ -45,31 +55,34 @@ class SamplingParams:
         def fail(msg: str) -> None:
             raise InvalidRequestError(msg)
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             fail(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
-            fail(f"temperature must be >= 0, got {self.temperature!r}")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t >= 0):
+            fail(f"temperature must be a finite number >= 0, got {t!r}")
         if not 0 < self.top_p <= 1:
             fail(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            fail(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_TOP_K:
+            fail(f"top_k must be -1, 0 (disabled) or a positive integer up to {MAX_TOP_K}, got {self.top_k!r}")
         if not 0 <= self.min_p <= 1:
             fail(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not isinstance(self.n, int) or not 1 <= self.n <= 64:
+        if not _is_int(self.n) or not 1 <= self.n <= 64:
             fail(f"n must be an integer in [1, 64], got {self.n!r}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            fail(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            fail(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if any(not s for s in self.stop):
             fail("stop strings must be non-empty")
-        if self.seed is not None and not isinstance(self.seed, int):
-            fail(f"seed must be an integer, got {self.seed!r}")
+        # The n completions draw with seeds seed .. seed + n - 1.
+        if self.seed is not None and (not _is_int(self.seed) or not -_INT64 <= self.seed <= _INT64 - self.n):
+            fail(f"seed must be an integer in [-2**63, 2**63 - n], got {self.seed!r}")
         grammars = [self.json_schema is not None, self.regex is not None, self.ebnf is not None, self.json_object]
         if sum(grammars) > 1:
             fail("only one of json_schema, regex, ebnf, json_object may be set")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or below ``GREEDY_TEMPERATURE``."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def has_grammar(self) -> bool:

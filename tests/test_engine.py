@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -179,11 +181,54 @@ def test_chat_template(llm: LLM) -> None:
 @pytest.mark.parametrize(
     "kwargs",
     [dict(max_tokens=-1), dict(max_tokens=0), dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.5),
-     dict(top_k=-3), dict(n=0), dict(logprobs=99), dict(regex="a", json_object=True)],
+     dict(top_k=-3), dict(n=0), dict(logprobs=99), dict(regex="a", json_object=True),
+     # Regression: these passed validation and then failed inside an engine step (int64 tensors,
+     # torch.topk, a temperature that overflows the logits), which left the request queued.
+     dict(seed=2**64), dict(seed=2**63 - 1, n=2), dict(seed=True), dict(top_k=2**70), dict(logprobs=1.5),
+     dict(logprobs=True), dict(temperature=float("inf")), dict(temperature=float("nan")), dict(max_tokens=True)],
 )
 def test_bad_sampling_params(kwargs: dict) -> None:  # type: ignore[type-arg]
     with pytest.raises(InvalidRequestError):
         SamplingParams(**kwargs)
+
+
+def test_extreme_but_valid_sampling_params_run(llm: LLM) -> None:
+    """The int64 bounds themselves are accepted, and a temperature too small to divide the logits
+    by (1e-40 made every probability NaN and sampled token 0 over and over) decodes greedily."""
+    SamplingParams(seed=2**63 - 1)
+    SamplingParams(seed=-(2**63), n=64, top_k=2**31 - 1)
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    tiny = SamplingParams(max_tokens=6, temperature=1e-40, ignore_eos=True, seed=3, top_k=2**31 - 1)
+    assert tiny.greedy
+    assert llm.generate("Hello", tiny)[0].token_ids == llm.generate("Hello", greedy)[0].token_ids
+    out = llm.generate("Give me a JSON object.", SamplingParams(max_tokens=8, temperature=1e-40, json_object=True))[0]
+    assert out.outputs[0].error is None and out.text.startswith("{")
+
+
+def test_a_step_that_raises_leaves_nothing_queued(llm: LLM) -> None:
+    """Regression: when an engine step raised inside ``generate``, its requests stayed queued with
+    their KV pages, and every later call stepped them again and failed the same way."""
+    engine = llm.engine
+    steps = 0
+
+    def failing_step() -> Any:
+        nonlocal steps
+        steps += 1
+        if steps == 2:  # after the prefill: the request holds pages
+            raise RuntimeError("injected failure")
+        return type(engine).step(engine)
+
+    engine.step = failing_step  # type: ignore[method-assign]
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            llm.generate(["Hello", "Tell me a story."], SamplingParams(max_tokens=8, temperature=0))
+    finally:
+        del engine.step
+    assert not engine.requests and not engine.scheduler.has_work()
+    alloc = engine.blocks.allocator
+    alloc.check_integrity()
+    assert alloc.num_free == alloc.num_pages
+    assert llm.generate("Hello", SamplingParams(max_tokens=2, temperature=0))[0].finish_reason == "length"
 
 
 def test_bad_prompts_fail_alone(llm: LLM) -> None:

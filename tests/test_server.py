@@ -362,6 +362,10 @@ def test_invalid_inputs_get_openai_errors(http: httpx.Client) -> None:
         ("/v1/chat/completions", {"messages": msgs, "top_p": 0}, 400, "top_p"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
         ("/v1/completions", {"prompt": [10**9], "max_tokens": 4}, 400, None),
+        # Regression: outside int64 these failed inside an engine step (a 500, for the whole batch).
+        ("/v1/completions", {"prompt": "x", "max_tokens": 4, "seed": 2**64}, 400, None),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 4, "top_k": 2**70}, 400, None),
+        ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 4, "seed": 2**64}}, 400, None),
         ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 4, "typo": 1}}, 400, None),
         ("/v1/chat/completions", {"model": "gpt-4o", "messages": msgs}, 404, "model"),
     ]

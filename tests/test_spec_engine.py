@@ -147,6 +147,49 @@ def test_the_policy_says_why_it_chose_a_width() -> None:
     assert costly.choose([], lambda: []) == 1 and costly.reason == "empty"
 
 
+def test_a_real_end_of_text_draft_with_children_verifies_like_any_draft(llm: LLM) -> None:
+    """Regression: the prompt holds <|endoftext|> (token 0, the padding token) inside a sentence the
+    model then repeats, so a tree drafts 0 with children under its root. Read as padding, it left
+    its children without a kept parent, and the trimmed verify step raised in ``keep_nodes``."""
+    # " Berlin" <|endoftext|> "." ... "The capital of France is Paris. The capital of Germany is"
+    prompt = [11452, 0, 30, 17, 504, 3575, 282, 4649, 314, 7042, 30, 378, 3575, 282, 4521, 314]
+    params = SamplingParams(max_tokens=8, temperature=0)
+    short = LLM(device="cpu", dtype="float32", kv_cache_tokens=2048, speculative="ngram", num_draft_tokens=8,
+                spec_adaptive=False, ngram_max_trie_depth=4)  # short windows: the tree is trimmed
+    assert short.generate(prompt, params)[0].token_ids == llm.generate(prompt, params)[0].token_ids
+    assert short.engine.stats.trimmed_nodes > 0
+
+
+def test_speculation_stops_at_the_end_of_the_context_as_plain_decoding_does(llm: LLM) -> None:
+    """Regression: a verify step's run was committed whole, past ``max_model_len`` (a 51-token
+    prompt under a 64-token context came out 70 tokens long), and its tree's positions ran past the
+    context's end (at the model's own 8,192 that indexed past the RoPE table and raised)."""
+    ids = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 5)
+    params = SamplingParams(max_tokens=32, temperature=0)
+    spec = LLM(device="cpu", dtype="float32", kv_cache_tokens=2048, max_model_len=64, speculative="ngram",
+               num_draft_tokens=8, spec_adaptive=False)
+    out = spec.generate([ids], params)[0]
+    room = 64 - len(ids)
+    reference = llm.generate([ids], SamplingParams(max_tokens=room, temperature=0))[0]
+    assert 0 < room < 32 and out.finish_reason == "length" and out.token_ids == reference.token_ids
+    assert spec.engine.stats.verify_steps > 0
+    alloc = spec.engine.blocks.allocator
+    assert alloc.num_free == alloc.num_pages
+
+
+def test_speculation_does_not_fail_a_request_that_plain_decoding_has_room_for(llm: LLM) -> None:
+    """Regression: with the KV pool nearly full, the reservation for a verify step's D tokens
+    failed the last running request ("the KV cache is too small") where a plain step fits."""
+    prompt = "Copy the list: apples, bananas, cherries, dates, elderberries, figs, grapes.\nList: apples,"
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    small = LLM(device="cpu", dtype="float32", kv_cache_tokens=64, page_size=16, speculative="ngram",
+                num_draft_tokens=16, spec_adaptive=False)
+    out = small.generate(prompt, params)[0]
+    assert out.finish_reason == "length" and out.token_ids == llm.generate(prompt, params)[0].token_ids
+    alloc = small.engine.blocks.allocator
+    assert alloc.num_free == alloc.num_pages
+
+
 def test_speculative_sampling_respects_top_k(spec_llm: LLM) -> None:
     # Draft trees depend on the shared corpus, so seeded sampled outputs are reproducible only for
     # the same corpus state; the distribution itself is exact (tests/test_verify.py).

@@ -251,6 +251,32 @@ def test_keep_nodes_golden() -> None:
     assert carry_to_kept(tree.has_child(), keep, 6, False).tolist() == [[True, True, True, False, True, False]]
 
 
+def test_a_drafted_pad_token_with_children_is_not_padding() -> None:
+    """Regression: token 0 is also a real token (SmolLM2's <|endoftext|>, indexed from a prompt
+    holding it). A root child with that token and children of its own read as padding, so the
+    nodes not padding lost an ancestor and ``keep_nodes`` raised, taking the engine step down."""
+    tree = DraftTree.from_parents(np.array([5, 0, 7, 0]), np.array([[-1, 0, 1, 0]]))
+    assert tree.padding().tolist() == [[False, False, False, True]]  # only the leaf pad
+    keep = ~tree.padding()
+    pruned = tree.keep_nodes(keep, 3)
+    assert pruned.tokens.tolist() == [5, 0, 7] and pruned.parents().tolist() == [[-1, 0, 1]]
+
+
+def test_the_nodes_that_are_not_padding_form_a_tree() -> None:
+    """Whatever the tokens, the nodes ``_kept_nodes`` starts from (all but padding) are closed
+    under ancestors: 500 random trees over tokens {0, 1, 2}, so token 0 appears at every depth."""
+    rng = np.random.default_rng(17)
+    for _ in range(500):
+        bs, d = int(rng.integers(1, 4)), int(rng.choice([2, 4, 8, 16]))
+        parents = np.stack([random_parents(rng, d, str(rng.choice(list(TREE_KINDS)))) for _ in range(bs)])
+        tree = DraftTree.from_parents(rng.integers(0, 3, size=bs * d), parents)
+        keep = ~tree.padding()
+        assert keep[:, 0].all()
+        for i in range(1, d):
+            assert (~keep[:, i] | keep[np.arange(bs), parents[:, i]]).all()
+        tree.keep_nodes(keep, int(keep.sum(axis=1).max()))
+
+
 @pytest.mark.parametrize("bad, message", [
     ([[False, True, True]], "keep every root"),
     ([[True, False, True]], "parent of every kept node"),

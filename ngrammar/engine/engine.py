@@ -289,6 +289,19 @@ class LLMEngine:
             for seq in req.seqs:
                 seq.finish("abort")
 
+    def abort_and_release(self, request_ids: Seq[str]) -> None:
+        """Abort these requests and release what they hold now (KV pages, corpus state, the step in
+        flight, their entries), without running a step: for a caller whose step raised."""
+        for request_id in request_ids:
+            self.abort(request_id)
+        if self._in_flight is not None and all(s.is_finished for s in self._in_flight.seqs):
+            self._in_flight = None  # nothing of it is committed (others' members would be, later)
+        for request_id in request_ids:
+            req = self.requests.get(request_id)
+            if req is not None and req.finished:
+                del self.requests[request_id]
+        self._retire()
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
@@ -365,7 +378,15 @@ class LLMEngine:
         return "decode", len(batch.decode), 1
 
     def _decode_width(self, seqs: list[Sequence]) -> int:
-        return 1 if self.spec is None or not seqs else self.spec.choose_width(seqs)
+        """The policy's width, or 1 where a member is too close to the end of the context for it:
+        a verify step's deepest node sits at position len(tokens) + width - 2, which must stay
+        inside ``max_model_len`` (the RoPE table and the KV bound end there)."""
+        if self.spec is None or not seqs:
+            return 1
+        width = self.spec.choose_width(seqs)
+        if width > 1 and max(len(s.token_ids) for s in seqs) + width - 1 > self.max_model_len:
+            return 1
+        return width
 
     def _finish_overlong(self) -> None:
         for seq in self.scheduler.running:

@@ -98,6 +98,11 @@ class Scheduler:
         batch = ScheduledBatch()
         decoding = [s for s in self.running if not s.is_prefilling]
         width = decode_width(decoding)
+        if width > 1 and sum(self.blocks.pages_needed(s, s.num_cached + width) for s in decoding) > \
+                self.blocks.allocator.num_free:
+            # A verify step's extra KV must not cost a preemption, or fail a request that a plain
+            # step has room for: decode plainly (which preempts only what plain decoding would).
+            width = 1
         i = 0
         while i < len(self.running):
             seq = self.running[i]

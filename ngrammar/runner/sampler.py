@@ -67,8 +67,8 @@ class SamplingTensors:
         cls, params: Sequence[SamplingParams], seeds: Sequence[int], offsets: Sequence[int], device: torch.device
     ) -> "SamplingTensors":
         # Two host->device copies (float and int parameters), not one per field.
-        floats = to_device([[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]],
-                           torch.float32, device)
+        temps = [0.0 if p.greedy else p.temperature for p in params]  # (a tiny temperature is greedy)
+        floats = to_device([temps, [p.top_p for p in params], [p.min_p for p in params]], torch.float32, device)
         ints = to_device([[p.top_k for p in params], list(seeds), list(offsets)], torch.int64, device)
         return cls(
             temperature=floats[0],

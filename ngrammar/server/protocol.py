@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ngrammar.sampling_params import MAX_LOGPROBS, InvalidRequestError
+from ngrammar.sampling_params import MAX_LOGPROBS, MAX_TOP_K, InvalidRequestError
 
 # ------------------------------------------------------------------ errors
 
@@ -68,11 +68,11 @@ class _OpenAIRequest(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0)
+    temperature: float = Field(default=1.0, ge=0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=-1)
+    top_k: int = Field(default=0, ge=-1, le=MAX_TOP_K)
     min_p: float = Field(default=0.0, ge=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -323,11 +323,11 @@ class NativeSamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_new_tokens: int = Field(default=128, ge=1)
-    temperature: float = Field(default=1.0, ge=0)
+    temperature: float = Field(default=1.0, ge=0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=-1, ge=-1)
+    top_k: int = Field(default=-1, ge=-1, le=MAX_TOP_K)
     min_p: float = Field(default=0.0, ge=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False

@@ -88,9 +88,12 @@ class DraftTree:
         return out[:, 1:]
 
     def padding(self) -> np.ndarray:
-        """[bs, D] bool: padding nodes (``PAD_TOKEN`` root children; a drafted root child with that
-        token reads as padding too, which costs at most a draft nobody needs: it is EOS-like)."""
-        return (self.tokens_2d() == PAD_TOKEN) & (self.parents() == 0)
+        """[bs, D] bool: padding nodes, ``PAD_TOKEN`` root children without children. A drafted
+        token can be ``PAD_TOKEN`` too (SmolLM2's ``<|endoftext|>``, indexed from a prompt that
+        holds it): as a leaf root child it reads as padding, which costs at most one draft; one with
+        children is a real draft, or the nodes not padding would not be closed under ancestors
+        (``keep_nodes`` raised on such a tree and took the engine step down)."""
+        return (self.tokens_2d() == PAD_TOKEN) & (self.parents() == 0) & ~self.has_child()
 
     def keep_nodes(self, keep: np.ndarray, width: int) -> DraftTree:
         """The subtrees of kept nodes, renumbered in their order and padded to ``width`` nodes.
