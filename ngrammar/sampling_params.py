@@ -70,8 +70,10 @@ class SamplingParams:
             fail(f"n must be an integer in [1, 64], got {self.n!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             fail(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        if any(not s for s in self.stop):
-            fail("stop strings must be non-empty")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            fail(f"stop strings must be non-empty strings, got {self.stop!r}")
+        if not isinstance(self.ignore_eos, bool) or not isinstance(self.json_object, bool):
+            fail("ignore_eos and json_object must be booleans")
         # The n completions draw with seeds seed .. seed + n - 1.
         if self.seed is not None and (not _is_int(self.seed) or not -_INT64 <= self.seed <= _INT64 - self.n):
             fail(f"seed must be an integer in [-2**63, 2**63 - n], got {self.seed!r}")

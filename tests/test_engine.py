@@ -185,7 +185,9 @@ def test_chat_template(llm: LLM) -> None:
      # Regression: these passed validation and then failed inside an engine step (int64 tensors,
      # torch.topk, a temperature that overflows the logits), which left the request queued.
      dict(seed=2**64), dict(seed=2**63 - 1, n=2), dict(seed=True), dict(top_k=2**70), dict(logprobs=1.5),
-     dict(logprobs=True), dict(temperature=float("inf")), dict(temperature=float("nan")), dict(max_tokens=True)],
+     dict(logprobs=True), dict(temperature=float("inf")), dict(temperature=float("nan")), dict(max_tokens=True),
+     # ... and these raised TypeError rather than the request error
+     dict(temperature="0.5"), dict(stop=[1]), dict(json_object="yes")],
 )
 def test_bad_sampling_params(kwargs: dict) -> None:  # type: ignore[type-arg]
     with pytest.raises(InvalidRequestError):
@@ -234,6 +236,8 @@ def test_a_step_that_raises_leaves_nothing_queued(llm: LLM) -> None:
 def test_bad_prompts_fail_alone(llm: LLM) -> None:
     with pytest.raises(InvalidRequestError, match="empty"):
         llm.generate("", SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError, match="role and content"):  # was a jinja UndefinedError
+        llm.chat([{"role": "user"}], SamplingParams(max_tokens=2))
     too_long = [5] * (llm.engine.max_model_len + 10)
     with pytest.raises(InvalidRequestError, match="context"):
         llm.generate([too_long], SamplingParams(max_tokens=2))

@@ -224,6 +224,9 @@ class LLMEngine:
                 raise InvalidRequestError("prompt is empty")
             return self.tokenizer.encode(prompt)
         if prompt and all(isinstance(m, dict) for m in prompt):
+            for m in prompt:  # (a message the template cannot render failed inside jinja)
+                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):  # type: ignore[union-attr]
+                    raise InvalidRequestError(f"a chat message needs a string role and content, got {m!r}")
             return self.tokenizer.apply_chat_template(prompt)  # type: ignore[arg-type]
         ids = [int(t) for t in prompt]  # type: ignore[union-attr]
         if any(not 0 <= t < self.model_config.vocab_size for t in ids):
