@@ -297,8 +297,7 @@ class LLMEngine:
         flight, their entries), without running a step: for a caller whose step raised."""
         for request_id in request_ids:
             self.abort(request_id)
-        if self._in_flight is not None and all(s.is_finished for s in self._in_flight.seqs):
-            self._in_flight = None  # nothing of it is committed (others' members would be, later)
+        self._drop_finished_flight()
         for request_id in request_ids:
             req = self.requests.get(request_id)
             if req is not None and req.finished:
@@ -623,12 +622,17 @@ class LLMEngine:
         if self.spec is not None and done:
             self.spec.on_finish(done)
 
+    def _drop_finished_flight(self) -> None:
+        """Forget the step in flight if every member finished while it ran (EOS, a stop, an abort):
+        nothing of it is committed, and it must not wait for the next request to be drained, which
+        would time the idle gap as its step. One with a live member stays (its commit skips the
+        finished ones)."""
+        if self._in_flight is not None and all(s.is_finished for s in self._in_flight.seqs):
+            self._in_flight = None
+
     def _collect_outputs(self) -> list[RequestOutput]:
         self._retire()
-        if self._in_flight is not None and all(s.is_finished for s in self._in_flight.seqs):
-            # Its batch ended while it ran (EOS, stop): nothing to commit, and it must not wait
-            # for the next request to be drained, which would time the idle gap as its step.
-            self._in_flight = None
+        self._drop_finished_flight()
         outputs = []
         for rid in list(self.requests):
             req = self.requests[rid]

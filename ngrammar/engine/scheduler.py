@@ -98,8 +98,7 @@ class Scheduler:
         batch = ScheduledBatch()
         decoding = [s for s in self.running if not s.is_prefilling]
         width = decode_width(decoding)
-        if width > 1 and sum(self.blocks.pages_needed(s, s.num_cached + width) for s in decoding) > \
-                self.blocks.allocator.num_free:
+        if width > 1 and not self._fits(decoding, width):
             # A verify step's extra KV must not cost a preemption, or fail a request that a plain
             # step has room for: decode plainly (which preempts only what plain decoding would).
             width = 1
@@ -126,12 +125,16 @@ class Scheduler:
     def reserve_decode(self, seqs: list[Sequence], width: int) -> bool:
         """Reserve KV for one more decode step of ``seqs`` without preempting anyone (overlap
         scheduling chains a step this way); False, reserving nothing, if some cannot grow."""
-        blocks = self.blocks
-        if sum(blocks.pages_needed(s, s.num_cached + width) for s in seqs) > blocks.allocator.num_free:
+        if not self._fits(seqs, width):
             return False
         for seq in seqs:
-            blocks.reserve(seq, seq.num_cached + width)
+            self.blocks.reserve(seq, seq.num_cached + width)
         return True
+
+    def _fits(self, seqs: list[Sequence], width: int) -> bool:
+        """Whether the free pages can hold ``width`` more tokens for every one of ``seqs``."""
+        blocks = self.blocks
+        return sum(blocks.pages_needed(s, s.num_cached + width) for s in seqs) <= blocks.allocator.num_free
 
     def _preempt(self, seq: Sequence) -> Sequence:
         """Free a sequence's KV and requeue it first; it recomputes its prefix later."""
