@@ -6,6 +6,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ngrammar import LLM, InvalidRequestError, SamplingParams
 from ngrammar.runner.model_runner import StepInput
@@ -278,6 +280,24 @@ def test_preemption_under_a_tiny_pool() -> None:
 
 
 @pytest.mark.parametrize("speculative", [None, "ngram"])
+def test_the_newest_request_waits_rather_than_fails_when_older_ones_hold_the_pool(
+    llm: LLM, speculative: str | None
+) -> None:
+    """Regression: when the sequence that could not grow was itself the newest running one, it
+    failed ("the KV cache is too small") although it fits the pool alone; it is preempted now and
+    recomputed once the older one has finished."""
+    prompts = ["The meaning of life is", "My favourite recipe for dinner is"]  # ~45 tokens each in all
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    small = LLM(device="cpu", dtype="float32", kv_cache_tokens=64, page_size=16, speculative=speculative)
+    outs = small.generate(prompts, params)
+    assert [o.finish_reason for o in outs] == ["length", "length"]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate(prompts, params)]
+    alloc = small.engine.blocks.allocator
+    alloc.check_integrity()
+    assert alloc.num_free == alloc.num_pages
+
+
+@pytest.mark.parametrize("speculative", [None, "ngram"])
 def test_a_request_outgrowing_the_pool_fails_and_frees_its_pages(speculative: str | None) -> None:
     small = LLM(device="cpu", dtype="float32", kv_cache_tokens=64, page_size=16, speculative=speculative)
     params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
@@ -315,3 +335,53 @@ def test_sampling_uniforms_stay_strictly_inside_the_unit_interval() -> None:
     assert u.dtype == torch.float32
     assert bool((u > 0).all()) and bool((u < 1).all())
     assert bool((-torch.log(u) > 0).all())
+
+
+def test_a_sequence_stops_at_the_end_of_its_context(llm: LLM) -> None:
+    """The context end is the sequence's own stop condition, like max_tokens: an appended run (a
+    verify step's, or one token) keeps only what fits, finishing with "length"."""
+    from ngrammar.engine.sequence import Sequence
+
+    seq = Sequence("ctx", 0, [1, 2, 3], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+                   llm.tokenizer, seed=0, max_len=6)
+    assert seq.remaining_tokens == 3
+    assert seq.append_tokens([7, 8, 9, 10, 11]) == 3
+    assert seq.token_ids == [1, 2, 3, 7, 8, 9] and seq.finish_reason == "length"
+
+
+def test_plain_decoding_stops_at_the_end_of_the_context(llm: LLM) -> None:
+    ids = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 5)
+    short = LLM(device="cpu", dtype="float32", kv_cache_tokens=2048, max_model_len=64)
+    out = short.generate([ids], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))[0]
+    reference = llm.generate([ids], SamplingParams(max_tokens=64 - len(ids), temperature=0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and out.token_ids == reference.token_ids
+    alloc = short.engine.blocks.allocator
+    assert alloc.num_free == alloc.num_pages
+
+
+MULTIBYTE = " 🙃🙃 🙏🙏🙏 naïve café 東京タワー — done ✓"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cuts=st.lists(st.integers(min_value=1, max_value=40), max_size=12), drop=st.integers(0, 2))
+def test_incremental_text_keeps_every_complete_character(llm: LLM, cuts: list[int], drop: int) -> None:
+    """Regression: a step whose new tokens ended inside a character emitted nothing, not even the
+    complete characters before it, and nothing flushed them at the finish: a verify step ending
+    mid-emoji lost up to a whole run of text, and a non-streamed output decoded once could be empty."""
+    from ngrammar.model.tokenizer import IncrementalDetokenizer
+
+    ids = llm.tokenizer.encode(MULTIBYTE)
+    ids = ids[: len(ids) - drop]  # may end inside a character: that one alone is held back
+    detok = IncrementalDetokenizer(llm.tokenizer)
+    deltas = [detok.step(ids[:k]) for k in sorted({min(c, len(ids)) for c in cuts} | {len(ids)})]
+    assert "".join(deltas) == detok.text == llm.tokenizer.decode(ids).rstrip("\ufffd")
+
+
+def test_a_run_appended_at_once_keeps_its_text(llm: LLM) -> None:
+    from ngrammar.engine.sequence import Sequence
+
+    ids = llm.tokenizer.encode(" 🙃🙃 🙏🙏🙏")  # 15 tokens, 3 per emoji
+    seq = Sequence("utf8", 0, [1], SamplingParams(max_tokens=14, temperature=0, ignore_eos=True),
+                   llm.tokenizer, seed=0, max_len=64)
+    seq.append_tokens(ids)  # one verify-sized run, cut by max_tokens inside the last emoji
+    assert seq.finish_reason == "length" and seq.text == " 🙃🙃 🙏🙏"

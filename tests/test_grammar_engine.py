@@ -117,6 +117,9 @@ def test_forty_mixed_requests(spec_llm: LLM) -> None:
         (dict(json_schema={"type": "nonsense"}), "invalid JSON schema"),
         (dict(regex="(abc"), "invalid regex"),
         (dict(ebnf="root ::= ("), "invalid EBNF"),
+        # Regression: grammars allowing no first token failed inside the engine (token 0 sampled).
+        (dict(regex=r"[^\s\S]"), "matches no text"),
+        (dict(ebnf="root ::= [^\\x00-\\U0010FFFF]"), "matches no text"),
     ],
 )
 def test_bad_grammar_fails_that_request(spec_llm: LLM, kwargs: dict, message: str) -> None:  # type: ignore[type-arg]
@@ -126,6 +129,17 @@ def test_bad_grammar_fails_that_request(spec_llm: LLM, kwargs: dict, message: st
         spec_llm.generate("Hello", SamplingParams(max_tokens=4, **kwargs))
     ok = spec_llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0))[0]
     assert ok.finished and len(ok.token_ids) >= 1
+
+
+@pytest.mark.parametrize("which", ["plain", "ngram"])
+def test_a_grammar_dead_end_says_so(llm: LLM, spec_llm: LLM, which: str) -> None:
+    """A grammar can reach a state no token continues ("a" under ``a[^\\s\\S]``): every logit is
+    masked there, and the request must end with an error that says why, not "rejected token 0"."""
+    engine = llm if which == "plain" else spec_llm
+    out = engine.generate("Say a", SamplingParams(max_tokens=8, temperature=0, regex=r"a[^\s\S]"))[0]
+    assert out.outputs[0].finish_reason == "error" and out.text == "a"
+    assert "no text can complete it" in (out.outputs[0].error or "")
+    assert engine.generate("Hello", SamplingParams(max_tokens=2, temperature=0))[0].finished
 
 
 def test_two_grammars_at_once_is_refused() -> None:

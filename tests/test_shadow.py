@@ -161,7 +161,7 @@ def test_an_engine_with_nothing_to_pick_drafts_no_shadows() -> None:
         worker = llm.engine.spec
         assert worker is not None
         seq = Sequence("repeats", 0, list(tokens), SamplingParams(max_tokens=4, temperature=0), llm.engine.tokenizer,
-                       seed=0)
+                       seed=0, max_len=llm.engine.max_model_len)
         worker.on_admit(seq)  # indexes the prompt: its last tokens have a match
         worker._shadow_step([seq], budget=1.0)
         assert llm.engine.stats.shadow_trees == trees, kw

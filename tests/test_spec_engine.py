@@ -566,7 +566,7 @@ def test_plain_steps_index_while_the_host_would_wait_for_the_device(spec_llm: LL
     for _ in range(2):
         policy.observe(2, 1, 0.004)  # a plain step: 4 ms at batch 2
     seqs = [Sequence(f"idle-{i}", 0, list(range(200 + i, 230 + i)), SamplingParams(max_tokens=4),
-                     eng.tokenizer, seed=0) for i in range(2)]
+                     eng.tokenizer, seed=0, max_len=eng.max_model_len) for i in range(2)]
     saved = (worker.engine, worker.policy, worker._constrained, worker._plain_skips, worker._index_cost,
              worker._plain_host_seconds)
     stats = copy.copy(eng.stats)
@@ -637,7 +637,7 @@ def test_a_budgeted_catch_up_indexes_the_sequences_furthest_behind_first(spec_ll
     eng = spec_llm.engine
     worker = eng.spec
     seqs = [Sequence(f"budget-{i}", 0, list(range(100 + i, 140 + i)), SamplingParams(max_tokens=4),
-                     eng.tokenizer, seed=0) for i in range(3)]
+                     eng.tokenizer, seed=0, max_len=eng.max_model_len) for i in range(3)]
     corpus = worker.corpus
     try:
         for turn in range(3):

@@ -233,6 +233,10 @@ class LLMEngine:
             raise InvalidRequestError("prompt token ids must be in [0, vocab_size)")
         return ids
 
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.blocks.allocator.num_pages * self.blocks.page_size
+
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
             raise InvalidRequestError("prompt is empty")
@@ -240,9 +244,10 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt is {len(prompt_ids)} tokens; the model's context is {self.max_model_len} tokens"
             )
-        capacity = self.blocks.allocator.num_pages * self.blocks.page_size
-        if len(prompt_ids) + 1 > capacity:
-            raise InvalidRequestError(f"prompt is {len(prompt_ids)} tokens; the KV cache holds {capacity} tokens")
+        if len(prompt_ids) + 1 > self.kv_capacity_tokens:
+            raise InvalidRequestError(
+                f"prompt is {len(prompt_ids)} tokens; the KV cache holds {self.kv_capacity_tokens} tokens"
+            )
 
     def add_request(
         self,
@@ -267,6 +272,7 @@ class LLMEngine:
                 params,
                 self.tokenizer,
                 seed=base_seed + i,
+                max_len=self.max_model_len,
                 grammar=None if compiled is None else self.grammar_backend.new_matcher(compiled),
             )
             for i in range(params.n)
@@ -352,8 +358,7 @@ class LLMEngine:
     def _schedule_and_run(self) -> tuple[Literal["decode", "verify", "prefill", "idle"], int, int]:
         """Schedule and run one step from committed state; returns its kind, size and width
         (``StepRecord``)."""
-        self._finish_overlong()
-        self._retire()  # aborted or overlong sequences must not be scheduled again
+        self._retire()  # aborted sequences must not be scheduled again
         batch = self.scheduler.schedule(self._decode_width)
         if self._policy_drained and batch.decode and batch.width == 1:
             self.stats.false_drains += 1
@@ -389,11 +394,6 @@ class LLMEngine:
         if width > 1 and max(len(s.token_ids) for s in seqs) + width - 1 > self.max_model_len:
             return 1
         return width
-
-    def _finish_overlong(self) -> None:
-        for seq in self.scheduler.running:
-            if len(seq.token_ids) >= self.max_model_len and not seq.is_finished:
-                seq.finish("length")
 
     def _run_prefill(self, chunks: list[tuple[Sequence, int]]) -> None:
         tokens, positions, rows, sampled = [], [], [], []
@@ -476,11 +476,11 @@ class LLMEngine:
 
         Members leave the chain without breaking it when they finished while their token was in
         flight (EOS, a stop string, an abort: that token is dropped at commit) or when the token in
-        flight is their last (``max_tokens``): the members of a speculating batch, or of any batch
-        ending on EOS, finish at different steps, and each drain there cost the H200 about half a
-        step. The chain breaks for requests that wait while the batch has room or gets room now, a
-        member the token in flight takes to the end of the context (the next step would write KV
-        past it), a verify step the policy wants, or KV that cannot grow."""
+        flight is their last (``max_tokens`` or the context end, ``Sequence.remaining_tokens``): the
+        members of a speculating batch, or of any batch ending on EOS, finish at different steps,
+        and each drain there cost the H200 about half a step. The chain breaks for requests that
+        wait while the batch has room or gets room now, a verify step the policy wants, or KV that
+        cannot grow."""
         sched = self.scheduler
         # Waiting requests stop the chain only while they could be admitted: a full batch must
         # keep overlapping under load.
@@ -493,10 +493,8 @@ class LLMEngine:
         keep = []
         for i in live:
             seq = seqs[i]
-            if seq.num_output_tokens + 1 >= seq.params.max_tokens:
-                continue  # finishes on commit, whatever else holds
-            if len(seq.token_ids) + 1 >= self.max_model_len:
-                return None
+            if seq.remaining_tokens <= 1:
+                continue  # finishes on commit (max_tokens or the context end), whatever else holds
             keep.append(i)
         if not keep or (sched.waiting and len(keep) < len(seqs)):
             return None  # nothing left, or a member leaves and a waiting request can take its place
@@ -556,7 +554,7 @@ class LLMEngine:
         logprobs = self.unpack_logprobs(seqs, host[1:], [1] * len(seqs))
         appended = 0
         for i, seq in enumerate(seqs):
-            # Skipped: a sequence finished while its token was in flight (EOS, abort, overlong), or
+            # Skipped: a sequence finished while its token was in flight (EOS, a stop string, abort), or
             # a grammar that failed to settle.
             if not seq.is_finished:
                 seq.append_tokens([token_list[i]], None if logprobs is None else logprobs[i], masked=True)

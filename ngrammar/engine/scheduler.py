@@ -112,9 +112,12 @@ class Scheduler:
             while not self.blocks.can_hold(seq, need) and self.running[-1] is not seq:
                 batch.preempted.append(self._preempt(self.running.pop()))
             if not self.blocks.can_hold(seq, need):
-                self.running.pop()
-                self.blocks.release(seq)  # it leaves running here, so remove_finished never sees it
-                batch.failed.append(seq)
+                self.running.pop()  # seq, the newest now: older sequences hold the pages it needs
+                if self.running:
+                    batch.preempted.append(self._preempt(seq))  # it recomputes once they are freed
+                else:
+                    self.blocks.release(seq)  # it leaves running here, so remove_finished never sees it
+                    batch.failed.append(seq)  # alone, the whole pool cannot hold it
                 continue
             self.blocks.reserve(seq, need)
             i += 1

@@ -35,6 +35,7 @@ class Sequence:
         params: SamplingParams,
         tokenizer: Tokenizer,
         seed: int,
+        max_len: int,
         grammar: "GrammarMatcher | None" = None,
     ) -> None:
         self.request_id = request_id
@@ -45,6 +46,9 @@ class Sequence:
         self.params = params
         self.seed = seed
         self.grammar = grammar
+        # The context end: prompt + output never grow past it (plain decoding's RoPE table and KV
+        # bound end there); reaching it finishes the sequence with "length", like max_tokens.
+        self.max_len = max_len
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.error: str | None = None
@@ -74,6 +78,11 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def remaining_tokens(self) -> int:
+        """Tokens the sequence may still emit before max_tokens or the context end stops it."""
+        return min(self.params.max_tokens - self.num_output_tokens, self.max_len - len(self.token_ids))
 
     @property
     def is_finished(self) -> bool:
@@ -111,7 +120,7 @@ class Sequence:
         """Append a run of sampled tokens, stopping exactly where plain decoding would.
 
         Returns how many were kept. Tokens after a stop condition (EOS, stop id, stop string,
-        max_tokens, grammar termination) are dropped, as if they had never been sampled.
+        max_tokens, the context end, grammar termination) are dropped, as if they had never been sampled.
         ``masked``: each token was drawn under the grammar's bitmask for its own position (plain
         decoding), so the grammar takes it later (``GrammarMatcher.accept_masked``, see
         ``settle_grammar``); a verify step's run is checked token by token instead.
@@ -141,15 +150,23 @@ class Sequence:
         rejected = self.grammar.settle()
         if rejected is None:
             return True
-        self.finish("error", _rejection(rejected))
+        self.finish("error", self._rejection(rejected))
         return False
 
     def _grammar_accepts(self, token: int) -> bool:
         assert self.grammar is not None
         if self.grammar.accept_token(token):
             return True
-        self.finish("error", _rejection(token))
+        self.finish("error", self._rejection(token))
         return False
+
+    def _rejection(self, token: int) -> str:
+        """Why the grammar refused ``token`` (its state is just before it): a grammar can reach a
+        state no token continues (the regex ``a[^\\s\\S]`` after "a"), where every logit was masked."""
+        assert self.grammar is not None
+        if not self.grammar.is_terminated() and not self.grammar.allows_any_token():
+            return "the grammar allows no token after the output so far: no text can complete it"
+        return f"grammar rejected sampled token {token}"
 
     def _check_stop(self, token: int) -> bool:
         if token in self._eos or token in self._stop_ids:
@@ -160,7 +177,7 @@ class Sequence:
                 return True
         if self.grammar is not None and self.grammar.is_terminated():
             return self.finish("stop")
-        if self.num_output_tokens >= self.params.max_tokens:
+        if self.remaining_tokens <= 0:
             return self.finish("length")
         return False
 
@@ -179,7 +196,7 @@ class Sequence:
                 # A final output must satisfy its grammar: tokens still deferred are checked now.
                 rejected = self.grammar.settle()
                 if rejected is not None:
-                    reason, error = "error", _rejection(rejected)
+                    reason, error = "error", self._rejection(rejected)
             self.status = SequenceStatus.FINISHED
             self.finish_reason = reason
             self.error = error
@@ -207,7 +224,3 @@ class Sequence:
             m["spec_accept_length"] = self.spec_accepted_tokens / self.spec_verify_steps
             m["spec_accept_rate"] = (self.spec_accepted_tokens - self.spec_verify_steps) / max(self.spec_draft_tokens, 1)
         return m
-
-
-def _rejection(token: int) -> str:
-    return f"grammar rejected sampled token {token}"

@@ -187,6 +187,12 @@ class GrammarMatcher:
             return self._pending[-1] in self._stop
         return bool(self._m.is_terminated())
 
+    def allows_any_token(self) -> bool:
+        """Whether some token may follow (False: a dead end of the grammar, no text completes it)."""
+        bitmask = torch.zeros((1, (self.vocab_size + 31) // 32), dtype=torch.int32)
+        self.fill_bitmask(bitmask, 0)
+        return bool(bitmask.any())
+
     def is_completed(self) -> bool:
         """True when the text so far is a complete match (a stop token would be accepted now)."""
         self._settled()
@@ -323,13 +329,24 @@ class GrammarBackend:
         with self._lock:
             self.compile_count += 1
         try:
-            return compile_fn()
+            compiled = compile_fn()
         except (GrammarError, ImportError):
             # A missing module is the deployment's fault, not the request's: it must not read as
             # "invalid JSON schema" (it did on a GPU box staged without jsonschema).
             raise
         except Exception as e:  # xgrammar raises RuntimeError (and a few others) for bad input
             raise GrammarError(f"invalid {what}: {_xgrammar_message(e)}") from None
+        self._check_satisfiable(compiled, what)
+        return compiled
+
+    def _check_satisfiable(self, compiled: xgr.CompiledGrammar, what: str) -> None:
+        """A grammar must allow some first token (EOS, for one that matches only the empty string):
+        otherwise every step would mask the whole vocabulary and the request could only fail inside
+        the engine (it did, as a server error, for the regex ``[^\\s\\S]``)."""
+        bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
+        self._xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+        if not bool(bitmask.any()):
+            raise GrammarError(f"invalid {what}: it matches no text this tokenizer can produce")
 
     def _compiler_for(self, spec: GrammarSpec) -> tuple[Callable[[], xgr.CompiledGrammar], str]:
         c = self._compiler

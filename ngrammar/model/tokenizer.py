@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -22,6 +23,24 @@ class Tokenizer:
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self.vocab_size: int = len(self.hf)
 
+    @cached_property
+    def vocab_bytes(self) -> list[bytes]:
+        """Each token's raw bytes (a special token's: its text), as xgrammar decodes the vocabulary
+        (byte-level BPE, byte fallback or raw): a token may hold part of a UTF-8 character."""
+        import xgrammar as xgr
+
+        return list(xgr.TokenizerInfo.from_huggingface(self.hf).decoded_vocab)
+
+    @cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        """Tokens ``decode`` leaves out of text."""
+        return frozenset(int(t) for t in self.hf.all_special_ids)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's bytes; b"" for ids past the tokenizer (a model's padded vocabulary)."""
+        vocab = self.vocab_bytes
+        return vocab[token_id] if 0 <= token_id < len(vocab) else b""
+
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=False))
 
@@ -40,22 +59,28 @@ class IncrementalDetokenizer:
     """Turns a growing token list into text deltas that never end inside a multi-byte character.
 
     Decoding every token alone breaks byte-level BPE characters split over tokens, so each step
-    decodes from a small window before the new tokens and emits only the stable suffix; a trailing
-    U+FFFD means the character is incomplete and is held back until the next token completes it.
+    decodes from a small window before the new tokens and emits only the stable suffix. A trailing
+    U+FFFD means the last character is incomplete: everything before it is emitted (a verify step
+    appends several tokens at once, and a finished sequence's text is what was emitted), the partial
+    character is held back, and the window stays put until a later token completes it.
     """
 
     tokenizer: Tokenizer
     prefix_offset: int = 0
     read_offset: int = 0
     text: str = field(default="")
+    pending: int = 0  # characters emitted past read_offset's text while a character is incomplete
 
     def step(self, token_ids: Sequence[int]) -> str:
         prefix = self.tokenizer.decode(token_ids[self.prefix_offset : self.read_offset])
         full = self.tokenizer.decode(token_ids[self.prefix_offset :])
-        if full.endswith("\ufffd") or len(full) <= len(prefix):
-            return ""
-        delta = full[len(prefix) :]
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(token_ids)
+        incomplete = full.endswith("\ufffd")
+        stable = full.rstrip("\ufffd") if incomplete else full
+        start = len(prefix) + self.pending
+        delta = stable[start:] if len(stable) > start else ""
+        if incomplete:
+            self.pending += len(delta)
+        elif len(full) > len(prefix):
+            self.prefix_offset, self.read_offset, self.pending = self.read_offset, len(token_ids), 0
         self.text += delta
         return delta

@@ -256,7 +256,7 @@ class NgramSpecWorker:
             [s.seq_id for s in seqs],
             lambda: [corpus.match_length(s.token_ids, MAX_MATCH) for s in seqs],
             self._constrained,
-            (lambda: [s.params.max_tokens - s.num_output_tokens - grow for s in seqs]) if draining else None,
+            (lambda: [s.remaining_tokens - grow for s in seqs]) if draining else None,
             ahead,
         )
 
@@ -509,11 +509,8 @@ class NgramSpecWorker:
         self._tree_depths = {seq.seq_id: levels[b] for b, seq in enumerate(seqs)}
         for b, seq in enumerate(seqs):
             start = seq.num_cached
-            # A run stops where plain decoding would at the end of the context (max_model_len
-            # tokens in all; the engine then finishes the sequence with "length").
-            room = eng.max_model_len - len(seq.token_ids)
             # (Only a grammar that failed to settle finishes a sequence mid-step: it keeps nothing.)
-            kept = 0 if seq.is_finished else seq.append_tokens(tokens[b][: min(lens[b], room)],
+            kept = 0 if seq.is_finished else seq.append_tokens(tokens[b][: lens[b]],
                                                                 None if logprobs is None else logprobs[b])
             # KV of the root and the first kept-1 accepted drafts is kept (compact_accepted_kv put
             # it in place); the last kept token is the next root.
