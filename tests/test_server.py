@@ -368,6 +368,9 @@ def test_invalid_inputs_get_openai_errors(http: httpx.Client) -> None:
         ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 4, "seed": 2**64}}, 400, None),
         ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 4, "typo": 1}}, 400, None),
         ("/v1/chat/completions", {"model": "gpt-4o", "messages": msgs}, 404, "model"),
+        # Regression: a grammar matching nothing masked every token and failed in the engine (500).
+        ("/v1/completions", {"prompt": "x", "max_tokens": 4, "regex": "[^\\s\\S]"}, 400, None),
+        ("/generate", {"text": "x", "sampling_params": {"ebnf": "root ::= [^\\x00-\\U0010FFFF]"}}, 400, None),
     ]
     for path, body, status, param in cases:
         error = assert_error(http.post(path, json=body), status)
@@ -375,7 +378,8 @@ def test_invalid_inputs_get_openai_errors(http: httpx.Client) -> None:
             assert error["param"] == param, (path, body, error)
     assert "prompt is" in assert_error(http.post("/v1/completions", json=cases[4][1]), 400)["message"]
     malformed = http.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
-    assert_error(malformed, 400)
+    error = assert_error(malformed, 400)  # (its param was the character offset of the error)
+    assert error["param"] is None and "not valid JSON" in error["message"], error
     assert_error(http.get("/no/such/route"), 404)
     ok = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4, "temperature": 0})
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"]
@@ -426,6 +430,78 @@ def test_queue_bound_answers_503_with_retry_after(http: httpx.Client, live: Live
             assert assert_error(r, 503)["code"] == "queue_full"
     wait_idle(http)
     assert http.post("/v1/completions", json={**body, "max_tokens": 2}).status_code == 200
+
+
+def test_a_batch_larger_than_the_queue_is_a_400(http: httpx.Client, live: LiveServer) -> None:
+    """Regression: it was a 503 with Retry-After, which no retry can ever satisfy."""
+    loop = live.state.loop
+    saved, loop.max_queue = loop.max_queue, 2
+    try:
+        r = http.post("/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 2})
+    finally:
+        loop.max_queue = saved
+    assert "queue" in assert_error(r, 400)["message"]
+    wait_idle(http)
+
+
+def test_without_max_tokens_each_prompt_runs_to_its_own_context_end() -> None:
+    """Regression: every prompt of a batch got the room the longest one left (a 4-token prompt
+    stopped after 18 tokens under a 48-token context); and, as in vLLM, a prompt plus max_tokens past
+    the context is refused instead of being cut short silently."""
+    app = create_app({**ENGINE_KWARGS, "max_model_len": 48})
+    with TestClient(app) as client:
+        tokenizer = app.state.server.engine.tokenizer
+        prompts = ["Hi", "Tell me a story about a dragon and a knight, with a castle and a quest, please"]
+        r = client.post("/v1/completions", json={"prompt": prompts, "max_tokens": None, "temperature": 0,
+                                                  "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        room = [48 - len(tokenizer.encode(p)) for p in prompts]
+        assert r.json()["usage"]["completion_tokens"] == sum(room) and room[0] > room[1]
+        assert all(c["finish_reason"] == "length" for c in r.json()["choices"])
+        error = assert_error(client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 48}), 400)
+        assert "max_tokens" in error["message"]
+        assert client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+def test_stream_chunks_carry_openai_null_fields(http: httpx.Client) -> None:
+    """Regression: nulls were dropped from every body (``finish_reason``, ``logprobs``, ``usage``),
+    which strict typed clients need; a delta still carries only what it adds."""
+    body = {"messages": chat_messages("Say hi"), "max_tokens": 4, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[0]["choices"][0]["finish_reason"] is None and "logprobs" in chunks[0]["choices"][0]
+    assert all("usage" in c and (c["usage"] is None) == (i < len(chunks) - 1) for i, c in enumerate(chunks))
+    plain = http.post("/v1/chat/completions", json={**body, "stream": False}).json()
+    assert plain["choices"][0]["logprobs"] is None
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream_options": None}) as r:
+        assert all("usage" not in json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {"))
+
+
+def test_logprob_tokens_keep_their_bytes() -> None:
+    """Regression: each token was decoded alone, so a token holding part of a character read as
+    U+FFFD: its ``bytes`` were U+FFFD's, distinct tokens merged into one top_logprobs key, and the
+    text offsets drifted. Completions logprobs also left out the sampled token itself."""
+    from ngrammar.outputs import TokenLogprob
+    from ngrammar.server.app import _chat_logprobs, _completion_logprobs, _TextOffsets
+
+    from ngrammar.model.loader import resolve_checkpoint
+    from ngrammar.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(resolve_checkpoint(None).tokenizer_dir)
+    text = "ok 🙃🙏 é"
+    ids = tokenizer.encode(text)
+    alternatives = list(dict.fromkeys(ids[:3]))
+    lps = [TokenLogprob(t, -0.5, tuple((a, -1.0 - k) for k, a in enumerate(alternatives) if a != t)) for t in ids]
+    chat = _chat_logprobs(tokenizer, lps)
+    assert b"".join(bytes(c.bytes or []) for c in chat.content).decode() == text
+    legacy = _completion_logprobs(tokenizer, lps, _TextOffsets())
+    assert any(t.startswith("bytes:") for t in legacy.tokens)
+    assert all(len(top) == len(lp.top) + 1 and top[tok] == -0.5
+               for top, lp, tok in zip(legacy.top_logprobs, lps, legacy.tokens))
+    for k, offset in enumerate(legacy.text_offset):
+        assert offset == len(tokenizer.decode(ids[:k]).rstrip("\ufffd"))
 
 
 def test_api_key_is_checked(live: LiveServer) -> None:

@@ -130,6 +130,9 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, "invalid request")
     first = errors[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":  # (its loc is a character offset, not a parameter)
+        reason = (first.get("ctx") or {}).get("error", "decode error")
+        return APIError(400, f"the request body is not valid JSON: {reason} at character {''.join(loc) or 0}")
     param = ".".join(loc) or None
     # pydantic prefixes messages raised by our own validators; the client needs only the reason.
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
@@ -208,7 +211,13 @@ def _auth_dependency(api_key: str | None) -> Callable[[Request], Any]:
 
 
 def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
-    return str(tokenizer.hf.decode([token_id], skip_special_tokens=False))
+    """A token's text for logprobs: its bytes as UTF-8, or, for a token holding part of a character,
+    OpenAI's ``bytes:\\xe2\\x80`` form (decoding it alone would give U+FFFD and merge distinct tokens)."""
+    raw = tokenizer.token_bytes(token_id)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
 def _finite_top(top: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
@@ -217,27 +226,47 @@ def _finite_top(top: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
 
 
 def _chat_logprobs(tokenizer: Tokenizer, lps: Sequence[TokenLogprob]) -> ChatLogprobs:
+    def entry(token_id: int, logprob: float) -> TopLogprob:
+        return TopLogprob(token=_token_text(tokenizer, token_id), logprob=logprob,
+                          bytes=list(tokenizer.token_bytes(token_id)))
+
     content = []
     for lp in lps:
-        text = _token_text(tokenizer, lp.token_id)
-        top = [
-            TopLogprob(token=(t := _token_text(tokenizer, tid)), logprob=v, bytes=list(t.encode()))
-            for tid, v in _finite_top(lp.top)
-        ]
-        content.append(ChatTokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=top))
+        top = [entry(tid, v) for tid, v in _finite_top(lp.top)]
+        content.append(ChatTokenLogprob(**entry(lp.token_id, lp.logprob).model_dump(), top_logprobs=top))
     return ChatLogprobs(content=content)
 
 
-def _completion_logprobs(tokenizer: Tokenizer, lps: Sequence[TokenLogprob], offset: int) -> CompletionLogprobs:
-    """OpenAI's legacy shape; ``offset`` is the text offset of the first token given."""
+@dataclasses.dataclass
+class _TextOffsets:
+    """Where each token of a completion starts in its text (characters), from the tokens' bytes: a
+    token inside a multi-byte character starts where that character does, and special tokens,
+    which the text leaves out, add nothing."""
+
+    chars: int = 0  # characters of the bytes taken, up to the last complete character
+    tail: bytes = b""  # the bytes after it: the start of a character later tokens complete
+
+    def take(self, tokenizer: Tokenizer, token_id: int) -> int:
+        offset = self.chars + len(self.tail.decode("utf-8", "replace").rstrip("\ufffd"))
+        if token_id not in tokenizer.special_token_ids:
+            self.tail += tokenizer.token_bytes(token_id)
+            text = self.tail.decode("utf-8", "replace")
+            if not text.endswith("\ufffd"):
+                self.chars, self.tail = self.chars + len(text), b""
+        return offset
+
+
+def _completion_logprobs(tokenizer: Tokenizer, lps: Sequence[TokenLogprob], offsets: _TextOffsets) -> CompletionLogprobs:
+    """OpenAI's legacy shape; ``offsets`` holds the bytes of the choice's tokens given before."""
     out = CompletionLogprobs()
     for lp in lps:
         text = _token_text(tokenizer, lp.token_id)
         out.tokens.append(text)
         out.token_logprobs.append(lp.logprob)
-        out.top_logprobs.append({_token_text(tokenizer, tid): v for tid, v in _finite_top(lp.top)})
-        out.text_offset.append(offset)
-        offset += len(text)
+        top = {_token_text(tokenizer, tid): v for tid, v in _finite_top(lp.top)}
+        top.setdefault(text, lp.logprob)  # the sampled token is always listed (logprobs + 1 entries at most)
+        out.top_logprobs.append(top)
+        out.text_offset.append(offsets.take(tokenizer, lp.token_id))
     return out
 
 
@@ -265,8 +294,9 @@ def _raise_completion_error(c: CompletionOutput) -> None:
         raise EngineFailure(c.error)
 
 
-def _json(model: BaseModel) -> str:
-    return model.model_dump_json(exclude_none=True)
+def _json(model: BaseModel, exclude: set[str] | None = None) -> str:
+    """A response body with its null fields, as OpenAI sends them (``finish_reason: null``...)."""
+    return model.model_dump_json(exclude=exclude)
 
 
 def _sse(payload: str) -> str:
@@ -292,7 +322,7 @@ class _Cursor:
 
     text: int = 0
     logprobs: int = 0
-    text_offset: int = 0
+    offsets: _TextOffsets = dataclasses.field(default_factory=_TextOffsets)
     finished: bool = False
 
     def take(self, c: CompletionOutput) -> tuple[str, list[TokenLogprob], str | None] | None:
@@ -323,7 +353,7 @@ class _ChatStream:
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         chunk = ChatCompletionChunk(id=self.rid, created=self.created, model=self.server.model_name,
                                     choices=choices, usage=usage)
-        return _json(chunk)
+        return _json(chunk, None if self.include_usage else {"usage"})  # usage: null until the last chunk
 
     def start(self, num_prompts: int) -> list[str]:
         opening = [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
@@ -360,7 +390,7 @@ class _CompletionStream:
     def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> str:
         chunk = CompletionResponse(id=self.rid, created=self.created, model=self.server.model_name,
                                    choices=choices, usage=usage)
-        return _json(chunk)
+        return _json(chunk, None if self.include_usage else {"usage"})
 
     def start(self, num_prompts: int) -> list[str]:
         return []
@@ -376,8 +406,7 @@ class _CompletionStream:
             delta, lps, finish = part
             logprobs = None
             if self.want_logprobs and lps:
-                logprobs = _completion_logprobs(self.server.tokenizer, lps, cursor.text_offset)
-                cursor.text_offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+                logprobs = _completion_logprobs(self.server.tokenizer, lps, cursor.offsets)
             choices.append(CompletionChoice(index=index, text=delta, logprobs=logprobs, finish_reason=finish))
         return [self._chunk(choices)] if choices else []
 
@@ -445,22 +474,34 @@ def _tokenize(engine: LLMEngine, prompt: Any) -> list[int]:
 
 def _prepare(
     engine: LLMEngine, prompts: Sequence[Any], kwargs: dict[str, Any], max_tokens: int | None
-) -> tuple[list[list[int]], SamplingParams]:
-    """Tokenize, build and validate the params, and compile the grammar (cached for the engine).
+) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Tokenize, build and validate each prompt's params, and compile the grammar (cached for the
+    engine).
 
-    Runs on a worker thread: tokenizer encode, ``validate`` and grammar compilation are safe
-    there (pure functions of the tokenizer and config; the grammar backend is thread-safe).
+    As in vLLM, a prompt and its ``max_tokens`` must fit the context (and here the KV pool, which may
+    be smaller), or the request is refused; without ``max_tokens`` each prompt may run to the end of
+    that room. Runs on a worker thread: tokenizer encode, ``validate`` and grammar compilation are
+    safe there (pure functions of the tokenizer and config; the grammar backend is thread-safe).
     """
+    room = min(engine.max_model_len, engine.kv_capacity_tokens)
     ids = [_tokenize(engine, p) for p in prompts]
-    longest = max((len(i) for i in ids), default=0)
-    budget = max_tokens if max_tokens is not None else max(engine.max_model_len - longest, 1)
-    params = SamplingParams(max_tokens=budget, **kwargs)
+    all_params = []
     for prompt_ids in ids:
+        budget = max_tokens if max_tokens is not None else max(room - len(prompt_ids), 1)
+        params = SamplingParams(max_tokens=budget, **kwargs)
         engine.validate(prompt_ids, params)
-    spec = grammar_spec_from_request(params.json_schema, params.regex, params.ebnf, params.json_object)
+        if max_tokens is not None and len(prompt_ids) + max_tokens > room:
+            raise InvalidRequestError(
+                f"the prompt is {len(prompt_ids)} tokens and max_tokens asks for {max_tokens} more, past the "
+                f"{room} tokens a request may hold (context {engine.max_model_len}, KV cache "
+                f"{engine.kv_capacity_tokens}); reduce the prompt or max_tokens"
+            )
+        all_params.append(params)
+    spec = grammar_spec_from_request(all_params[0].json_schema, all_params[0].regex, all_params[0].ebnf,
+                                     all_params[0].json_object) if all_params else None
     if spec is not None:
         engine.grammar_backend.compile(spec)
-    return ids, params
+    return ids, all_params
 
 
 class _Server:
@@ -653,7 +694,7 @@ def _completion_response(s: _Server, rid: str, body: CompletionRequest, group: R
     for index, c in _choices(group, body.n):
         logprobs = None
         if body.logprobs is not None and c.logprobs is not None:
-            logprobs = _completion_logprobs(s.tokenizer, c.logprobs, 0)
+            logprobs = _completion_logprobs(s.tokenizer, c.logprobs, _TextOffsets())
         choices.append(CompletionChoice(index=index, text=c.text, logprobs=logprobs, finish_reason=c.finish_reason))
     return CompletionResponse(id=rid, created=int(time.time()), model=s.model_name, choices=choices,
                               usage=_group_usage(group))

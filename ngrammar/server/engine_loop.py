@@ -23,11 +23,11 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Sequence, Union
 
 from ngrammar.engine.engine import EngineStats, LLMEngine
 from ngrammar.outputs import RequestOutput
-from ngrammar.sampling_params import SamplingParams
+from ngrammar.sampling_params import InvalidRequestError, SamplingParams
 
 if TYPE_CHECKING:
     from ngrammar.server.metrics import ServerMetrics
@@ -177,18 +177,23 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive()
 
     # ------------------------------------------------------ handler-side API
-    def submit(self, prompts: list[list[int]], params: SamplingParams, prefix: str = "req") -> RequestGroup:
-        """Queue one engine request per (already validated) prompt; raises QueueFull or EngineUnavailable."""
+    def submit(self, prompts: list[list[int]], params: Sequence[SamplingParams], prefix: str = "req") -> RequestGroup:
+        """Queue one engine request per (already validated) prompt, with its params; raises
+        QueueFull (try later), InvalidRequestError (a batch that can never fit) or EngineUnavailable."""
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         if not self.alive:
             raise EngineUnavailable("the engine loop is not running")
+        if len(prompts) > self.max_queue:
+            raise InvalidRequestError(f"a batch of {len(prompts)} prompts exceeds the server's queue of {self.max_queue}")
         with self._lock:
             if self._inflight + len(prompts) > self.max_queue:
                 raise QueueFull(self.max_queue)
             self._inflight += len(prompts)
         ids = [f"{prefix}-{uuid.uuid4().hex}" for _ in prompts]
         group = RequestGroup(self, ids)
-        for request_id, prompt_ids in zip(ids, prompts):
-            self._commands.put(_Add(request_id, prompt_ids, params, group))
+        for request_id, prompt_ids, p in zip(ids, prompts, params):
+            self._commands.put(_Add(request_id, prompt_ids, p, group))
         return group
 
     def abort(self, request_id: str) -> None:
