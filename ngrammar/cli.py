@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any, Sequence
@@ -71,6 +72,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[])
     p.add_argument("--json-schema", default=None, help="JSON schema (inline JSON or @file)")
     p.add_argument("--regex", default=None)
+    p.add_argument("--ignore-eos", action="store_true", help="generate max-tokens tokens whatever the model ends with")
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -80,7 +82,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
             schema = f.read()
     return SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, stop=tuple(args.stop), json_schema=schema, regex=args.regex,
+        seed=args.seed, stop=tuple(args.stop), json_schema=schema, regex=args.regex, ignore_eos=args.ignore_eos,
     )
 
 
@@ -169,7 +171,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _stream(llm: Any, prompt: Any, params: SamplingParams) -> int:
     engine = llm.engine
     rid = engine.add_request(prompt, params)
-    shown = 0
+    shown, error = 0, None
     while engine.has_unfinished():
         for out in engine.step():
             if out.request_id == rid:
@@ -177,47 +179,72 @@ def _stream(llm: Any, prompt: Any, params: SamplingParams) -> int:
                 sys.stdout.write(text[shown:])
                 sys.stdout.flush()
                 shown = len(text)
+                error = out.outputs[0].error
     sys.stdout.write("\n")
+    if error:  # the same contract as without --stream: one error line, exit code 2
+        raise ValueError(error)
     return 0
 
 
-def _generate_batch(llm: Any, args: argparse.Namespace, params: SamplingParams) -> int:
+# JSONL rows may set any sampling field; anything else in a row is a mistake, not a silent no-op.
+_ROW_PARAMS = frozenset(f.name for f in dataclasses.fields(SamplingParams) if f.name != "extra")
+
+
+def _read_rows(path: str, chat: bool) -> list[tuple[int, dict[str, Any], Any]]:
+    """(line number, row, prompt) for each non-empty line; ``chat`` wraps plain prompts in a user
+    message, as ``--chat`` does for one prompt."""
     rows = []
-    with open(args.input) as f:
+    with open(path) as f:
         for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{args.input}:{n}: not JSON ({e})") from e
-    prompts: list[Any] = []
-    plist: list[SamplingParams] = []
-    for n, row in enumerate(rows, 1):
-        if "messages" in row:
-            prompts.append(row["messages"])
-        elif "prompt" in row:
-            prompts.append(row["prompt"])
-        else:
-            raise ValueError(f"{args.input}: line {n} has neither 'prompt' nor 'messages'")
-        overrides = {k: row[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                                         "json_schema", "regex") if k in row}
-        plist.append(SamplingParams(**{**_params_dict(params), **overrides}))
-    outs = llm._run(prompts, plist, None)
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e})") from e
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{n}: a row must be a JSON object, got {type(row).__name__}")
+            if ("prompt" in row) == ("messages" in row):
+                raise ValueError(f"{path}:{n}: a row needs exactly one of 'prompt' and 'messages'")
+            unknown = sorted(set(row) - _ROW_PARAMS - {"prompt", "messages"})
+            if unknown:
+                raise ValueError(f"{path}:{n}: unknown field(s) {', '.join(unknown)}")
+            prompt = row["messages"] if "messages" in row else row["prompt"]
+            if chat and isinstance(prompt, str):
+                prompt = [{"role": "user", "content": prompt}]
+            rows.append((n, row, prompt))
+    return rows
+
+
+def _generate_batch(llm: Any, args: argparse.Namespace, params: SamplingParams) -> int:
+    rows = _read_rows(args.input, args.chat)
+    plist = []
+    for n, row, _ in rows:
+        overrides = {k: v for k, v in row.items() if k in _ROW_PARAMS}
+        try:
+            plist.append(dataclasses.replace(params, **overrides))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{args.input}:{n}: {e}") from e
+    outs = llm._run([prompt for _, _, prompt in rows], plist, None)
     sink = open(args.output, "w") if args.output else sys.stdout
+    failed = 0
     try:
-        for row, out in zip(rows, outs):
-            record = {"prompt": row.get("prompt", row.get("messages")), "text": out.text,
-                      "finish_reason": out.finish_reason, "metrics": out.metrics}
+        for (_, row, _), out in zip(rows, outs):
+            record: dict[str, Any] = {"prompt": row.get("prompt", row.get("messages")), "text": out.text,
+                                      "finish_reason": out.finish_reason, "metrics": out.metrics}
+            if len(out.outputs) > 1:
+                record["outputs"] = [{"text": c.text, "finish_reason": c.finish_reason} for c in out.outputs]
+            errors = [c.error for c in out.outputs if c.error]
+            if errors:
+                record["error"] = errors[0]
+                failed += 1
             sink.write(json.dumps(record) + "\n")
     finally:
         if sink is not sys.stdout:
             sink.close()
+    if failed:
+        raise ValueError(f"{failed} of {len(rows)} requests failed (see their 'error' fields)")
     return 0
-
-
-def _params_dict(p: SamplingParams) -> dict[str, Any]:
-    return {f: getattr(p, f) for f in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                                       "json_schema", "regex")}
 
 
 if __name__ == "__main__":

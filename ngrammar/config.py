@@ -75,5 +75,11 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be auto, sdpa or triton, got {self.attention_backend!r}")
         if not 0 < self.gpu_memory_utilization < 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1)")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:
+            raise ValueError(f"kv_cache_tokens must hold at least one page ({self.page_size}), got {self.kv_cache_tokens}")
+        if self.cpu_kv_cache_tokens < self.page_size:
+            raise ValueError(f"cpu_kv_cache_tokens must hold at least one page ({self.page_size})")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2 (a prompt token and an output), got {self.max_model_len}")
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be positive, got {self.cuda_graph_max_bs}")

@@ -18,6 +18,10 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 class InvalidRequestError(ValueError):
     """A request the engine refuses; the message names the offending input."""
 
@@ -42,11 +46,13 @@ class SamplingParams:
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        # None means none, as in vLLM; a malformed value is the request's error, not a TypeError.
+        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
+        ids = () if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(stop, (list, tuple)) or not isinstance(ids, (list, tuple)) or not all(map(_is_int, ids)):
+            raise InvalidRequestError(f"stop must be strings and stop_token_ids integers, got {self.stop!r} / {ids!r}")
+        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._validate()
@@ -58,13 +64,13 @@ class SamplingParams:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             fail(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t >= 0):
+        if not _is_number(t) or not (math.isfinite(t) and t >= 0):
             fail(f"temperature must be a finite number >= 0, got {t!r}")
-        if not 0 < self.top_p <= 1:
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             fail(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_TOP_K:
             fail(f"top_k must be -1, 0 (disabled) or a positive integer up to {MAX_TOP_K}, got {self.top_k!r}")
-        if not 0 <= self.min_p <= 1:
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             fail(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not _is_int(self.n) or not 1 <= self.n <= 64:
             fail(f"n must be an integer in [1, 64], got {self.n!r}")

@@ -41,3 +41,37 @@ def test_speculative_flags_reach_the_engine_config() -> None:
     args = build_parser().parse_args(["generate", "hi", "--speculative", "ngram"])
     spec = build_engine_config(**engine_kwargs(args)).speculative
     assert spec is not None and spec.adaptive and spec.accept_kernel and spec.trim_trees
+
+
+def test_jsonl_rows_are_checked_and_take_every_sampling_field(capsys: pytest.CaptureFixture[str], tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Regressions: fields beyond eight were dropped silently (n, ignore_eos, json_object...), a
+    typo passed, a row that was not an object failed with a Python error, --chat was ignored."""
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    flags = ["--output", str(dst), "--temperature", "0", "--device", "cpu", "--kv-cache-tokens", "4096"]
+    for bad, message in [({"prompt": "Hi", "max_new_tokens": 3}, "unknown field"), ("Hi", "JSON object"),
+                         ({"prompt": "Hi", "temperature": -1}, "temperature")]:
+        src.write_text("\n" + json.dumps(bad) + "\n")
+        assert main(["generate", "--input", str(src), *flags]) == 2
+        err = capsys.readouterr().err
+        assert f"{src}:2:" in err and message in err, err
+    src.write_text(json.dumps({"prompt": "Say hi.", "max_tokens": 3, "n": 2, "ignore_eos": True,
+                               "stop_token_ids": [2]}) + "\n")
+    assert main(["generate", "--input", str(src), "--chat", *flags]) == 0
+    row = json.loads(dst.read_text())
+    assert len(row["outputs"]) == 2 and row["metrics"]["completion_tokens"] == 2 * 3
+    assert row["prompt"] == "Say hi." and row["metrics"]["prompt_tokens"] > 5  # the chat template's
+
+
+def test_a_failed_request_is_an_error_with_and_without_stream(capsys: pytest.CaptureFixture[str], tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Regression: with --stream a request that ended with an error printed its partial text and
+    exited 0; a batch wrote it with no message and exited 0."""
+    prompt = "Count: one two three four five six seven eight nine ten eleven twelve"
+    flags = ["--max-tokens", "40", "--kv-cache-tokens", "32", "--temperature", "0", "--device", "cpu", "--ignore-eos"]
+    for extra in ([], ["--stream"]):
+        assert main(["generate", prompt, *flags, *extra]) == 2
+        assert "KV cache is too small" in capsys.readouterr().err
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": prompt}) + "\n")
+    assert main(["generate", "--input", str(src), *flags]) == 2
+    captured = capsys.readouterr()
+    assert "KV cache is too small" in json.loads(captured.out)["error"] and "1 of 1" in captured.err

@@ -297,6 +297,19 @@ def test_the_newest_request_waits_rather_than_fails_when_older_ones_hold_the_poo
     assert alloc.num_free == alloc.num_pages
 
 
+def test_a_preempted_request_is_not_recomputed_at_every_step(llm: LLM) -> None:
+    """Regression (review): re-admitted into just the pages it gave up, the preempted request was
+    prefilled again and preempted again at every step until the older one had finished."""
+    small = LLM(device="cpu", dtype="float32", kv_cache_tokens=80, page_size=16)
+    prompts = [llm.tokenizer.encode("The quick brown fox jumps over the lazy dog and then"),
+               llm.tokenizer.encode("Hello there my")]
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    outs = small.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate(prompts, params)]
+    # Both prompts once, then the newer one's context once more (it waited for the older one).
+    assert small.engine.stats.prefill_tokens <= len(prompts[0]) + len(prompts[1]) + len(prompts[1]) + 60
+
+
 @pytest.mark.parametrize("speculative", [None, "ngram"])
 def test_a_request_outgrowing_the_pool_fails_and_frees_its_pages(speculative: str | None) -> None:
     small = LLM(device="cpu", dtype="float32", kv_cache_tokens=64, page_size=16, speculative=speculative)
@@ -385,3 +398,16 @@ def test_a_run_appended_at_once_keeps_its_text(llm: LLM) -> None:
                    llm.tokenizer, seed=0, max_len=64)
     seq.append_tokens(ids)  # one verify-sized run, cut by max_tokens inside the last emoji
     assert seq.finish_reason == "length" and seq.text == " 🙃🙃 🙏🙏"
+
+
+def test_sampling_params_take_none_and_refuse_bad_types_as_request_errors(llm: LLM) -> None:
+    """Regressions: stop=None was a TypeError (vLLM takes it as none); top_p="0.5" and
+    stop_token_ids=["a"] raised TypeError / ValueError instead of a request error; a tuple of
+    token ids was taken for a batch of prompts."""
+    assert SamplingParams(stop=None, stop_token_ids=None).stop == ()  # type: ignore[arg-type]
+    for bad in (dict(top_p="0.5"), dict(min_p="0"), dict(stop_token_ids=["a"]), dict(stop=5)):
+        with pytest.raises(InvalidRequestError):
+            SamplingParams(**bad)  # type: ignore[arg-type]
+    ids = tuple(llm.tokenizer.encode("The capital of France is"))
+    params = SamplingParams(max_tokens=2, temperature=0)
+    assert llm.generate(ids, params)[0].token_ids == llm.generate([list(ids)], params)[0].token_ids

@@ -136,9 +136,11 @@ def test_a_grammar_dead_end_says_so(llm: LLM, spec_llm: LLM, which: str) -> None
     """A grammar can reach a state no token continues ("a" under ``a[^\\s\\S]``): every logit is
     masked there, and the request must end with an error that says why, not "rejected token 0"."""
     engine = llm if which == "plain" else spec_llm
-    out = engine.generate("Say a", SamplingParams(max_tokens=8, temperature=0, regex=r"a[^\s\S]"))[0]
+    out = engine.generate("Say a", SamplingParams(max_tokens=8, temperature=0, regex=r"a[^\s\S]", logprobs=2))[0]
     assert out.outputs[0].finish_reason == "error" and out.text == "a"
     assert "no text can complete it" in (out.outputs[0].error or "")
+    # (Review: the token drawn from the all-masked row, with NaN logprobs, stayed in the output.)
+    assert out.token_ids == engine.tokenizer.encode("a") and len(out.outputs[0].logprobs or []) == 1
     assert engine.generate("Hello", SamplingParams(max_tokens=2, temperature=0))[0].finished
 
 

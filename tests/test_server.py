@@ -460,7 +460,14 @@ def test_without_max_tokens_each_prompt_runs_to_its_own_context_end() -> None:
         assert all(c["finish_reason"] == "length" for c in r.json()["choices"])
         error = assert_error(client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 48}), 400)
         assert "max_tokens" in error["message"]
+        error = assert_error(client.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 48}}), 400)
+        assert "max_new_tokens" in error["message"]
         assert client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+        # Review: a limit the client did not send (/generate's default of 128 new tokens, the
+        # completions endpoint's 16) is capped to the room left, not refused.
+        native = client.post("/generate", json={"text": prompts[1], "sampling_params": {"temperature": 0,
+                                                                                      "ignore_eos": True}})
+        assert native.status_code == 200 and native.json()["meta_info"]["completion_tokens"] == room[1]
 
 
 def test_stream_chunks_carry_openai_null_fields(http: httpx.Client) -> None:

@@ -25,6 +25,7 @@ from ngrammar.config import EngineConfig
 from ngrammar.engine.block_manager import BlockManager, PageAllocator
 from ngrammar.engine.scheduler import Scheduler
 from ngrammar.engine.sequence import Sequence
+from ngrammar.model.config import ModelConfig
 from ngrammar.model.loader import resolve_checkpoint
 from ngrammar.model.tokenizer import Message, Tokenizer
 from ngrammar.outputs import CompletionOutput, RequestOutput, TokenLogprob
@@ -131,7 +132,7 @@ class LLMEngine:
         self.model_config = checkpoint.config
         self.model_name = checkpoint.name
         self.tokenizer = Tokenizer(checkpoint.tokenizer_dir, checkpoint.config.eos_token_ids)
-        self.max_model_len = min(config.max_model_len or checkpoint.config.max_position, checkpoint.config.max_position)
+        self.max_model_len = self._context_length(config.max_model_len, checkpoint.config)
         num_pages = self._num_pages()
         # The pool gets one page past the allocator's range (page ``num_pages``): no sequence ever
         # owns it, so CUDA-graph padding rows write their K/V there.
@@ -200,14 +201,29 @@ class LLMEngine:
             graphs.capture_all()
         self.runner.graphs = graphs
 
+    @staticmethod
+    def _context_length(requested: int | None, model: ModelConfig) -> int:
+        """``max_model_len``, or the model's whole context (capped at a sliding window, which is
+        not implemented: within it attention is full). Asking for more is an error, as in vLLM."""
+        if requested is None:
+            return model.max_context
+        if requested > model.max_context:
+            why = "its sliding window, not implemented here" if model.max_context < model.max_position else "its context"
+            raise ValueError(f"max_model_len {requested} is longer than the model's {model.max_context} tokens ({why})")
+        return requested
+
     def _num_pages(self) -> int:
         c = self.config
         tokens = c.kv_cache_tokens
-        if tokens is None and self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            tokens = int(free * c.gpu_memory_utilization) // kv_bytes_per_token(self.model_config, self.dtype)
-        tokens = tokens or c.cpu_kv_cache_tokens
-        return max(tokens // c.page_size, 2)
+        if tokens is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                tokens = int(free * c.gpu_memory_utilization) // kv_bytes_per_token(self.model_config, self.dtype)
+            else:
+                tokens = c.cpu_kv_cache_tokens
+        if tokens < c.page_size:
+            raise ValueError(f"the KV cache would hold {tokens} tokens, less than one page of {c.page_size}")
+        return tokens // c.page_size
 
     @property
     def grammar_backend(self) -> "GrammarBackend":
@@ -222,7 +238,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode_prompt(prompt)
         if prompt and all(isinstance(m, dict) for m in prompt):
             for m in prompt:  # (a message the template cannot render failed inside jinja)
                 if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):  # type: ignore[union-attr]

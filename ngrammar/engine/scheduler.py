@@ -71,7 +71,11 @@ class Scheduler:
                     budget -= chunk
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            chunk = self._fit_chunk(seq, budget)
+            # A preempted sequence comes back only when its whole context and its next token fit:
+            # re-admitted into just the pages it gave up, it would be recomputed and preempted
+            # again at every step until an older sequence freed a page.
+            resumable = not seq.num_output_tokens or self.blocks.can_hold(seq, len(seq.token_ids))
+            chunk = self._fit_chunk(seq, budget) if resumable else 0
             if not chunk:
                 if not self.running and not batch.prefill:
                     self.waiting.popleft()

@@ -154,18 +154,18 @@ class GrammarMatcher:
         """Commit a token drawn under this matcher's own bitmask; xgrammar takes it at ``settle``."""
         self._pending.append(int(token))
 
-    def settle(self) -> int | None:
-        """Give the deferred tokens to xgrammar; returns the first one it rejects (the rest are
-        dropped with it), None when all were accepted."""
+    def settle(self) -> tuple[int, int] | None:
+        """Give the deferred tokens to xgrammar; None when all were accepted, else the first one it
+        rejects and how many were dropped with it (it and those after it, the last ones given)."""
         pending, self._pending = self._pending, []
-        for token in pending:
+        for i, token in enumerate(pending):
             if not self._take(token):
-                return token
+                return token, len(pending) - i
         return None
 
     def _settled(self) -> None:
         if self._pending and (rejected := self.settle()) is not None:
-            raise GrammarRejectedError(f"grammar rejected committed token {rejected}")
+            raise GrammarRejectedError(f"grammar rejected committed token {rejected[0]}")
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed-next-token bits into ``bitmask[row]`` (CPU int32 [R, ceil(V/32)]).
@@ -188,9 +188,13 @@ class GrammarMatcher:
         return bool(self._m.is_terminated())
 
     def allows_any_token(self) -> bool:
-        """Whether some token may follow (False: a dead end of the grammar, no text completes it)."""
+        """Whether some token may follow: False once terminated, or at a dead end of the grammar
+        (a state no token continues, where no text completes it)."""
+        if self.is_terminated():
+            return False
+        self._settled()
         bitmask = torch.zeros((1, (self.vocab_size + 31) // 32), dtype=torch.int32)
-        self.fill_bitmask(bitmask, 0)
+        self._m.fill_next_token_bitmask(bitmask, 0)  # (not fill_bitmask: the step profilers count those)
         return bool(bitmask.any())
 
     def is_completed(self) -> bool:
@@ -343,9 +347,7 @@ class GrammarBackend:
         """A grammar must allow some first token (EOS, for one that matches only the empty string):
         otherwise every step would mask the whole vocabulary and the request could only fail inside
         the engine (it did, as a server error, for the regex ``[^\\s\\S]``)."""
-        bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
-        self._xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
-        if not bool(bitmask.any()):
+        if not self.new_matcher(compiled).allows_any_token():
             raise GrammarError(f"invalid {what}: it matches no text this tokenizer can produce")
 
     def _compiler_for(self, spec: GrammarSpec) -> tuple[Callable[[], xgr.CompiledGrammar], str]:

@@ -8,12 +8,15 @@ from typing import Any
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency scaling (``rope_type == "llama3"``); absent for SmolLM/Qwen."""
+    """RoPE frequency scaling; absent for SmolLM/Qwen. ``rope_type`` "linear" divides every
+    frequency by ``factor`` (position interpolation); "llama3" scales the low frequencies by it and
+    blends the band between (the other fields are used by "llama3" only)."""
 
+    rope_type: str
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position: int
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 1.0
+    original_max_position: int = 0
 
 
 @dataclass(frozen=True)
@@ -32,12 +35,21 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
     rope_scaling: RopeScaling | None = None
+    # Attention limited to the last ``sliding_window`` tokens (Mistral; Qwen with
+    # use_sliding_window). Not implemented: within that many tokens it equals full attention, so the
+    # engine's context is capped there (``max_context``).
+    sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+
+    @property
+    def max_context(self) -> int:
+        """The longest context this engine computes exactly for the model."""
+        return min(self.max_position, self.sliding_window or self.max_position)
 
     @property
     def q_size(self) -> int:
@@ -54,37 +66,64 @@ class ModelConfig:
             raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
+        act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
+        if act not in ("silu", "swish"):  # the MLP computes SiLU(gate) * up
+            raise ValueError(f"unsupported hidden_act {act!r}; supported: silu")
+        # A null in config.json means "the default", as transformers reads it.
+        theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
-            rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            max_position=int(cfg.get("max_position_embeddings", 4096)),
+            rope_theta=float(theta),
+            rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
+            max_position=int(cfg.get("max_position_embeddings") or 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             qk_norm=arch == "Qwen3ForCausalLM",
             rope_scaling=_rope_scaling(cfg.get("rope_scaling") or cfg.get("rope_parameters")),
+            sliding_window=_sliding_window(cfg, arch),
             bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            eos_token_ids=token_ids(cfg.get("eos_token_id")),
         )
 
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
 
+def token_ids(value: Any) -> tuple[int, ...]:
+    """An ``eos_token_id`` field: one id, a list of them, or null."""
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
+
+
 def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:
-    if not raw or raw.get("rope_type", raw.get("type")) != "llama3":
+    """The config's RoPE scaling; one this engine does not compute is refused, never ignored
+    (yarn, dynamic NTK or longrope would otherwise give silently wrong logits)."""
+    kind = (raw or {}).get("rope_type", (raw or {}).get("type", "default"))
+    if kind == "default":
         return None
-    return RopeScaling(
-        factor=float(raw["factor"]),
-        low_freq_factor=float(raw["low_freq_factor"]),
-        high_freq_factor=float(raw["high_freq_factor"]),
-        original_max_position=int(raw["original_max_position_embeddings"]),
-    )
+    if kind == "linear":
+        return RopeScaling("linear", float(raw["factor"]))  # type: ignore[index]
+    if kind == "llama3":
+        assert raw is not None
+        return RopeScaling(
+            "llama3",
+            factor=float(raw["factor"]),
+            low_freq_factor=float(raw["low_freq_factor"]),
+            high_freq_factor=float(raw["high_freq_factor"]),
+            original_max_position=int(raw["original_max_position_embeddings"]),
+        )
+    raise ValueError(f"unsupported rope scaling {kind!r}; supported: linear, llama3")
+
+
+def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
+    if arch.startswith("Qwen") and not cfg.get("use_sliding_window", False):
+        return None  # Qwen configs carry a window they do not use unless asked to
+    window = cfg.get("sliding_window")
+    return int(window) if window else None

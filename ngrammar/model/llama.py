@@ -43,12 +43,14 @@ class RMSNorm(nn.Module):
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """[head_dim / 2] float32 inverse frequencies, Llama-3 scaled when the config asks for it."""
+    """[head_dim / 2] float32 inverse frequencies, scaled (linear or Llama-3) when the config asks."""
     d = config.head_dim
     inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     rs = config.rope_scaling
     if rs is None:
         return inv.float()
+    if rs.rope_type == "linear":
+        return (inv / rs.factor).float()
     low_wavelen = rs.original_max_position / rs.low_freq_factor
     high_wavelen = rs.original_max_position / rs.high_freq_factor
     wavelen = 2 * math.pi / inv
@@ -185,6 +187,8 @@ class LlamaForCausalLM(nn.Module):
                 if name not in params:
                     if name.startswith("rotary") or "rotary_emb" in name:
                         continue
+                    if name == "lm_head.weight" and self.lm_head is None:
+                        continue  # a tied checkpoint may store the head anyway (the embedding's copy)
                     raise ValueError(f"unexpected weight {name!r}")
                 params[name].copy_(tensor)
                 loaded.add(name)

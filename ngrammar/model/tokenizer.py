@@ -33,8 +33,10 @@ class Tokenizer:
 
     @cached_property
     def special_token_ids(self) -> frozenset[int]:
-        """Tokens ``decode`` leaves out of text."""
-        return frozenset(int(t) for t in self.hf.all_special_ids)
+        """Tokens ``decode`` leaves out of text: the named special tokens and every added token
+        flagged special (SmolLM2's ``<repo_name>``..., Llama-3's reserved and header tokens)."""
+        added = {int(i) for i, t in self.hf.added_tokens_decoder.items() if t.special}
+        return frozenset(added | {int(t) for t in self.hf.all_special_ids})
 
     def token_bytes(self, token_id: int) -> bytes:
         """A token's bytes; b"" for ids past the tokenizer (a model's padded vocabulary)."""
@@ -42,7 +44,13 @@ class Tokenizer:
         return vocab[token_id] if 0 <= token_id < len(vocab) else b""
 
     def encode(self, text: str) -> list[int]:
+        """Text's tokens alone (no BOS): for text inside a prompt, e.g. a rendered chat template."""
         return list(self.hf.encode(text, add_special_tokens=False))
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A whole plain-text prompt, with the special tokens the tokenizer adds (Llama's and
+        Mistral's BOS), as ``tokenizer(text)`` and vLLM do; SmolLM2's adds none."""
+        return list(self.hf.encode(text, add_special_tokens=True))
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.hf.decode(list(ids), skip_special_tokens=True))
@@ -62,7 +70,8 @@ class IncrementalDetokenizer:
     decodes from a small window before the new tokens and emits only the stable suffix. A trailing
     U+FFFD means the last character is incomplete: everything before it is emitted (a verify step
     appends several tokens at once, and a finished sequence's text is what was emitted), the partial
-    character is held back, and the window stays put until a later token completes it.
+    character is held back, and the window stays put until a later token completes it. (So a
+    U+FFFD that the text really ends with is held back too, as in vLLM: it cannot be told apart.)
     """
 
     tokenizer: Tokenizer

@@ -62,6 +62,7 @@ from ngrammar.server.protocol import (
     ModelList,
     TopLogprob,
     Usage,
+    sent_field,
 )
 
 if TYPE_CHECKING:
@@ -473,28 +474,31 @@ def _tokenize(engine: LLMEngine, prompt: Any) -> list[int]:
 
 
 def _prepare(
-    engine: LLMEngine, prompts: Sequence[Any], kwargs: dict[str, Any], max_tokens: int | None
+    engine: LLMEngine, prompts: Sequence[Any], kwargs: dict[str, Any], max_tokens: int | None, sent: str | None
 ) -> tuple[list[list[int]], list[SamplingParams]]:
     """Tokenize, build and validate each prompt's params, and compile the grammar (cached for the
     engine).
 
-    As in vLLM, a prompt and its ``max_tokens`` must fit the context (and here the KV pool, which may
-    be smaller), or the request is refused; without ``max_tokens`` each prompt may run to the end of
-    that room. Runs on a worker thread: tokenizer encode, ``validate`` and grammar compilation are
-    safe there (pure functions of the tokenizer and config; the grammar backend is thread-safe).
+    ``max_tokens``: the output limit, which the client sent as the field named ``sent``, or the
+    endpoint's default (``sent`` None), or None for none. As in vLLM, a prompt and a limit the client
+    sent must fit the context (and here the KV pool, which may be smaller), or the request is
+    refused; a default limit is capped to that room, and without a limit each prompt may run to its
+    end. Runs on a worker thread: tokenizer encode, ``validate`` and grammar compilation are safe
+    there (pure functions of the tokenizer and config; the grammar backend is thread-safe).
     """
     room = min(engine.max_model_len, engine.kv_capacity_tokens)
     ids = [_tokenize(engine, p) for p in prompts]
     all_params = []
     for prompt_ids in ids:
-        budget = max_tokens if max_tokens is not None else max(room - len(prompt_ids), 1)
+        left = max(room - len(prompt_ids), 1)
+        budget = left if max_tokens is None else max_tokens if sent is not None else min(max_tokens, left)
         params = SamplingParams(max_tokens=budget, **kwargs)
         engine.validate(prompt_ids, params)
-        if max_tokens is not None and len(prompt_ids) + max_tokens > room:
+        if len(prompt_ids) + budget > room:
             raise InvalidRequestError(
-                f"the prompt is {len(prompt_ids)} tokens and max_tokens asks for {max_tokens} more, past the "
-                f"{room} tokens a request may hold (context {engine.max_model_len}, KV cache "
-                f"{engine.kv_capacity_tokens}); reduce the prompt or max_tokens"
+                f"the prompt is {len(prompt_ids)} tokens and {sent} asks for {budget} more, past the {room} "
+                f"tokens a request may hold (context {engine.max_model_len}, KV cache "
+                f"{engine.kv_capacity_tokens}); reduce the prompt or {sent}"
             )
         all_params.append(params)
     spec = grammar_spec_from_request(all_params[0].json_schema, all_params[0].regex, all_params[0].ebnf,
@@ -513,6 +517,7 @@ class _Server:
         self.metrics = metrics
         self.model_name = engine.model_name
         self.tokenizer = engine.tokenizer
+        self.tokenizer.vocab_bytes  # logprobs read it: built here (~0.1 s), not inside a response
         self.started = time.time()
 
     def check_model(self, name: str | None) -> None:
@@ -522,9 +527,9 @@ class _Server:
                        "invalid_request_error", param="model", code="model_not_found")
 
     async def submit(
-        self, prompts: Sequence[Any], kwargs: dict[str, Any], max_tokens: int | None, prefix: str
+        self, prompts: Sequence[Any], kwargs: dict[str, Any], max_tokens: int | None, sent: str | None, prefix: str
     ) -> RequestGroup:
-        ids, params = await asyncio.to_thread(_prepare, self.engine, prompts, kwargs, max_tokens)
+        ids, params = await asyncio.to_thread(_prepare, self.engine, prompts, kwargs, max_tokens, sent)
         return self.loop.submit(ids, params, prefix)
 
     async def _progress(self, request: Request, group: RequestGroup) -> AsyncIterator[None]:
@@ -643,7 +648,8 @@ def _install_routes(app: FastAPI, s: _Server, api_key: str | None) -> None:
     async def chat(request: Request, body: ChatCompletionRequest) -> Response:
         s.check_model(body.model)
         messages = body.template_messages()
-        group = await s.submit([messages], body.sampling_kwargs(), body.requested_max_tokens, "chatcmpl")
+        sent = sent_field(body, ("max_completion_tokens", "max_tokens"))
+        group = await s.submit([messages], body.sampling_kwargs(), body.requested_max_tokens, sent, "chatcmpl")
         rid = group.request_ids[0]
         return await _respond(s, request, group, body.stream, lambda: _ChatStream(s, rid, body),
                               lambda: _chat_response(s, rid, body, group))
@@ -651,7 +657,8 @@ def _install_routes(app: FastAPI, s: _Server, api_key: str | None) -> None:
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(request: Request, body: CompletionRequest) -> Response:
         s.check_model(body.model)
-        group = await s.submit(body.prompts(), body.sampling_kwargs(), body.max_tokens, "cmpl")
+        sent = sent_field(body, ("max_tokens",))
+        group = await s.submit(body.prompts(), body.sampling_kwargs(), body.max_tokens, sent, "cmpl")
         rid = group.request_ids[0]
         return await _respond(s, request, group, body.stream, lambda: _CompletionStream(s, rid, body),
                               lambda: _completion_response(s, rid, body, group))
@@ -661,7 +668,8 @@ def _install_routes(app: FastAPI, s: _Server, api_key: str | None) -> None:
         started = time.perf_counter()
         sp = body.sampling_params.sampling_kwargs()
         max_tokens = sp.pop("max_tokens")
-        group = await s.submit(body.prompts(), sp, max_tokens, "gen")
+        sent = sent_field(body.sampling_params, ("max_new_tokens",))
+        group = await s.submit(body.prompts(), sp, max_tokens, sent, "gen")
         if body.stream:
             return s.stream(request, group, _GenerateStream(s, started))
         try:

@@ -62,6 +62,12 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+def sent_field(body: BaseModel, names: tuple[str, ...]) -> str | None:
+    """The first of ``names`` the client actually sent (with a value), or None: an output limit
+    the client sent is checked against the context, a default one is only capped to it."""
+    return next((n for n in names if n in body.model_fields_set and getattr(body, n) is not None), None)
+
+
 class _OpenAIRequest(BaseModel):
     """Fields shared by chat and text completions; unknown fields are ignored, as OpenAI clients
     send many optional ones. Fields whose semantics we do not implement fail loudly instead."""

@@ -8,8 +8,8 @@ One verify step for B sequences with D nodes each:
      non-blocking and applied to all B*D logits rows;
   4. greedy or target-only sampling acceptance on the device;
   5. the accepted path's KV is moved next to the prefix on the device; one device->host read of the
-     accepted tokens; commit (stop strings, EOS, max_tokens and grammar termination cut the run),
-     release the pages past the kept KV.
+     accepted tokens; commit (stop strings, EOS, max_tokens, the context end and grammar termination
+     cut the run), release the pages past the kept KV.
 """
 
 from __future__ import annotations
@@ -503,7 +503,7 @@ class NgramSpecWorker:
         logprobs = eng.unpack_logprobs(seqs, host[1:], lens)
         emitted = 0
         # What the policy learns is the model's agreement with the drafts (lens - 1 accepted),
-        # not what the request kept of it (EOS, a stop string or max_tokens may cut the run).
+        # not what the request kept of it (EOS, a stop string, max_tokens or the context end may cut it).
         self.last_drafts = {seq.seq_id: lens[b] - 1 for b, seq in enumerate(seqs)}
         self._censored = {seq.seq_id for b, seq in enumerate(seqs) if not has_child[b, nodes[b][lens[b] - 1]]}
         self._tree_depths = {seq.seq_id: levels[b] for b, seq in enumerate(seqs)}
