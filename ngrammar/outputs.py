@@ -20,6 +20,7 @@ class CompletionOutput:
     finish_reason: str | None  # "stop", "length", "abort", "error"; None while running
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    request_error: bool = False  # the error is the request's fault (a server answers 400, not 500)
 
 
 @dataclass

@@ -371,6 +371,8 @@ def test_invalid_inputs_get_openai_errors(http: httpx.Client) -> None:
         # Regression: a grammar matching nothing masked every token and failed in the engine (500).
         ("/v1/completions", {"prompt": "x", "max_tokens": 4, "regex": "[^\\s\\S]"}, 400, None),
         ("/generate", {"text": "x", "sampling_params": {"ebnf": "root ::= [^\\x00-\\U0010FFFF]"}}, 400, None),
+        # A grammar that reaches a dead end after "a": the request's fault too (it was a 500).
+        ("/v1/completions", {"prompt": "Say a", "max_tokens": 8, "temperature": 0, "regex": "a[^\\s\\S]"}, 400, None),
     ]
     for path, body, status, param in cases:
         error = assert_error(http.post(path, json=body), status)

@@ -669,7 +669,8 @@ class LLMEngine:
             if lps is not None:
                 lps = [TokenLogprob(t, lp.logprob, lp.top) for t, lp in zip(s.output_token_ids, lps)]
             completions.append(
-                CompletionOutput(s.index, s.visible_text(), list(s.output_token_ids), s.finish_reason, lps, s.error)
+                CompletionOutput(s.index, s.visible_text(), list(s.output_token_ids), s.finish_reason, lps, s.error,
+                                 s.request_error)
             )
         metrics = req.seqs[0].metrics()
         if len(req.seqs) > 1:

@@ -52,6 +52,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.request_error = False  # the error is the request's own (its grammar's dead end), not the engine's
         self.num_cached = 0
         self.pages: list[int] = []
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
@@ -179,6 +180,7 @@ class Sequence:
         state no token continues (the regex ``a[^\\s\\S]`` after "a"), where every logit was masked."""
         assert self.grammar is not None
         if not self.grammar.is_terminated() and not self.grammar.allows_any_token():
+            self.request_error = True
             return "the grammar allows no token after the output so far: no text can complete it"
         return f"grammar rejected sampled token {token}"
 

@@ -292,7 +292,7 @@ def _group_usage(group: RequestGroup) -> Usage:
 
 def _raise_completion_error(c: CompletionOutput) -> None:
     if c.error is not None:
-        raise EngineFailure(c.error)
+        raise InvalidRequestError(c.error) if c.request_error else EngineFailure(c.error)
 
 
 def _json(model: BaseModel, exclude: set[str] | None = None) -> str:
