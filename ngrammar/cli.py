@@ -155,9 +155,10 @@ def _generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.input is None):
         raise ValueError("give either a PROMPT or --input prompts.jsonl")
     params = sampling_params(args)
+    rows = _read_rows(args.input, args.chat) if args.input is not None else None  # checked before the model loads
     llm = LLM(**engine_kwargs(args))
-    if args.input is not None:
-        return _generate_batch(llm, args, params)
+    if rows is not None:
+        return _generate_batch(llm, args, params, rows)
     prompt: Any = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     if args.stream:
         return _stream(llm, prompt, params)
@@ -209,6 +210,8 @@ def _read_rows(path: str, chat: bool) -> list[tuple[int, dict[str, Any], Any]]:
             unknown = sorted(set(row) - _ROW_PARAMS - {"prompt", "messages"})
             if unknown:
                 raise ValueError(f"{path}:{n}: unknown field(s) {', '.join(unknown)}")
+            if "messages" in row and not isinstance(row["messages"], list):
+                raise ValueError(f"{path}:{n}: 'messages' must be a list of {{role, content}} objects")
             prompt = row["messages"] if "messages" in row else row["prompt"]
             if chat and isinstance(prompt, str):
                 prompt = [{"role": "user", "content": prompt}]
@@ -216,8 +219,9 @@ def _read_rows(path: str, chat: bool) -> list[tuple[int, dict[str, Any], Any]]:
     return rows
 
 
-def _generate_batch(llm: Any, args: argparse.Namespace, params: SamplingParams) -> int:
-    rows = _read_rows(args.input, args.chat)
+def _generate_batch(
+    llm: Any, args: argparse.Namespace, params: SamplingParams, rows: list[tuple[int, dict[str, Any], Any]]
+) -> int:
     plist = []
     for n, row, _ in rows:
         overrides = {k: v for k, v in row.items() if k in _ROW_PARAMS}
@@ -234,6 +238,8 @@ def _generate_batch(llm: Any, args: argparse.Namespace, params: SamplingParams) 
                                       "finish_reason": out.finish_reason, "metrics": out.metrics}
             if len(out.outputs) > 1:
                 record["outputs"] = [{"text": c.text, "finish_reason": c.finish_reason} for c in out.outputs]
+            if out.outputs[0].logprobs is not None:  # [token id, logprob, [[id, logprob] of the top ones]]
+                record["logprobs"] = [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in out.outputs[0].logprobs]
             errors = [c.error for c in out.outputs if c.error]
             if errors:
                 record["error"] = errors[0]

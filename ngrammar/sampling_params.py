@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,11 +16,13 @@ _INT64 = 2**63  # seeds and top_k travel to the device as int64
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A real number (numpy's too), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 class InvalidRequestError(ValueError):
@@ -49,9 +52,13 @@ class SamplingParams:
         # None means none, as in vLLM; a malformed value is the request's error, not a TypeError.
         stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
         ids = () if self.stop_token_ids is None else self.stop_token_ids
-        if not isinstance(stop, (list, tuple)) or not isinstance(ids, (list, tuple)) or not all(map(_is_int, ids)):
-            raise InvalidRequestError(f"stop must be strings and stop_token_ids integers, got {self.stop!r} / {ids!r}")
-        object.__setattr__(self, "stop", tuple(stop))
+        try:
+            stop, ids = tuple(stop), tuple(ids)  # any iterable: a list, a set, a numpy array
+        except TypeError:
+            raise InvalidRequestError(f"stop and stop_token_ids must be sequences, got {self.stop!r} / {ids!r}") from None
+        if not all(map(_is_int, ids)):
+            raise InvalidRequestError(f"stop_token_ids must be integers, got {ids!r}")
+        object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
@@ -83,6 +90,10 @@ class SamplingParams:
         # The n completions draw with seeds seed .. seed + n - 1.
         if self.seed is not None and (not _is_int(self.seed) or not -_INT64 <= self.seed <= _INT64 - self.n):
             fail(f"seed must be an integer in [-2**63, 2**63 - n], got {self.seed!r}")
+        if any(g is not None and not isinstance(g, str) for g in (self.regex, self.ebnf)):
+            fail("regex and ebnf must be strings")
+        if self.json_schema is not None and not isinstance(self.json_schema, (str, dict, bool)):
+            fail(f"json_schema must be a JSON schema (an object, a boolean or its JSON text), got {self.json_schema!r}")
         grammars = [self.json_schema is not None, self.regex is not None, self.ebnf is not None, self.json_object]
         if sum(grammars) > 1:
             fail("only one of json_schema, regex, ebnf, json_object may be set")

@@ -49,16 +49,17 @@ def test_jsonl_rows_are_checked_and_take_every_sampling_field(capsys: pytest.Cap
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     flags = ["--output", str(dst), "--temperature", "0", "--device", "cpu", "--kv-cache-tokens", "4096"]
     for bad, message in [({"prompt": "Hi", "max_new_tokens": 3}, "unknown field"), ("Hi", "JSON object"),
-                         ({"prompt": "Hi", "temperature": -1}, "temperature")]:
+                         ({"prompt": "Hi", "temperature": -1}, "temperature"),
+                         ({"messages": "Hi"}, "must be a list"), ({"prompt": "Hi", "regex": 5}, "strings")]:
         src.write_text("\n" + json.dumps(bad) + "\n")
         assert main(["generate", "--input", str(src), *flags]) == 2
         err = capsys.readouterr().err
         assert f"{src}:2:" in err and message in err, err
-    src.write_text(json.dumps({"prompt": "Say hi.", "max_tokens": 3, "n": 2, "ignore_eos": True,
-                               "stop_token_ids": [2]}) + "\n")
+    src.write_text(json.dumps({"prompt": "Say hi.", "max_tokens": 3, "n": 2, "ignore_eos": True, "logprobs": 1}) + "\n")
     assert main(["generate", "--input", str(src), "--chat", *flags]) == 0
     row = json.loads(dst.read_text())
     assert len(row["outputs"]) == 2 and row["metrics"]["completion_tokens"] == 2 * 3
+    assert len(row["logprobs"]) == 3 and all(len(top) == 1 for _, _, top in row["logprobs"])
     assert row["prompt"] == "Say hi." and row["metrics"]["prompt_tokens"] > 5  # the chat template's
 
 

@@ -404,8 +404,13 @@ def test_sampling_params_take_none_and_refuse_bad_types_as_request_errors(llm: L
     """Regressions: stop=None was a TypeError (vLLM takes it as none); top_p="0.5" and
     stop_token_ids=["a"] raised TypeError / ValueError instead of a request error; a tuple of
     token ids was taken for a batch of prompts."""
+    import numpy as np
+
     assert SamplingParams(stop=None, stop_token_ids=None).stop == ()  # type: ignore[arg-type]
-    for bad in (dict(top_p="0.5"), dict(min_p="0"), dict(stop_token_ids=["a"]), dict(stop=5)):
+    # (Review) any iterable and numpy numbers still work, as before.
+    numpy_made = SamplingParams(stop={"x"}, stop_token_ids=np.array([2, 3]), top_p=np.float32(0.5), max_tokens=np.int64(4))
+    assert numpy_made.stop == ("x",) and numpy_made.stop_token_ids == (2, 3)
+    for bad in (dict(top_p="0.5"), dict(min_p="0"), dict(stop_token_ids=["a"]), dict(stop=5), dict(regex=5)):
         with pytest.raises(InvalidRequestError):
             SamplingParams(**bad)  # type: ignore[arg-type]
     ids = tuple(llm.tokenizer.encode("The capital of France is"))

@@ -139,8 +139,15 @@ def test_a_grammar_dead_end_says_so(llm: LLM, spec_llm: LLM, which: str) -> None
     out = engine.generate("Say a", SamplingParams(max_tokens=8, temperature=0, regex=r"a[^\s\S]", logprobs=2))[0]
     assert out.outputs[0].finish_reason == "error" and out.text == "a"
     assert "no text can complete it" in (out.outputs[0].error or "") and out.outputs[0].request_error
-    # (Review: the token drawn from the all-masked row, with NaN logprobs, stayed in the output.)
+    # (Review: the token drawn from the all-masked row, with NaN logprobs, stayed in the output,
+    # and then in the streamed outputs until the next step.)
     assert out.token_ids == engine.tokenizer.encode("a") and len(out.outputs[0].logprobs or []) == 1
+    eng = engine.engine
+    rid = eng.add_request("Say a", SamplingParams(max_tokens=8, temperature=0, regex=r"a[^\s\S]"), stream=True)
+    streamed = []
+    while eng.has_unfinished():
+        streamed += [o.token_ids for o in eng.step() if o.request_id == rid]
+    assert streamed and all(ids == engine.tokenizer.encode("a")[: len(ids)] for ids in streamed), streamed
     assert engine.generate("Hello", SamplingParams(max_tokens=2, temperature=0))[0].finished
 
 

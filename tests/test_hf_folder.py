@@ -54,15 +54,17 @@ def relative_error(folder: Path) -> float:
     return ((ours - ref).abs().max() / ref.abs().max()).item()
 
 
-def test_linear_rope_scaling_matches_transformers(tmp_path: Path) -> None:
-    """Regression: "linear" scaling was ignored (a 9e-3 logit error, no warning)."""
-    folder = build(tmp_path / "linear", rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=4.0))
+@pytest.mark.parametrize("rope_type", ["linear", "dynamic"])
+def test_rope_scaling_matches_transformers(tmp_path: Path, rope_type: str) -> None:
+    """Regression: "linear" scaling was ignored (a 9e-3 logit error, no warning). Dynamic NTK
+    changes nothing within max_position_embeddings, which bounds the engine's context."""
+    folder = build(tmp_path / rope_type, rope_parameters=dict(rope_type=rope_type, rope_theta=10000.0, factor=4.0))
     assert relative_error(folder) < 1e-4
 
 
 @pytest.mark.parametrize(("key", "value"), [
     ("rope_scaling", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
-    ("rope_scaling", {"type": "dynamic", "factor": 2.0}),
+    ("rope_scaling", {"type": "longrope", "factor": 2.0}),
     ("hidden_act", "gelu"),
 ])
 def test_what_is_not_computed_is_refused(tmp_path: Path, key: str, value: Any) -> None:
@@ -85,6 +87,9 @@ def test_a_sliding_window_caps_the_context(tmp_path: Path) -> None:
         LLM(model=str(mistral), device="cpu", dtype="float32", kv_cache_tokens=1024, max_model_len=64)
     qwen = build(tmp_path / "qwen", "Qwen2ForCausalLM", sliding_window=32, use_sliding_window=False)
     assert resolve_checkpoint(qwen).config.max_context == 512  # a window Qwen does not use
+    # (Review) nor one only layers past max_window_layers would use, with 2 layers.
+    qwen = build(tmp_path / "qwen2", "Qwen2ForCausalLM", sliding_window=32, use_sliding_window=True, max_window_layers=2)
+    assert resolve_checkpoint(qwen).config.max_context == 512
 
 
 def test_folder_quirks_load(tmp_path: Path) -> None:
@@ -133,3 +138,66 @@ def test_engine_sizes_are_checked_not_replaced(kwargs: dict[str, int]) -> None:
     pages, max_model_len=0 meant the whole context and one past the model's was cut silently."""
     with pytest.raises(ValueError):
         LLM(device="cpu", dtype="float32", **kwargs)
+
+
+def test_gguf_rope_frequencies_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (review): a GGUF's Llama-3.1 RoPE factors (the rope_freqs tensor) and its
+    rope.scaling keys were skipped, so such a model loaded with silently wrong logits."""
+    import gguf
+    import numpy as np
+
+    monkeypatch.setenv("NGRAMMAR_CACHE_DIR", str(tmp_path / "cache"))
+    for name, extra in (("freqs", "rope_freqs"), ("yarn", "yarn")):
+        writer = gguf.GGUFWriter(str(tmp_path / f"{name}.gguf"), "llama")
+        writer.add_block_count(1)
+        writer.add_embedding_length(8)
+        writer.add_feed_forward_length(16)
+        writer.add_head_count(2)
+        writer.add_context_length(64)
+        if extra == "yarn":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(4.0)
+        else:
+            writer.add_tensor("rope_freqs.weight", np.ones(2, dtype=np.float32))
+        writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        with pytest.raises(ModelLoadError, match="rope_freqs" if extra == "rope_freqs" else "unsupported rope"):
+            resolve_checkpoint(tmp_path / f"{name}.gguf")
+
+
+def test_gguf_layer_tensors_of_other_models_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: a Llama-architecture GGUF with MoE experts or a fused attn_qkv raised KeyError."""
+    import gguf
+    import numpy as np
+
+    monkeypatch.setenv("NGRAMMAR_CACHE_DIR", str(tmp_path / "cache"))
+    writer = gguf.GGUFWriter(str(tmp_path / "moe.gguf"), "llama")
+    for add, value in ((writer.add_block_count, 1), (writer.add_embedding_length, 8),
+                       (writer.add_feed_forward_length, 16), (writer.add_head_count, 2), (writer.add_context_length, 64)):
+        add(value)
+    writer.add_tensor("blk.0.ffn_gate_inp.weight", np.zeros((2, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="ffn_gate_inp"):
+        resolve_checkpoint(tmp_path / "moe.gguf")
+
+
+def test_an_interrupted_gguf_conversion_is_redone_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: a tokenizer.json cut short by a killed conversion was kept as "pre-seeded" and
+    the cache then failed on every load; conversions also shared one temp file name, so two
+    processes converting at once could rename each other's file away."""
+    from ngrammar.model.loader import embedded_model_path
+
+    monkeypatch.setenv("NGRAMMAR_CACHE_DIR", str(tmp_path / "cache"))
+    folder = resolve_checkpoint(embedded_model_path()).tokenizer_dir
+    (folder / "complete").unlink()
+    tokenizer = folder / "tokenizer.json"
+    tokenizer.write_text(tokenizer.read_text()[:1000])
+    ckpt = resolve_checkpoint(embedded_model_path())
+    json.loads(tokenizer.read_text())
+    assert ckpt.tokenizer_dir == folder and not [f.name for f in folder.iterdir() if ".tmp-" in f.name]

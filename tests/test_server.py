@@ -412,6 +412,8 @@ def test_engine_failure_is_a_500_and_the_server_survives(http: httpx.Client, liv
     ok = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "temperature": 0})
     assert ok.status_code == 200
     wait_idle(http)
+    # Regression: the failed request's abort, reported by the next step, re-created its entry.
+    assert live.state.loop._emitted == {}
 
 
 def test_queue_bound_answers_503_with_retry_after(http: httpx.Client, live: LiveServer) -> None:

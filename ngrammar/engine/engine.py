@@ -596,6 +596,8 @@ class LLMEngine:
         for i, seq in enumerate(seqs):
             if seq.grammar is not None and not seq.is_finished:
                 seq.grammar.fill_bitmask(bitmask, i)
+                if not bool(bitmask[i].any()):  # its token, drawn anyway, is dropped at commit
+                    seq.finish_at_dead_end()
         self.stats.grammar_seconds += time.perf_counter() - t
         apply_bitmask(logits, bitmask.to(self.device, non_blocking=True))
 

@@ -14,6 +14,9 @@ if TYPE_CHECKING:
     from ngrammar.grammar import GrammarMatcher
 
 
+GRAMMAR_DEAD_END = "the grammar allows no token after the output so far: no text can complete it"
+
+
 class SequenceStatus(Enum):
     WAITING = auto()  # queued, or preempted and waiting to recompute its KV
     RUNNING = auto()  # holds KV pages; prefilling while num_cached < len(token_ids)
@@ -181,8 +184,14 @@ class Sequence:
         assert self.grammar is not None
         if not self.grammar.is_terminated() and not self.grammar.allows_any_token():
             self.request_error = True
-            return "the grammar allows no token after the output so far: no text can complete it"
+            return GRAMMAR_DEAD_END
         return f"grammar rejected sampled token {token}"
+
+    def finish_at_dead_end(self) -> None:
+        """The grammar allows no next token (its bitmask row is empty): finish before a token is
+        drawn from an all-masked row (the request's error, not the engine's)."""
+        self.request_error = True
+        self.finish("error", GRAMMAR_DEAD_END)
 
     def _check_stop(self, token: int) -> bool:
         if token in self._eos or token in self._stop_ids:

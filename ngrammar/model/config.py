@@ -106,8 +106,8 @@ def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:
     """The config's RoPE scaling; one this engine does not compute is refused, never ignored
     (yarn, dynamic NTK or longrope would otherwise give silently wrong logits)."""
     kind = (raw or {}).get("rope_type", (raw or {}).get("type", "default"))
-    if kind == "default":
-        return None
+    if kind in ("default", "dynamic"):
+        return None  # dynamic NTK changes nothing within max_position_embeddings, the engine's bound
     if kind == "linear":
         return RopeScaling("linear", float(raw["factor"]))  # type: ignore[index]
     if kind == "llama3":
@@ -119,11 +119,21 @@ def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:
             high_freq_factor=float(raw["high_freq_factor"]),
             original_max_position=int(raw["original_max_position_embeddings"]),
         )
-    raise ValueError(f"unsupported rope scaling {kind!r}; supported: linear, llama3")
+    raise ValueError(f"unsupported rope scaling {kind!r}; supported: linear, llama3 (and dynamic, exact here)")
 
 
 def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
-    if arch.startswith("Qwen") and not cfg.get("use_sliding_window", False):
-        return None  # Qwen configs carry a window they do not use unless asked to
+    """The window if some layer slides, else None. transformers 5 lists each layer's kind in
+    ``layer_types``; before that Qwen slid only with ``use_sliding_window``, from layer
+    ``max_window_layers`` on (its configs carry a window they do not use), and Mistral always."""
     window = cfg.get("sliding_window")
-    return int(window) if window else None
+    if not window:
+        return None
+    if "layer_types" in cfg and cfg["layer_types"] is not None:
+        slides = "sliding_attention" in cfg["layer_types"]
+    elif arch.startswith("Qwen"):
+        layers = int(cfg["num_hidden_layers"])
+        slides = bool(cfg.get("use_sliding_window", False)) and int(cfg.get("max_window_layers") or 0) < layers
+    else:
+        slides = True
+    return int(window) if slides else None

@@ -14,6 +14,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -108,12 +109,14 @@ def _safetensors_files(path: Path) -> tuple[Path, ...]:
     if index.exists():
         try:
             names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, AttributeError) as e:
+        except (ValueError, KeyError, AttributeError, TypeError) as e:
             raise ModelLoadError(f"{index}: not a safetensors index ({e})") from e
         missing = [n for n in names if not (path / n).exists()]
         if missing:
             raise ModelLoadError(f"{index} names shards that are not there: {missing[:3]}")
         return tuple(path / n for n in names)
+    if (path / "model.safetensors").exists():
+        return (path / "model.safetensors",)
     return tuple(sorted(path.glob("*.safetensors")))
 
 
@@ -147,18 +150,47 @@ def _convert_gguf(path: Path, folder: Path) -> None:
     arch = _field(reader, "general.architecture")
     if arch not in ("llama", "qwen2", "qwen3"):
         raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported (llama, qwen2, qwen3)")
-    hf_config = _gguf_hf_config(reader, arch)
-    tensors = {name: torch.from_numpy(np.ascontiguousarray(t)) for name, t in _gguf_tensors(reader, hf_config)}
+    try:
+        hf_config = _gguf_hf_config(reader, arch)
+        ModelConfig.from_hf_dict(hf_config)  # refuses what the engine would not compute, before converting
+    except (ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"{path}: {e}") from e
+    try:
+        tensors = {name: torch.from_numpy(np.ascontiguousarray(t)) for name, t in _gguf_tensors(reader, hf_config)}
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from e
     if "lm_head.weight" not in tensors:
         hf_config["tie_word_embeddings"] = True
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / "model.safetensors.tmp"
+    # Every file lands by an atomic rename of a temp name of this process's own: two processes
+    # converting the same file at once write the same bytes and never each other's temp files.
+    tag = f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = folder / f"model.safetensors{tag}"
     save_file(tensors, str(tmp))
     tmp.replace(folder / "model.safetensors")
-    (folder / "config.json").write_text(json.dumps(hf_config, indent=1))
-    if not (folder / "tokenizer.json").exists():  # may be pre-seeded (e.g. carried to a GPU box)
-        _save_gguf_tokenizer(path, folder)
+    _write_atomically(folder / "config.json", json.dumps(hf_config, indent=1), tag)
+    if not _is_json(folder / "tokenizer.json"):  # may be pre-seeded (e.g. carried to a GPU box)
+        staging = folder / f"tokenizer{tag}"
+        _save_gguf_tokenizer(path, staging)
+        for file in sorted(staging.iterdir(), key=lambda f: f.name == "tokenizer.json"):  # tokenizer.json last
+            file.replace(folder / file.name)
+        staging.rmdir()
     (folder / "complete").write_text(str(path))
+
+
+def _write_atomically(target: Path, text: str, tag: str) -> None:
+    tmp = target.with_name(target.name + tag)
+    tmp.write_text(text)
+    tmp.replace(target)
+
+
+def _is_json(path: Path) -> bool:
+    """Whether ``path`` holds a whole JSON document (a conversion killed mid-write leaves half)."""
+    try:
+        json.loads(path.read_text())
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def _field(reader: object, key: str) -> object:
@@ -188,10 +220,23 @@ def _gguf_hf_config(reader: object, arch: str) -> dict[str, object]:
         "rope_theta": float(get("rope.freq_base", 10000.0)),  # type: ignore[arg-type]
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),  # type: ignore[arg-type]
         "max_position_embeddings": int(get("context_length", 4096)),  # type: ignore[arg-type]
+        "rope_scaling": _gguf_rope_scaling(reader, arch),
         "tie_word_embeddings": False,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
     }
+
+
+def _gguf_rope_scaling(reader: object, arch: str) -> dict[str, object] | None:
+    """RoPE scaling as llama.cpp records it; Llama-3.1-style frequencies (a ``rope_freqs`` tensor)
+    are refused rather than ignored (the logits would be silently wrong)."""
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):  # type: ignore[attr-defined]
+        raise ValueError("GGUF RoPE frequency factors (rope_freqs, Llama 3.1+) are not supported; "
+                         "load the Hugging Face folder instead")
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    return {"rope_type": kind, "factor": _field(reader, f"{arch}.rope.scaling.factor")}
 
 
 _GGUF_LAYER_NAMES = {
@@ -219,6 +264,8 @@ def _gguf_tensors(reader: object, cfg: dict[str, object]) -> Iterator[tuple[str,
         stem, kind = t.name.rsplit(".", 1)
         parts = stem.split(".")
         if parts[0] == "blk":
+            if parts[2] not in _GGUF_LAYER_NAMES:  # e.g. Mixtral's experts, a fused attn_qkv
+                raise ValueError(f"GGUF tensor {t.name!r} is not supported (a dense Llama / Qwen layer is)")
             hf = f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{kind}"
         elif stem in _GGUF_TOP_NAMES:
             hf = f"{_GGUF_TOP_NAMES[stem]}.{kind}"

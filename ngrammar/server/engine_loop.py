@@ -246,7 +246,9 @@ class AsyncEngine:
             self._fail_all(EngineFailure(f"the engine failed: {type(e).__name__}: {e}"))
             time.sleep(_FAILURE_BACKOFF_S)
             return
-        new_tokens = sum(self._count_new_tokens(out) for out in outputs)
+        # Only requests still served count: after a failed step the engine reports the aborts of
+        # requests already failed and released (counting them re-created their entry, for good).
+        new_tokens = sum(self._count_new_tokens(out) for out in outputs if out.request_id in self._groups)
         if self.metrics is not None:
             self.metrics.observe_step(self.engine.stats.last_step_seconds, new_tokens)
         for out in outputs:
