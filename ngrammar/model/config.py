@@ -104,7 +104,7 @@ def token_ids(value: Any) -> tuple[int, ...]:
 
 def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:
     """The config's RoPE scaling; one this engine does not compute is refused, never ignored
-    (yarn, dynamic NTK or longrope would otherwise give silently wrong logits)."""
+    (yarn or longrope would otherwise give silently wrong logits)."""
     kind = (raw or {}).get("rope_type", (raw or {}).get("type", "default"))
     if kind in ("default", "dynamic"):
         return None  # dynamic NTK changes nothing within max_position_embeddings, the engine's bound
