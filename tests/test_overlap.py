@@ -158,6 +158,18 @@ def test_a_full_batch_keeps_chaining_while_requests_wait(llm: LLM) -> None:
     assert [o.token_ids for o in got] == [o.token_ids for o in llm.generate(PROMPTS, params)]
 
 
+def test_a_full_kv_pool_keeps_chaining_while_requests_wait(llm: LLM) -> None:
+    """A request the pool has no room for (here one preempted when the pool ran out, which waits
+    until its whole context fits) does not stop overlap: each drain would only schedule the same
+    batch again. Before, every step of the two running requests drained (21 chained steps)."""
+    small = LLM(device="cpu", dtype="float32", kv_cache_tokens=64, page_size=16, overlap_schedule=True)
+    prompts = ["Once upon a time there", "The capital of France", "List three colors:"]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    got = small.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in llm.generate(prompts, params)]
+    assert small.engine.stats.chained_steps >= 28
+
+
 def test_requests_joining_and_aborting_mid_flight(llm: LLM, overlap_llm: LLM) -> None:
     """A request joining or aborting while a step is in flight drains it; nothing is lost or leaked."""
     eng = overlap_llm.engine

@@ -495,12 +495,12 @@ class LLMEngine:
         flight is their last (``max_tokens`` or the context end, ``Sequence.remaining_tokens``): the
         members of a speculating batch, or of any batch ending on EOS, finish at different steps,
         and each drain there cost the H200 about half a step. The chain breaks for requests that
-        wait while the batch has room or gets room now, a verify step the policy wants, or KV that
-        cannot grow."""
+        wait while the batch and the KV pool have room for them (``Scheduler.can_admit``) or get
+        room now, a verify step the policy wants, or KV that cannot grow."""
         sched = self.scheduler
-        # Waiting requests stop the chain only while they could be admitted: a full batch must
-        # keep overlapping under load.
-        if sched.waiting and len(sched.running) < sched.max_running:
+        # Waiting requests stop the chain only while they could be admitted: a full batch, or a
+        # full KV pool, must keep overlapping under load.
+        if sched.can_admit():
             return None
         live = [i for i, seq in enumerate(seqs) if not seq.is_finished]  # finished ones were retired
         running = sched.running

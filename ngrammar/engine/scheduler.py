@@ -71,11 +71,7 @@ class Scheduler:
                     budget -= chunk
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            # A preempted sequence comes back only when its whole context and its next token fit:
-            # re-admitted into just the pages it gave up, it would be recomputed and preempted
-            # again at every step until an older sequence freed a page.
-            resumable = not seq.num_output_tokens or self.blocks.can_hold(seq, len(seq.token_ids))
-            chunk = self._fit_chunk(seq, budget) if resumable else 0
+            chunk = self._fit_chunk(seq, budget) if self._resumable(seq) else 0
             if not chunk:
                 if not self.running and not batch.prefill:
                     self.waiting.popleft()
@@ -88,6 +84,19 @@ class Scheduler:
             batch.prefill.append((seq, chunk))
             budget -= chunk
         return batch
+
+    def can_admit(self) -> bool:
+        """Whether scheduling now would admit the first waiting sequence (and so run a prefill)."""
+        if not self.waiting or len(self.running) >= self.max_running:
+            return False
+        seq = self.waiting[0]
+        return self._resumable(seq) and self.blocks.allocator.num_free > 0
+
+    def _resumable(self, seq: Sequence) -> bool:
+        """A preempted sequence comes back only when its whole context and its next token fit:
+        re-admitted into just the pages it gave up, it would be recomputed and preempted again at
+        every step until an older sequence freed a page."""
+        return not seq.num_output_tokens or self.blocks.can_hold(seq, len(seq.token_ids))
 
     def _fit_chunk(self, seq: Sequence, budget: int) -> int:
         """Largest chunk (<= budget) of seq's remaining prefill whose pages can be reserved now."""
