@@ -59,7 +59,7 @@ class Sequence:
         self.num_cached = 0
         self.pages: list[int] = []
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
-        self._detok = IncrementalDetokenizer(tokenizer, len(prompt_token_ids), len(prompt_token_ids))
+        self._detok = IncrementalDetokenizer.after_prompt(tokenizer, len(prompt_token_ids))
         self._eos = frozenset() if params.ignore_eos else tokenizer.eos_token_ids
         self._stop_ids = frozenset(params.stop_token_ids)
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
@@ -168,7 +168,7 @@ class Sequence:
         del self.token_ids[len(self.token_ids) - dropped :]
         if self.logprobs:
             del self.logprobs[len(self.logprobs) - dropped :]
-        self._detok = IncrementalDetokenizer(self._detok.tokenizer, self.num_prompt_tokens, self.num_prompt_tokens)
+        self._detok = IncrementalDetokenizer.after_prompt(self._detok.tokenizer, self.num_prompt_tokens)
         return self._rejection(token)
 
     def _grammar_accepts(self, token: int) -> bool:

@@ -62,6 +62,9 @@ class Tokenizer:
         return self.encode(text)
 
 
+PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded before the output's (vLLM uses 5 too)
+
+
 @dataclass
 class IncrementalDetokenizer:
     """Turns a growing token list into text deltas that never end inside a multi-byte character.
@@ -79,6 +82,13 @@ class IncrementalDetokenizer:
     read_offset: int = 0
     text: str = field(default="")
     pending: int = 0  # characters emitted past read_offset's text while a character is incomplete
+
+    @classmethod
+    def after_prompt(cls, tokenizer: Tokenizer, prompt_len: int) -> "IncrementalDetokenizer":
+        """For a completion of a ``prompt_len``-token prompt: the window starts a few prompt tokens
+        back, as in vLLM, so the output decodes in context (a SentencePiece decoder strips the
+        leading space of the first token it decodes: alone, " loads" would come out "loads")."""
+        return cls(tokenizer, max(prompt_len - PROMPT_CONTEXT_TOKENS, 0), prompt_len)
 
     def step(self, token_ids: Sequence[int]) -> str:
         prefix = self.tokenizer.decode(token_ids[self.prefix_offset : self.read_offset])

@@ -264,7 +264,9 @@ def _completion_logprobs(tokenizer: Tokenizer, lps: Sequence[TokenLogprob], offs
         text = _token_text(tokenizer, lp.token_id)
         out.tokens.append(text)
         out.token_logprobs.append(lp.logprob)
-        top = {_token_text(tokenizer, tid): v for tid, v in _finite_top(lp.top)}
+        top: dict[str, float] = {}
+        for tid, v in _finite_top(lp.top):  # best first: of tokens with one text (byte fallback's
+            top.setdefault(_token_text(tokenizer, tid), v)  # "e" and <0x65>) the best one stays
         top.setdefault(text, lp.logprob)  # the sampled token is always listed (logprobs + 1 entries at most)
         out.top_logprobs.append(top)
         out.text_offset.append(offsets.take(tokenizer, lp.token_id))
