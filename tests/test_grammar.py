@@ -607,7 +607,7 @@ def test_settle_reports_the_first_rejected_token(backend: GrammarBackend, tokeni
     for token in (digits[0], letter, digits[1]):
         matcher.accept_masked(token)
     assert not matcher.is_terminated()
-    assert matcher.settle() == (letter, 2)  # the digit before it was accepted, the one after dropped
+    assert matcher.settle() == letter  # the digit before it was accepted, the one after dropped
     assert matcher.commit(digits[1:] + [EOS]) == (3, False)
 
     matcher = backend.new_matcher(backend.compile(regex(r"^\d{3}$")))

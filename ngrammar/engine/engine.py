@@ -596,8 +596,10 @@ class LLMEngine:
         for i, seq in enumerate(seqs):
             if seq.grammar is not None and not seq.is_finished:
                 seq.grammar.fill_bitmask(bitmask, i)
-                if not bool(bitmask[i].any()):  # its token, drawn anyway, is dropped at commit
-                    seq.finish_at_dead_end()
+        # An empty row is a grammar's dead end (rows without a grammar are all ones): that sequence
+        # finishes now, and the token drawn for it anyway is dropped at commit. One check per step.
+        for i in torch.nonzero(~bitmask.any(dim=1)).flatten().tolist():
+            seqs[i].finish_at_dead_end()
         self.stats.grammar_seconds += time.perf_counter() - t
         apply_bitmask(logits, bitmask.to(self.device, non_blocking=True))
 

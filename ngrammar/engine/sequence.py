@@ -148,28 +148,15 @@ class Sequence:
 
     def settle_grammar(self) -> bool:
         """Let the grammar accept the tokens committed with ``masked``; False (and the sequence
-        finished with an error) if it rejects one: the grammar reached a dead end, or an engine bug."""
+        finished with an error) if it rejects one, which would be an engine bug: a grammar's dead end
+        finishes the sequence before its token is drawn (``finish_at_dead_end``)."""
         if self.grammar is None:
             return True
-        error = self._settle()
-        if error is None:
-            return True
-        self.finish("error", error)
-        return False
-
-    def _settle(self) -> str | None:
-        """Settle the grammar; on a rejection drop the rejected token and any after it, as if never
-        sampled (a dead end's token was drawn from an all-masked row), and return why."""
-        assert self.grammar is not None
         rejected = self.grammar.settle()
         if rejected is None:
-            return None
-        token, dropped = rejected
-        del self.token_ids[len(self.token_ids) - dropped :]
-        if self.logprobs:
-            del self.logprobs[len(self.logprobs) - dropped :]
-        self._detok = IncrementalDetokenizer.after_prompt(self._detok.tokenizer, self.num_prompt_tokens)
-        return self._rejection(token)
+            return True
+        self.finish("error", self._rejection(rejected))
+        return False
 
     def _grammar_accepts(self, token: int) -> bool:
         assert self.grammar is not None
@@ -219,9 +206,9 @@ class Sequence:
         if not self.is_finished:
             if self.grammar is not None and reason not in ("error", "abort"):
                 # A final output must satisfy its grammar: tokens still deferred are checked now.
-                rejection = self._settle()
-                if rejection is not None:
-                    reason, error = "error", rejection
+                rejected = self.grammar.settle()
+                if rejected is not None:
+                    reason, error = "error", self._rejection(rejected)
             self.status = SequenceStatus.FINISHED
             self.finish_reason = reason
             self.error = error

@@ -154,18 +154,18 @@ class GrammarMatcher:
         """Commit a token drawn under this matcher's own bitmask; xgrammar takes it at ``settle``."""
         self._pending.append(int(token))
 
-    def settle(self) -> tuple[int, int] | None:
-        """Give the deferred tokens to xgrammar; None when all were accepted, else the first one it
-        rejects and how many were dropped with it (it and those after it, the last ones given)."""
+    def settle(self) -> int | None:
+        """Give the deferred tokens to xgrammar; returns the first one it rejects (the rest are
+        dropped with it), None when all were accepted."""
         pending, self._pending = self._pending, []
-        for i, token in enumerate(pending):
+        for token in pending:
             if not self._take(token):
-                return token, len(pending) - i
+                return token
         return None
 
     def _settled(self) -> None:
         if self._pending and (rejected := self.settle()) is not None:
-            raise GrammarRejectedError(f"grammar rejected committed token {rejected[0]}")
+            raise GrammarRejectedError(f"grammar rejected committed token {rejected}")
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed-next-token bits into ``bitmask[row]`` (CPU int32 [R, ceil(V/32)]).
