@@ -32,7 +32,7 @@ test: setup
 		tests/test_tree_accept_kernel.py
 
 bench: setup
-	$(BIN)/ngrammar bench
+	$(BIN)/python -m benchmarks
 
 clean:
 	rm -rf $(VENV) build *.egg-info

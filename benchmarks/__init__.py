@@ -1,1 +1,1 @@
-"""Benchmarks, run through ``ngrammar bench``; results go to BENCHMARKS.md."""
+"""Benchmarks, run through ``python -m benchmarks``; results go to BENCHMARKS.md."""

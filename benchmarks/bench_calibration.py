@@ -12,11 +12,15 @@ from typing import Any
 
 from benchmarks.common import chat, load_workload, print_table
 from ngrammar import LLM, SamplingParams
-from ngrammar.spec.policy import MAX_MATCH
+from ngrammar.speculative.policy import MAX_MATCH
 
 
-def run_calibration(spec: LLM, categories: tuple[str, ...] = ("code_edit", "extraction", "summarization", "rag"),
-                    max_tokens: int = 64, per_category: int = 2) -> dict[str, Any]:
+def run_calibration(
+    spec: LLM,
+    categories: tuple[str, ...] = ("code_edit", "extraction", "summarization", "rag"),
+    max_tokens: int = 64,
+    per_category: int = 2,
+) -> dict[str, Any]:
     """Each grounded prompt alone (batch 1), stepped by hand so that every verify step's expectation
     (``AdaptiveDraftPolicy.priced``) meets its outcome (``NgramSpecWorker`` last accepted drafts)."""
     eng, worker = spec.engine, spec.engine.spec
@@ -39,11 +43,17 @@ def run_calibration(spec: LLM, categories: tuple[str, ...] = ("code_edit", "extr
     rows, result = [], {}
     for n in sorted({p[0] for p in pairs}):
         got = [p for p in pairs if p[0] == n]
-        fig = {"steps": len(got), "expected": statistics.mean(p[1] for p in got),
-               "accepted": statistics.mean(p[2] for p in got)}
+        fig = {
+            "steps": len(got),
+            "expected": statistics.mean(p[1] for p in got),
+            "accepted": statistics.mean(p[2] for p in got),
+        }
         result[f"match {n}"] = fig
         rows.append([n, fig["steps"], fig["expected"], fig["accepted"]])
     result["shadow_samples"] = eng.stats.shadow_samples
-    print_table(f"Draft policy calibration (batch 1, {max_tokens} tokens, {len(work)} grounded prompts)",
-                ["match length", "verify steps", "drafts expected", "drafts accepted"], rows)
+    print_table(
+        f"Draft policy calibration (batch 1, {max_tokens} tokens, {len(work)} grounded prompts)",
+        ["match length", "verify steps", "drafts expected", "drafts accepted"],
+        rows,
+    )
     return result

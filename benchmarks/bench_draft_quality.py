@@ -12,18 +12,19 @@ It bounds what speculation can reach on a device: a verify step that costs c pla
 at most accept_length / c. Each prompt runs alone (batch 1) with a fresh corpus; the engine's corpus
 is shared and keeps earlier requests, and its policy may shrink D, so engine figures differ.
 
-    ngrammar bench drafts --device cpu --max-tokens 128 --out drafts.json
+    python -m benchmarks drafts --device cpu --max-tokens 128 --out drafts.json
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from benchmarks.bench_drafting import accepted_length
 from benchmarks.common import chat, load_workload, print_table
 from ngrammar.config import SpeculativeConfig
-from ngrammar.spec.corpus import NgramCorpus
+from ngrammar.speculative.corpus import NgramCorpus
 
 
 @dataclass(frozen=True)
@@ -41,11 +42,15 @@ def record_streams(llm: Any, max_tokens: int) -> list[Stream]:
     streams = []
     for w in load_workload():
         out = llm.chat([chat(w.prompt)], params, use_tqdm=False)[0]
-        streams.append(Stream(w.category if w.kind == "grounded" else "open", out.prompt_token_ids, out.token_ids))
+        streams.append(
+            Stream(w.category if w.kind == "grounded" else "open", out.prompt_token_ids, out.token_ids)
+        )
     return streams
 
 
-def _decode(stream: Stream, draft_token_num: int, accepted: Callable[[list[int], list[int]], int]) -> list[int]:
+def _decode(
+    stream: Stream, draft_token_num: int, accepted: Callable[[list[int], list[int]], int]
+) -> list[int]:
     """Tokens each verify step emits when ``stream`` is decoded speculatively: ``accepted(history,
     future)`` says how many drafts of the step's D - 1 would be accepted given the true next tokens.
     The first output token comes from the prefill, so the steps emit ``len(output) - 1`` tokens."""
@@ -65,9 +70,14 @@ def replay_steps(stream: Stream, draft_token_num: int, **overrides: Any) -> list
     ``SpeculativeConfig(num_draft_tokens=draft_token_num, **overrides)`` (its prompt indexed at
     admission, its output as it grows)."""
     c = SpeculativeConfig(num_draft_tokens=draft_token_num, **overrides)
-    corpus = NgramCorpus(max_trie_depth=c.max_trie_depth, min_bfs_breadth=c.min_bfs_breadth,
-                         max_bfs_breadth=c.max_bfs_breadth, draft_token_num=draft_token_num,
-                         match_type=c.match_type, capacity=c.capacity)
+    corpus = NgramCorpus(
+        max_trie_depth=c.max_trie_depth,
+        min_bfs_breadth=c.min_bfs_breadth,
+        max_bfs_breadth=c.max_bfs_breadth,
+        draft_token_num=draft_token_num,
+        match_type=c.match_type,
+        capacity=c.capacity,
+    )
     corpus.index_prompt(0, stream.prompt)
 
     def accepted(history: list[int], future: list[int]) -> int:
@@ -101,14 +111,17 @@ def oracle_steps(stream: Stream, draft_token_num: int) -> list[int]:
     return _decode(stream, draft_token_num, accepted)
 
 
-def accept_lengths(streams: Sequence[Stream], draft_token_num: int, oracle: bool = False,
-                   **overrides: Any) -> dict[str, float]:
+def accept_lengths(
+    streams: Sequence[Stream], draft_token_num: int, oracle: bool = False, **overrides: Any
+) -> dict[str, float]:
     """Mean tokens per verify step per category (pooled over its prompts' steps); ``oracle``: of
     ``oracle_steps`` instead of the corpus's drafts."""
     tokens: dict[str, int] = {}
     steps: dict[str, int] = {}
     for s in streams:
-        emitted = oracle_steps(s, draft_token_num) if oracle else replay_steps(s, draft_token_num, **overrides)
+        emitted = (
+            oracle_steps(s, draft_token_num) if oracle else replay_steps(s, draft_token_num, **overrides)
+        )
         tokens[s.category] = tokens.get(s.category, 0) + sum(emitted)
         steps[s.category] = steps.get(s.category, 0) + len(emitted)
     return {c: tokens[c] / steps[c] for c in tokens if steps[c]}
@@ -128,6 +141,9 @@ def run_draft_quality(llm: Any, max_tokens: int) -> dict[str, Any]:
     streams = record_streams(llm, max_tokens)
     result = {label: accept_lengths(streams, d, **kw) for label, d, kw in CONFIGS}
     cats = sorted(result[CONFIGS[0][0]])
-    print_table(f"accept length (tokens per verify step) on recorded greedy outputs, {max_tokens} tokens",
-                ["config", *cats], [[label, *(r[c] for c in cats)] for label, r in result.items()])
+    print_table(
+        f"accept length (tokens per verify step) on recorded greedy outputs, {max_tokens} tokens",
+        ["config", *cats],
+        [[label, *(r[c] for c in cats)] for label, r in result.items()],
+    )
     return {"streams": {c: sum(s.category == c for s in streams) for c in cats}, "accept_length": result}

@@ -24,8 +24,8 @@ import time
 
 import numpy as np
 
-from ngrammar.spec.corpus import NgramCorpus
-from ngrammar.spec.tree import derive_tree_links
+from ngrammar.speculative.corpus import NgramCorpus
+from ngrammar.speculative.tree import derive_tree_links
 
 
 def synthetic_stream(
@@ -85,10 +85,14 @@ def run_drafting_benchmark(
     vocab_size = 32_000
     sentences = sentence_pool(rng, num_sentences=num_sentences, vocab_size=vocab_size)
     streams = [
-        synthetic_stream(rng, sentences, prompt_len + 4 * steps + 32, novelty, vocab_size) for _ in range(num_requests)
+        synthetic_stream(rng, sentences, prompt_len + 4 * steps + 32, novelty, vocab_size)
+        for _ in range(num_requests)
     ]
     corpus = NgramCorpus(
-        max_trie_depth=max_trie_depth, draft_token_num=draft_token_num, match_type=match_type, capacity=1_000_000
+        max_trie_depth=max_trie_depth,
+        draft_token_num=draft_token_num,
+        match_type=match_type,
+        capacity=1_000_000,
     )
     req_ids = list(range(num_requests))
     lengths = [prompt_len] * num_requests
@@ -118,7 +122,9 @@ def run_drafting_benchmark(
 
         tokens, parents = tree.tokens_2d(), tree.parents()
         for r in req_ids:
-            accepted.append(accepted_length(tokens[r], parents[r], streams[r][lengths[r] : lengths[r] + draft_token_num]))
+            accepted.append(
+                accepted_length(tokens[r], parents[r], streams[r][lengths[r] : lengths[r] + draft_token_num])
+            )
             lengths[r] += int(rng.integers(1, 5))
         histories = [streams[r][: lengths[r]] for r in req_ids]
         start = clock()

@@ -44,14 +44,23 @@ def transformers_rate(llm: LLM, prompt_ids: list[int], max_tokens: int) -> float
     if llm.engine.config.model is not None:
         return None
     path = embedded_model_path()
-    model = LlamaForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=llm.engine.dtype)
+    model = LlamaForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, torch_dtype=llm.engine.dtype
+    )
     model = model.to(llm.engine.device).eval()
     ids = torch.tensor([prompt_ids], device=llm.engine.device)
 
     def run(n: int) -> float:
         with torch.no_grad():
-            s, _ = timed(lambda: model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                                attention_mask=torch.ones_like(ids)))
+            s, _ = timed(
+                lambda: model.generate(
+                    ids,
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    do_sample=False,
+                    attention_mask=torch.ones_like(ids),
+                )
+            )
         return s
 
     run(4)
@@ -71,16 +80,24 @@ def run_engine_benchmark(llm: LLM, max_tokens: int = 64, with_transformers: bool
     if with_transformers:
         hf = transformers_rate(llm, llm.tokenizer.apply_chat_template(prompts[0]), max_tokens)
     result = {
-        "decode_b1_tok_s": b1_rate, "decode_b1_ms_step": b1_ms,
-        "decode_b8_tok_s": b8_rate, "decode_b8_ms_step": b8_ms,
-        "prefill_tok_s": pf, "weight_bytes": wb,
+        "decode_b1_tok_s": b1_rate,
+        "decode_b1_ms_step": b1_ms,
+        "decode_b8_tok_s": b8_rate,
+        "decode_b8_ms_step": b8_ms,
+        "prefill_tok_s": pf,
+        "weight_bytes": wb,
         "bandwidth_b1_gb_s": wb / (b1_ms / 1e3) / 1e9,
         "transformers_b1_tok_s": hf,
     }
     rows = [
         ["ngrammar decode b=1", b1_rate, b1_ms, wb / (b1_ms / 1e3) / 1e9, "" if hf is None else b1_rate / hf],
-        ["ngrammar decode b=8 (aggregate)", b8_rate, b8_ms, wb / (b8_ms / 1e3) / 1e9,
-         "" if hf is None else b8_rate / hf],
+        [
+            "ngrammar decode b=8 (aggregate)",
+            b8_rate,
+            b8_ms,
+            wb / (b8_ms / 1e3) / 1e9,
+            "" if hf is None else b8_rate / hf,
+        ],
         ["ngrammar prefill", pf, "", "", ""],
     ]
     if hf is not None:

@@ -9,16 +9,32 @@ from benchmarks.common import chat, print_table, run_chat, switch_pairs
 from ngrammar import LLM, SamplingParams
 
 PEOPLE = [
-    ("Alice Johnson", 34, "Paris"), ("Bob Smith", 27, "Berlin"), ("Carla Gomez", 45, "Madrid"),
-    ("David Lee", 52, "Seoul"), ("Emma Brown", 19, "London"), ("Farid Khan", 38, "Lahore"),
+    ("Alice Johnson", 34, "Paris"),
+    ("Bob Smith", 27, "Berlin"),
+    ("Carla Gomez", 45, "Madrid"),
+    ("David Lee", 52, "Seoul"),
+    ("Emma Brown", 19, "London"),
+    ("Farid Khan", 38, "Lahore"),
 ]
 RECORD_SCHEMA = {
     "type": "object",
-    "properties": {"people": {"type": "array", "items": {
-        "type": "object",
-        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"}},
-        "required": ["name", "age", "city"], "additionalProperties": False}}},
-    "required": ["people"], "additionalProperties": False,
+    "properties": {
+        "people": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string"},
+                    "age": {"type": "integer"},
+                    "city": {"type": "string"},
+                },
+                "required": ["name", "age", "city"],
+                "additionalProperties": False,
+            },
+        }
+    },
+    "required": ["people"],
+    "additionalProperties": False,
 }
 LOG_REGEX = r"(\[(INFO|WARN|ERROR)\] [a-z]+ [a-z ]+\n){3,6}"
 
@@ -26,7 +42,7 @@ LOG_REGEX = r"(\[(INFO|WARN|ERROR)\] [a-z]+ [a-z ]+\n){3,6}"
 def extraction_prompts(n: int) -> list[Any]:
     out = []
     for i in range(n):
-        rot = PEOPLE[i % len(PEOPLE):] + PEOPLE[: i % len(PEOPLE)]
+        rot = PEOPLE[i % len(PEOPLE) :] + PEOPLE[: i % len(PEOPLE)]
         text = " ".join(f"{name} is {age} years old and lives in {city}." for name, age, city in rot[:4])
         out.append(chat(f"{text}\n\nExtract every person with name, age and city as JSON."))
     return out
@@ -44,12 +60,17 @@ def _rate(llm: LLM, prompts: list[Any], params: SamplingParams) -> tuple[float, 
     tok_s, outs = run_chat(llm, prompts, params)
     steps = max(eng.stats.steps - s0, 1)
     accept = [o.metrics.get("spec_accept_length", 1.0) for o in outs]
-    return (tok_s, 1e3 * (eng.stats.grammar_seconds - g0) / steps,
-            1e3 * (eng.stats.forward_seconds - f0) / steps, statistics.mean(accept))
+    return (
+        tok_s,
+        1e3 * (eng.stats.grammar_seconds - g0) / steps,
+        1e3 * (eng.stats.forward_seconds - f0) / steps,
+        statistics.mean(accept),
+    )
 
 
-def run_grammar_benchmark(plain: LLM, spec: LLM, batch_size: int = 1, max_tokens: int = 96,
-                          repeats: int = 2, trim_ab: bool = False) -> dict[str, Any]:
+def run_grammar_benchmark(
+    plain: LLM, spec: LLM, batch_size: int = 1, max_tokens: int = 96, repeats: int = 2, trim_ab: bool = False
+) -> dict[str, Any]:
     """Per workload: plain and NGRAM, without and with the grammar, and NGRAM + grammar with the
     readback switch, each run ``repeats`` times in a row. With ``trim_ab`` also NGRAM + grammar
     with its trees trimmed (padding and grammar-forbidden drafts dropped) against verified as
@@ -80,8 +101,12 @@ def run_grammar_benchmark(plain: LLM, spec: LLM, batch_size: int = 1, max_tokens
             gms = statistics.median(f[1] for f in figs)
             fms = statistics.median(f[2] for f in figs)
             acc = statistics.median(f[3] for f in figs)
-            results[f"{name}/{label}"] = {"tok_s": rate, "grammar_ms_step": gms, "forward_ms_step": fms,
-                                          "accept_len": acc}
+            results[f"{name}/{label}"] = {
+                "tok_s": rate,
+                "grammar_ms_step": gms,
+                "forward_ms_step": fms,
+                "accept_len": acc,
+            }
             rows.append([name, label, rate, acc, gms, fms, gms / fms if fms else 0.0])
         if trim_ab:
             ab = results[f"{name}/trim_ab"] = trim_pairs(spec, prompts, variants[3][2], repeats)
@@ -89,13 +114,28 @@ def run_grammar_benchmark(plain: LLM, spec: LLM, batch_size: int = 1, max_tokens
     for name in workloads:
         r = results
         r[f"{name}/spec+grammar_vs_plain+grammar"] = (
-            r[f"{name}/spec+grammar"]["tok_s"] / r[f"{name}/plain+grammar"]["tok_s"])
-    print_table(f"grammar (batch {batch_size}, greedy, {max_tokens} tokens)",
-                ["workload", "variant", "tok/s", "accept len", "grammar ms/step", "forward ms/step",
-                 "grammar/forward"], rows)
+            r[f"{name}/spec+grammar"]["tok_s"] / r[f"{name}/plain+grammar"]["tok_s"]
+        )
+    print_table(
+        f"grammar (batch {batch_size}, greedy, {max_tokens} tokens)",
+        [
+            "workload",
+            "variant",
+            "tok/s",
+            "accept len",
+            "grammar ms/step",
+            "forward ms/step",
+            "grammar/forward",
+        ],
+        rows,
+    )
     if trim_rows:
-        print_table(f"spec+grammar, trees trimmed vs verified as drafted (batch {batch_size}, "
-                    f"{repeats} interleaved pairs)", ["workload", *TRIM_COLUMNS], trim_rows)
+        print_table(
+            f"spec+grammar, trees trimmed vs verified as drafted (batch {batch_size}, "
+            f"{repeats} interleaved pairs)",
+            ["workload", *TRIM_COLUMNS],
+            trim_rows,
+        )
     return results
 
 
@@ -113,11 +153,28 @@ def trim_pairs(spec: LLM, prompts: list[Any], params: SamplingParams, repeats: i
     return out
 
 
-TRIM_COLUMNS = ["trimmed tok/s", "full tok/s", "paired ratio", "verify ms t/f", "accept len", "same tokens",
-                "steps called off", "nodes trimmed", "drafts forbidden"]
+TRIM_COLUMNS = [
+    "trimmed tok/s",
+    "full tok/s",
+    "paired ratio",
+    "verify ms t/f",
+    "accept len",
+    "same tokens",
+    "steps called off",
+    "nodes trimmed",
+    "drafts forbidden",
+]
 
 
 def trim_row(ab: dict[str, Any]) -> list[Any]:
-    return [ab["trimmed_tok_s"], ab["full_tok_s"], ab["ratio"],
-            f"{ab['trimmed_verify_ms']:.3g}/{ab['full_verify_ms']:.3g}", ab["accept_len"], ab["identical"],
-            ab["vetoed_steps"], ab["trimmed_nodes"], ab["grammar_pruned_nodes"]]
+    return [
+        ab["trimmed_tok_s"],
+        ab["full_tok_s"],
+        ab["ratio"],
+        f"{ab['trimmed_verify_ms']:.3g}/{ab['full_verify_ms']:.3g}",
+        ab["accept_len"],
+        ab["identical"],
+        ab["vetoed_steps"],
+        ab["trimmed_nodes"],
+        ab["grammar_pruned_nodes"],
+    ]

@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -30,7 +30,7 @@ from ngrammar.grammar import (
 from ngrammar.grammar.tree_mask import fill_tree_bitmask, fill_tree_bitmask_native
 from ngrammar.model.loader import resolve_checkpoint
 from ngrammar.model.tokenizer import Tokenizer
-from ngrammar.spec.tree import links_from_parents
+from ngrammar.speculative.tree import links_from_parents
 
 CITY_SCHEMA = {
     "type": "object",
@@ -58,17 +58,25 @@ def schema_spec(schema: dict[str, object]) -> GrammarSpec:
 
 # (label, spec, a valid output the drafts follow)
 CASES: list[tuple[str, GrammarSpec, str]] = [
-    ("json city", schema_spec(CITY_SCHEMA),
-     '{"name": "Paris", "population": 2148000}'),
-    ("json person", schema_spec(PERSON_SCHEMA),
-     '{"name": "Ada Lovelace", "age": 36, "email": "ada@example.com", "tags": ["math", "poetry"]}'),
+    ("json city", schema_spec(CITY_SCHEMA), '{"name": "Paris", "population": 2148000}'),
+    (
+        "json person",
+        schema_spec(PERSON_SCHEMA),
+        '{"name": "Ada Lovelace", "age": 36, "email": "ada@example.com", "tags": ["math", "poetry"]}',
+    ),
     ("regex phone", GrammarSpec("regex", r"^\(\d{3}\) \d{3}-\d{4}$"), "(555) 123-4567"),
-    ("regex log", GrammarSpec("regex", r"^\[\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}\] (INFO|WARN|ERROR): [a-z ]+$"),
-     "[2024-03-15 10:42:07] ERROR: disk quota exceeded on node"),
+    (
+        "regex log",
+        GrammarSpec("regex", r"^\[\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}\] (INFO|WARN|ERROR): [a-z ]+$"),
+        "[2024-03-15 10:42:07] ERROR: disk quota exceeded on node",
+    ),
     # A bounded repetition: near its upper bound xgrammar re-checks every token that could overrun
     # it, so single masks there cost milliseconds whichever DFS runs (a heavy-tailed case).
-    ("regex log40", GrammarSpec("regex", r"^\[\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}\] (INFO|WARN|ERROR): [a-z ]{5,40}$"),
-     "[2024-03-15 10:42:07] ERROR: disk quota exceeded on node"),
+    (
+        "regex log40",
+        GrammarSpec("regex", r"^\[\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}\] (INFO|WARN|ERROR): [a-z ]{5,40}$"),
+        "[2024-03-15 10:42:07] ERROR: disk quota exceeded on node",
+    ),
 ]
 
 
@@ -85,9 +93,7 @@ def allowed_tokens(matcher: GrammarMatcher, vocab: int) -> list[int]:
     return torch.nonzero(unpack_bitmask(mask, vocab)[0]).flatten().tolist()
 
 
-def draft_tree(
-    matcher: GrammarMatcher, truth: list[int], d: int, vocab: int, rng: random.Random
-) -> Tree:
+def draft_tree(matcher: GrammarMatcher, truth: list[int], d: int, vocab: int, rng: random.Random) -> Tree:
     """A BFS tree of d nodes below the matcher's committed state (root token = last committed)."""
     parents, tokens = [-1], [truth[0] if truth else 0]
     states: list[GrammarMatcher | None] = [matcher.fork()]  # matcher after each node; None = invalid

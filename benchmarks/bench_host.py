@@ -7,7 +7,7 @@ prompts, chat template and detokenization are the real ones), plain greedy decod
 scheduling off and on. Host time per step = engine step time - forward time; the forward of this
 model is a few hundred µs on the CPU (mostly the 49152-row head).
 
-    ngrammar bench host [--batch-sizes 1,8] [--max-tokens 128]
+    python -m benchmarks host [--batch-sizes 1,8] [--max-tokens 128]
 """
 
 from __future__ import annotations
@@ -24,8 +24,14 @@ from benchmarks.common import chat, load_workload, print_table
 from ngrammar import LLM, SamplingParams
 from ngrammar.model.loader import resolve_checkpoint
 
-_TINY = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
-         "num_key_value_heads": 1, "head_dim": 8}
+_TINY = {
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 8,
+}
 
 
 def tiny_checkpoint(folder: Path) -> Path:
@@ -46,11 +52,17 @@ def tiny_checkpoint(folder: Path) -> Path:
     shapes = {"embed_tokens.weight": (cfg["vocab_size"], h), "norm.weight": (h,)}
     for layer in range(cfg["num_hidden_layers"]):
         p = f"layers.{layer}."
-        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                   p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                   p + "mlp.down_proj.weight": (h, i)}
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+        }
     weights = {"model." + k: torch.randn(s, generator=g) * 0.1 for k, s in shapes.items()}
     save_file(weights, str(folder / "model.safetensors"))
     return folder
@@ -64,8 +76,13 @@ def _measure(llm: LLM, prompts: list[Any], max_tokens: int) -> dict[str, float]:
     llm.chat(prompts, params, use_tqdm=False)
     steps = stats.steps - before[0]
     step_s, fwd_s = stats.step_seconds - before[1], stats.forward_seconds - before[2]
-    return {"steps": steps, "step_us": 1e6 * step_s / steps, "forward_us": 1e6 * fwd_s / steps,
-            "host_us": 1e6 * (step_s - fwd_s) / steps, "tok_s": (stats.decode_tokens - before[3]) / step_s}
+    return {
+        "steps": steps,
+        "step_us": 1e6 * step_s / steps,
+        "forward_us": 1e6 * fwd_s / steps,
+        "host_us": 1e6 * (step_s - fwd_s) / steps,
+        "tok_s": (stats.decode_tokens - before[3]) / step_s,
+    }
 
 
 def run_host_benchmark(batch_sizes: tuple[int, ...] = (1, 8), max_tokens: int = 128) -> dict[str, Any]:
@@ -75,14 +92,31 @@ def run_host_benchmark(batch_sizes: tuple[int, ...] = (1, 8), max_tokens: int = 
     with tempfile.TemporaryDirectory() as tmp:
         folder = tiny_checkpoint(Path(tmp) / "tiny")
         for overlap in (False, True):
-            llm = LLM(model=str(folder), device="cpu", dtype="float32", kv_cache_tokens=16384,
-                      overlap_schedule=overlap)
+            llm = LLM(
+                model=str(folder),
+                device="cpu",
+                dtype="float32",
+                kv_cache_tokens=16384,
+                overlap_schedule=overlap,
+            )
             for bs in batch_sizes:
                 r = _measure(llm, (prompts * bs)[:bs], max_tokens)
                 res[f"overlap={overlap}/b{bs}"] = r
-                rows.append(["on" if overlap else "off", bs, r["steps"], r["step_us"], r["forward_us"], r["host_us"],
-                             r["tok_s"]])
+                rows.append(
+                    [
+                        "on" if overlap else "off",
+                        bs,
+                        r["steps"],
+                        r["step_us"],
+                        r["forward_us"],
+                        r["host_us"],
+                        r["tok_s"],
+                    ]
+                )
             del llm
-    print_table(f"engine host cost per step (1-layer 16-wide model, {max_tokens} greedy tokens)",
-                ["overlap", "batch", "steps", "step µs", "forward µs", "host µs", "tok/s"], rows)
+    print_table(
+        f"engine host cost per step (1-layer 16-wide model, {max_tokens} greedy tokens)",
+        ["overlap", "batch", "steps", "step µs", "forward µs", "host µs", "tok/s"],
+        rows,
+    )
     return res

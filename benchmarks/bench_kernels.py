@@ -14,16 +14,27 @@ as a CUDA graph, with the projections' prologues fused and not; ms per step and 
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from benchmarks.common import print_table
 from ngrammar.model.config import ModelConfig
 
-SMOLLM2_SHAPE = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-                            num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5, max_position=8192,
-                            tie_word_embeddings=True)
+SMOLLM2_SHAPE = ModelConfig(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    max_position=8192,
+    tie_word_embeddings=True,
+)
 
 
 def graph_us(fn: Callable[[], Any], calls: int = 50, replays: int = 20) -> float:
@@ -49,18 +60,23 @@ def graph_us(fn: Callable[[], Any], calls: int = 50, replays: int = 20) -> float
 def _projections(c: ModelConfig) -> list[tuple[str, int, int, Any]]:
     from ngrammar.kernels.fused_linear import Prologue
 
-    return [("qkv", c.q_size + 2 * c.kv_size, c.hidden_size, Prologue.ADD_NORM),
-            ("o", c.hidden_size, c.q_size, Prologue.NONE),
-            ("gate_up", 2 * c.intermediate_size, c.hidden_size, Prologue.ADD_NORM),
-            ("down", c.hidden_size, c.intermediate_size, Prologue.SILU_MUL)]
+    return [
+        ("qkv", c.q_size + 2 * c.kv_size, c.hidden_size, Prologue.ADD_NORM),
+        ("o", c.hidden_size, c.q_size, Prologue.NONE),
+        ("gate_up", 2 * c.intermediate_size, c.hidden_size, Prologue.ADD_NORM),
+        ("down", c.hidden_size, c.intermediate_size, Prologue.SILU_MUL),
+    ]
 
 
 def _sweep(m: int) -> list[Any]:
     from ngrammar.kernels.fused_linear import LinearTiles
 
     block_m = 1 << (min(m, 4) - 1).bit_length()
-    return [LinearTiles(block_m, bn, bk, w) for bn, bk, w in itertools.product((2, 4, 8), (256, 512, 1024), (1, 2, 4))
-            if block_m * bk <= 1024]
+    return [
+        LinearTiles(block_m, bn, bk, w)
+        for bn, bk, w in itertools.product((2, 4, 8), (256, 512, 1024), (1, 2, 4))
+        if block_m * bk <= 1024
+    ]
 
 
 def bench_linear(shapes: dict[str, ModelConfig], ms: tuple[int, ...] = (1, 2, 4, 16)) -> list[dict[str, Any]]:
@@ -83,8 +99,16 @@ def bench_linear(shapes: dict[str, ModelConfig], ms: tuple[int, ...] = (1, 2, 4,
                 norm_w = g if prologue == Prologue.ADD_NORM else None
 
                 def fused(tiles: Any = None, pdl: bool = False) -> Any:
-                    return fused_linear(x, w, prologue=prologue, norm_weight=norm_w, residual=res, eps=1e-5,
-                                        tiles=tiles, pdl=pdl)
+                    return fused_linear(
+                        x,
+                        w,
+                        prologue=prologue,
+                        norm_weight=norm_w,
+                        residual=res,
+                        eps=1e-5,
+                        tiles=tiles,
+                        pdl=pdl,
+                    )
 
                 def unfused() -> Any:
                     if prologue == Prologue.ADD_NORM:
@@ -108,20 +132,51 @@ def bench_linear(shapes: dict[str, ModelConfig], ms: tuple[int, ...] = (1, 2, 4,
                 pdl_us = graph_us(lambda: fused(pdl=True)) if pdl else None
                 cublas_us = graph_us(unfused)
                 wbytes = n * k * 2
-                rows.append({"model": model, "proj": name, "m": m, "n": n, "k": k, "chosen_us": chosen_us,
-                             "pdl_us": pdl_us,
-                             "chosen": repr(chosen), "best_us": min(best_us, chosen_us), "best": repr(best),
-                             "unfused_us": cublas_us, "chosen_gb_s": wbytes / chosen_us / 1e3,
-                             "unfused_gb_s": wbytes / cublas_us / 1e3})
-    print_table("fused linear vs unfused (elementwise kernel + cuBLAS), µs per call in a CUDA graph",
-                ["model", "proj", "m", "fused", "fused+PDL", "best sweep", "unfused", "fused GB/s", "best tiles"],
-                [[r["model"], r["proj"], r["m"], r["chosen_us"], r["pdl_us"] or "", r["best_us"], r["unfused_us"],
-                  r["chosen_gb_s"], r["best"]] for r in rows])
+                rows.append(
+                    {
+                        "model": model,
+                        "proj": name,
+                        "m": m,
+                        "n": n,
+                        "k": k,
+                        "chosen_us": chosen_us,
+                        "pdl_us": pdl_us,
+                        "chosen": repr(chosen),
+                        "best_us": min(best_us, chosen_us),
+                        "best": repr(best),
+                        "unfused_us": cublas_us,
+                        "chosen_gb_s": wbytes / chosen_us / 1e3,
+                        "unfused_gb_s": wbytes / cublas_us / 1e3,
+                    }
+                )
+    print_table(
+        "fused linear vs unfused (elementwise kernel + cuBLAS), µs per call in a CUDA graph",
+        ["model", "proj", "m", "fused", "fused+PDL", "best sweep", "unfused", "fused GB/s", "best tiles"],
+        [
+            [
+                r["model"],
+                r["proj"],
+                r["m"],
+                r["chosen_us"],
+                r["pdl_us"] or "",
+                r["best_us"],
+                r["unfused_us"],
+                r["chosen_gb_s"],
+                r["best"],
+            ]
+            for r in rows
+        ],
+    )
     return rows
 
 
-def bench_steps(shapes: dict[str, ModelConfig], batches: tuple[int, ...] = (1, 8, 32),
-                qs: tuple[int, ...] = (1, 16), ctx: int = 512, kv_len_bound: int = 8192) -> dict[str, Any]:
+def bench_steps(
+    shapes: dict[str, ModelConfig],
+    batches: tuple[int, ...] = (1, 8, 32),
+    qs: tuple[int, ...] = (1, 16),
+    ctx: int = 512,
+    kv_len_bound: int = 8192,
+) -> dict[str, Any]:
     """Plans are built for kv_len_bound, as the engine's CUDA graphs are (SmolLM2's context is 8192).
     Variants: unfused, fused projections, and fused with programmatic dependent launch (PDL: each
     Triton kernel starts, and loads its weights, while the one before finishes)."""
@@ -137,7 +192,9 @@ def bench_steps(shapes: dict[str, ModelConfig], batches: tuple[int, ...] = (1, 8
     rows = []
     for model_name, cfg in shapes.items():
         for label, fuse, pdl in variants:
-            model, backend = random_model(cfg, TritonOps(fuse_linear=fuse, pdl=pdl), TritonAttentionBackend(pdl=pdl))
+            model, backend = random_model(
+                cfg, TritonOps(fuse_linear=fuse, pdl=pdl), TritonAttentionBackend(pdl=pdl)
+            )
             for bs in batches:
                 for q in qs:
                     if bs * q > 512:
@@ -147,13 +204,20 @@ def bench_steps(shapes: dict[str, ModelConfig], batches: tuple[int, ...] = (1, 8
                     rows.append([model_name, label, bs, q, ms, bs / ms * 1e3])
             del model
             torch.cuda.empty_cache()
-    print_table(f"decode (q=1) / verify (q=16) step, random weights, context {ctx}, plan for {kv_len_bound}",
-                ["model", "kernels", "batch", "q", "ms", "decode tok/s (q=1)"], rows)
+    print_table(
+        f"decode (q=1) / verify (q=16) step, random weights, context {ctx}, plan for {kv_len_bound}",
+        ["model", "kernels", "batch", "q", "ms", "decode tok/s (q=1)"],
+        rows,
+    )
     return res
 
 
-def bench_decode_splits(cfg: ModelConfig, caps: tuple[int, ...] = (4, 8, 16, 64),
-                        contexts: tuple[int, ...] = (128, 512, 1024, 2048, 4096), q: int = 1) -> dict[str, Any]:
+def bench_decode_splits(
+    cfg: ModelConfig,
+    caps: tuple[int, ...] = (4, 8, 16, 64),
+    contexts: tuple[int, ...] = (128, 512, 1024, 2048, 4096),
+    q: int = 1,
+) -> dict[str, Any]:
     """Batch-1 step of q tokens per request (1: decode; more: a tree verify) against the context
     length with the split-KV count capped: how the attention's serial tile loop trades against
     the merge (the last split's at q = 1, the merge kernel's for tree verify)."""
@@ -172,8 +236,11 @@ def bench_decode_splits(cfg: ModelConfig, caps: tuple[int, ...] = (4, 8, 16, 64)
         rows.append(row)
         del model
         torch.cuda.empty_cache()
-    print_table(f"batch-1 step of {q} token(s) per request, ms by split cap (rows) and context (columns)",
-                ["max splits"] + [str(c) for c in contexts], rows)
+    print_table(
+        f"batch-1 step of {q} token(s) per request, ms by split cap (rows) and context (columns)",
+        ["max splits"] + [str(c) for c in contexts],
+        rows,
+    )
     return res
 
 

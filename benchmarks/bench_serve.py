@@ -26,9 +26,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import httpx
 import numpy as np
@@ -85,8 +86,18 @@ class ServerProcess:
     def __init__(self, server_args: Sequence[str], speculative: bool) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "ngrammar.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                    *server_args, *(["--speculative", "ngram"] if speculative else [])]
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "ngrammar.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *server_args,
+            *(["--speculative", "ngram"] if speculative else []),
+        ]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="ngrammar-serve-", suffix=".log", delete=False)
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -122,7 +133,9 @@ class ServerProcess:
             except httpx.TransportError:
                 pass
             time.sleep(0.25)
-        raise RuntimeError(f"the server did not become healthy in {_STARTUP_TIMEOUT_S:.0f}s:\n{self._log_tail()}")
+        raise RuntimeError(
+            f"the server did not become healthy in {_STARTUP_TIMEOUT_S:.0f}s:\n{self._log_tail()}"
+        )
 
     def _log_tail(self) -> str:
         self.log.flush()
@@ -145,8 +158,10 @@ def request_body(prompt: str, structured: bool, max_tokens: int) -> dict[str, An
         "stream_options": {"include_usage": True},
     }
     if structured:
-        body["response_format"] = {"type": "json_schema",
-                                   "json_schema": {"name": "summary", "schema": SUMMARY_SCHEMA}}
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "summary", "schema": SUMMARY_SCHEMA},
+        }
     else:
         body["ignore_eos"] = True  # fixed output length: comparable TPOT and throughput
     return body
@@ -164,7 +179,7 @@ async def _one_request(client: httpx.AsyncClient, body: dict[str, Any], structur
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            event = json.loads(line[len("data: "):])
+            event = json.loads(line[len("data: ") :])
             if "error" in event:
                 ok = False
                 continue
@@ -176,8 +191,9 @@ async def _one_request(client: httpx.AsyncClient, body: dict[str, Any], structur
     return RequestRecord(structured, ok, (first or end) - start, end - start, tokens)
 
 
-async def _run_level(url: str, bodies: list[tuple[dict[str, Any], bool]], concurrency: int) -> tuple[
-        list[RequestRecord], float]:
+async def _run_level(
+    url: str, bodies: list[tuple[dict[str, Any], bool]], concurrency: int
+) -> tuple[list[RequestRecord], float]:
     gate = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
@@ -220,9 +236,12 @@ def summarize(records: list[RequestRecord], wall_s: float, accept_length: float)
         "throughput_tok_s": tokens / wall_s if wall_s else 0.0,
         "requests_s": len(ok) / wall_s if wall_s else 0.0,
         "completion_tokens": tokens,
-        "ttft_p50_ms": 1e3 * _pct(ttft, 50), "ttft_p99_ms": 1e3 * _pct(ttft, 99),
-        "tpot_p50_ms": 1e3 * _pct(tpot, 50), "tpot_p99_ms": 1e3 * _pct(tpot, 99),
-        "e2e_p50_s": _pct(e2e, 50), "e2e_p99_s": _pct(e2e, 99),
+        "ttft_p50_ms": 1e3 * _pct(ttft, 50),
+        "ttft_p99_ms": 1e3 * _pct(ttft, 99),
+        "tpot_p50_ms": 1e3 * _pct(tpot, 50),
+        "tpot_p99_ms": 1e3 * _pct(tpot, 99),
+        "e2e_p50_s": _pct(e2e, 50),
+        "e2e_p99_s": _pct(e2e, 99),
         "avg_spec_accept_length": accept_length,
     }
 
@@ -265,22 +284,51 @@ def run_serve_benchmark(
 
 
 def print_results(results: dict[str, Any]) -> None:
-    header = ["spec", "conc", "reqs", "err", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms",
-              "e2e p50 s", "e2e p99 s", "accept len"]
+    header = [
+        "spec",
+        "conc",
+        "reqs",
+        "err",
+        "tok/s",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "TPOT p50 ms",
+        "TPOT p99 ms",
+        "e2e p50 s",
+        "e2e p99 s",
+        "accept len",
+    ]
     rows = [
-        ["ngram" if lv["speculative"] else "off", lv["concurrency"], lv["requests"], lv["errors"],
-         lv["throughput_tok_s"], lv["ttft_p50_ms"], lv["ttft_p99_ms"], lv["tpot_p50_ms"], lv["tpot_p99_ms"],
-         lv["e2e_p50_s"], lv["e2e_p99_s"], lv["avg_spec_accept_length"]]
+        [
+            "ngram" if lv["speculative"] else "off",
+            lv["concurrency"],
+            lv["requests"],
+            lv["errors"],
+            lv["throughput_tok_s"],
+            lv["ttft_p50_ms"],
+            lv["ttft_p99_ms"],
+            lv["tpot_p50_ms"],
+            lv["tpot_p99_ms"],
+            lv["e2e_p50_s"],
+            lv["e2e_p99_s"],
+            lv["avg_spec_accept_length"],
+        ]
         for lv in results["levels"]
     ]
-    print_table(f"Serving, chat streaming, max_tokens={results['max_tokens']}, 1 in {STRUCTURED_EVERY} "
-                "JSON-schema constrained", header, rows)
+    print_table(
+        f"Serving, chat streaming, max_tokens={results['max_tokens']}, 1 in {STRUCTURED_EVERY} "
+        "JSON-schema constrained",
+        header,
+        rows,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated levels")
-    p.add_argument("--num-requests", type=int, default=None, help="per level (default: 4x concurrency, 8..32)")
+    p.add_argument(
+        "--num-requests", type=int, default=None, help="per level (default: 4x concurrency, 8..32)"
+    )
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--spec", default="off,ngram", help="comma-separated: off, ngram")
     p.add_argument("--server-args", default="", help="extra 'ngrammar serve' flags, e.g. '--device cpu'")

@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
-from benchmarks.common import WorkItem, chat, decode_seconds, forget_outputs, load_workload, print_table, timed
+from benchmarks.common import (
+    WorkItem,
+    chat,
+    decode_seconds,
+    forget_outputs,
+    load_workload,
+    print_table,
+    timed,
+)
 from ngrammar import LLM, SamplingParams
 
 
@@ -23,8 +32,13 @@ def measure(llm: LLM, prompts: list[Any], max_tokens: int) -> RunFigures:
     forget_outputs(llm)
     eng = llm.engine
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    s0 = (eng.stats.spec_steps, eng.stats.verify_seconds, eng.stats.draft_seconds, eng.stats.shadow_seconds,
-          eng.stats.steps)
+    s0 = (
+        eng.stats.spec_steps,
+        eng.stats.verify_seconds,
+        eng.stats.draft_seconds,
+        eng.stats.shadow_seconds,
+        eng.stats.steps,
+    )
     _, outs = timed(lambda: llm.chat(prompts, params, use_tqdm=False))
     decode = decode_seconds(outs)
     tokens = sum(len(o.token_ids) - 1 for o in outs)
@@ -53,8 +67,9 @@ def groups(work: list[WorkItem], batch_size: int) -> dict[str, list[list[Any]]]:
     return out
 
 
-def run_spec_benchmark(plain: LLM, spec: LLM, batch_sizes: Sequence[int] = (1, 8, 32),
-                       max_tokens: int = 64, repeats: int = 1) -> dict[str, Any]:
+def run_spec_benchmark(
+    plain: LLM, spec: LLM, batch_sizes: Sequence[int] = (1, 8, 32), max_tokens: int = 64, repeats: int = 1
+) -> dict[str, Any]:
     """Per category and batch size: plain and NGRAM runs of the same batches, interleaved
     ``repeats`` times; the ratio is the median of the paired ratios, so a slow spell of a shared
     machine hits both sides of a pair. Odd repeats run NGRAM first (plain, NGRAM, NGRAM, plain,
@@ -81,16 +96,43 @@ def run_spec_benchmark(plain: LLM, spec: LLM, batch_sizes: Sequence[int] = (1, 8
                     ratios.append(s[-1].tok_s / p[-1].tok_s)
             p_rate = statistics.median(r.tok_s for r in p)
             s_rate = statistics.median(r.tok_s for r in s)
-            fig = {"plain_tok_s": p_rate, "spec_tok_s": s_rate, "ratio": statistics.median(ratios),
-                   "pair_ratios": ratios,
-                   "accept_len": statistics.mean(r.accept_len for r in s),
-                   "verify_ms": statistics.mean(r.verify_ms for r in s),
-                   "draft_us": statistics.mean(r.draft_us for r in s),
-                   "shadow_us": statistics.mean(r.shadow_us for r in s)}
+            fig = {
+                "plain_tok_s": p_rate,
+                "spec_tok_s": s_rate,
+                "ratio": statistics.median(ratios),
+                "pair_ratios": ratios,
+                "accept_len": statistics.mean(r.accept_len for r in s),
+                "verify_ms": statistics.mean(r.verify_ms for r in s),
+                "draft_us": statistics.mean(r.draft_us for r in s),
+                "shadow_us": statistics.mean(r.shadow_us for r in s),
+            }
             results[f"b{bs}/{cat}"] = fig
-            rows.append([bs, cat, p_rate, s_rate, fig["ratio"], fig["accept_len"], fig["verify_ms"], fig["draft_us"],
-                         fig["shadow_us"]])
-    print_table("NGRAM speculation vs plain (greedy)",
-                ["batch", "category", "plain tok/s", "spec tok/s", "ratio", "accept len", "verify ms/step",
-                 "draft us/verify step", "shadow us/step"], rows)
+            rows.append(
+                [
+                    bs,
+                    cat,
+                    p_rate,
+                    s_rate,
+                    fig["ratio"],
+                    fig["accept_len"],
+                    fig["verify_ms"],
+                    fig["draft_us"],
+                    fig["shadow_us"],
+                ]
+            )
+    print_table(
+        "NGRAM speculation vs plain (greedy)",
+        [
+            "batch",
+            "category",
+            "plain tok/s",
+            "spec tok/s",
+            "ratio",
+            "accept len",
+            "verify ms/step",
+            "draft us/verify step",
+            "shadow us/step",
+        ],
+        rows,
+    )
     return results

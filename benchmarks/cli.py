@@ -1,4 +1,4 @@
-"""``ngrammar bench [engine|spec|grammar|serve|profile|host|calibration|drafts]``: build the engines once and run a suite."""
+"""``python -m benchmarks [engine|spec|grammar|serve|profile|host|calibration|drafts]``: build the engines once and run a suite."""
 
 from __future__ import annotations
 
@@ -8,10 +8,25 @@ import json
 from typing import Any
 
 from benchmarks.common import machine
+from ngrammar.args import add_engine_args, engine_kwargs
+
+SUITES = ("engine", "spec", "grammar", "serve", "profile", "host", "calibration", "drafts")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    bench = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    bench.add_argument("suite", nargs="?", default="engine", choices=SUITES)
+    bench.add_argument("--grammar", action="store_true", help="same as the 'grammar' suite")
+    bench.add_argument("--batch-sizes", default=None, help="comma-separated, e.g. 1,8,32")
+    bench.add_argument("--max-tokens", type=int, default=None)
+    bench.add_argument("--repeats", type=int, default=None)
+    bench.add_argument("--out", default=None, help="write the results as JSON here")
+    bench.add_argument("--no-transformers", action="store_true")
+    add_engine_args(bench)
+    return bench
 
 
 def _llm(args: argparse.Namespace, speculative: bool) -> Any:
-    from ngrammar.cli import engine_kwargs
     from ngrammar.llm import LLM
 
     kw = engine_kwargs(args)
@@ -28,7 +43,7 @@ def _sizes(args: argparse.Namespace, default: tuple[int, ...]) -> tuple[int, ...
 
 
 def _serve_args(args: argparse.Namespace) -> list[str]:
-    """Engine flags given to ``ngrammar bench serve`` pass through to the servers it starts."""
+    """Engine flags given to ``python -m benchmarks serve`` pass through to the servers it starts."""
     out = []
     for flag in ("model", "device", "dtype", "kv_cache_tokens", "max_running_requests"):
         value = getattr(args, flag)
@@ -39,7 +54,7 @@ def _serve_args(args: argparse.Namespace) -> list[str]:
 
 def run_benchmark(args: argparse.Namespace) -> int:
     suite = "grammar" if args.grammar else args.suite
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     if suite == "engine":
         from benchmarks.bench_engine import run_engine_benchmark
 
@@ -47,14 +62,21 @@ def run_benchmark(args: argparse.Namespace) -> int:
     elif suite == "spec":
         from benchmarks.bench_spec import run_spec_benchmark
 
-        result = run_spec_benchmark(_llm(args, False), _llm(args, True), _sizes(args, (1, 8, 32)),
-                                    args.max_tokens or 64, args.repeats or 1)
+        result = run_spec_benchmark(
+            _llm(args, False),
+            _llm(args, True),
+            _sizes(args, (1, 8, 32)),
+            args.max_tokens or 64,
+            args.repeats or 1,
+        )
     elif suite == "grammar":
         from benchmarks.bench_grammar import run_grammar_benchmark
 
         plain, spec = _llm(args, False), _llm(args, True)
-        result = {f"b{b}": run_grammar_benchmark(plain, spec, b, args.max_tokens or 96, args.repeats or 2, True)
-                  for b in _sizes(args, (1,))}
+        result = {
+            f"b{b}": run_grammar_benchmark(plain, spec, b, args.max_tokens or 96, args.repeats or 2, True)
+            for b in _sizes(args, (1,))
+        }
     elif suite == "calibration":
         from benchmarks.bench_calibration import run_calibration
 
@@ -73,13 +95,17 @@ def run_benchmark(args: argparse.Namespace) -> int:
         from benchmarks.profile_step import run_profile
 
         out_dir = Path(args.out).with_suffix("") if args.out else Path("profile")
-        result = run_profile(_llm(args, False), _llm(args, True), list(_sizes(args, (1, 8))),
-                             args.max_tokens or 128, out_dir)
+        result = run_profile(
+            _llm(args, False), _llm(args, True), list(_sizes(args, (1, 8))), args.max_tokens or 128, out_dir
+        )
     else:
         from benchmarks.bench_serve import run_serve_benchmark
 
-        result = run_serve_benchmark(concurrency=_sizes(args, (1, 4, 16)), max_tokens=args.max_tokens or 64,
-                                     server_args=_serve_args(args))
+        result = run_serve_benchmark(
+            concurrency=_sizes(args, (1, 4, 16)),
+            max_tokens=args.max_tokens or 64,
+            server_args=_serve_args(args),
+        )
     record = {"suite": suite, "date": started, "machine": machine(), "result": result}
     if args.out:
         with open(args.out, "w") as f:

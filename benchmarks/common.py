@@ -6,9 +6,10 @@ import json
 import platform
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 DATA = Path(__file__).parent / "data"
 
@@ -48,15 +49,21 @@ def decode_seconds(outs: Sequence[Any]) -> float:
     while the batch fits ``max_running_requests`` and the KV pool."""
     done = [o.metrics for o in outs if "first_token_time" in o.metrics and "finish_time" in o.metrics]
     if len(done) != len(outs):
-        raise ValueError(f"{len(outs) - len(done)} of {len(outs)} outputs have no first token or never finished")
+        raise ValueError(
+            f"{len(outs) - len(done)} of {len(outs)} outputs have no first token or never finished"
+        )
     return max(m["finish_time"] for m in done) - max(m["first_token_time"] for m in done)
 
 
 def machine() -> dict[str, Any]:
     import torch
 
-    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
-                            "torch": torch.__version__, "threads": torch.get_num_threads()}
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
     if torch.cuda.is_available():
         from ngrammar.kernels.device_info import pdl_supported
 
@@ -113,8 +120,9 @@ def verify_run(llm: Any, prompts: list[Any], params: Any) -> VerifyRun:
     return tok_s, outs, 1e3 * (stats.verify_seconds - seconds) / max(stats.spec_steps - steps, 1)
 
 
-def verify_pairs(a: tuple[str, Callable[[], VerifyRun]], b: tuple[str, Callable[[], VerifyRun]],
-                 repeats: int) -> dict[str, Any]:
+def verify_pairs(
+    a: tuple[str, Callable[[], VerifyRun]], b: tuple[str, Callable[[], VerifyRun]], repeats: int
+) -> dict[str, Any]:
     """Two variants of the same work run in interleaved pairs after one dropped warm-up pair (odd
     pairs run ``a`` first): medians of tok/s and ms per verify step per side (keys prefixed by the
     side's name), the paired tok/s ratio a / b, ``a``'s accept length, and the share of requests
@@ -122,7 +130,7 @@ def verify_pairs(a: tuple[str, Callable[[], VerifyRun]], b: tuple[str, Callable[
     (name_a, run_a), (name_b, run_b) = a, b
     runs: tuple[list[VerifyRun], list[VerifyRun]] = ([], [])
     for i in range(repeats + 1):
-        for side in ((0, 1) if i % 2 else (1, 0)):
+        for side in (0, 1) if i % 2 else (1, 0):
             r = (run_a, run_b)[side]()
             if i:
                 runs[side].append(r)
@@ -139,8 +147,15 @@ def verify_pairs(a: tuple[str, Callable[[], VerifyRun]], b: tuple[str, Callable[
     }
 
 
-def switch_pairs(llm: Any, prompts: list[Any], params: Any, switch: str, a: tuple[str, Any], b: tuple[str, Any],
-                 repeats: int) -> dict[str, Any]:
+def switch_pairs(
+    llm: Any,
+    prompts: list[Any],
+    params: Any,
+    switch: str,
+    a: tuple[str, Any],
+    b: tuple[str, Any],
+    repeats: int,
+) -> dict[str, Any]:
     """``verify_pairs`` of one engine whose NGRAM worker attribute ``switch`` is set to ``a``'s
     value for side a and ``b``'s for side b (name, value), restored afterwards: one engine, so the
     two sides share everything but the switch."""
@@ -151,6 +166,7 @@ def switch_pairs(llm: Any, prompts: list[Any], params: Any, switch: str, a: tupl
         def go() -> VerifyRun:
             setattr(worker, switch, value)
             return verify_run(llm, prompts, params)
+
         return go
 
     try:

@@ -28,18 +28,19 @@ import sys
 import time
 import traceback
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from benchmarks.bench_grammar import (
     LOG_REGEX,
-    TRIM_COLUMNS,
     RECORD_SCHEMA,
+    TRIM_COLUMNS,
     extraction_prompts,
+    regex_prompts,
     trim_pairs,
     trim_row,
-    regex_prompts,
 )
 from benchmarks.common import (
     accept_length,
@@ -76,15 +77,25 @@ def _batch(prompts: list[Any], bs: int) -> list[Any]:
 
 
 def _engine_kwargs(model: str | None, graphs: bool) -> dict[str, Any]:
-    kw: dict[str, Any] = {"model": model, "device": "cuda" if torch.cuda.is_available() else "cpu",
-                          "kv_cache_tokens": 262144 if torch.cuda.is_available() else 16384}
+    kw: dict[str, Any] = {
+        "model": model,
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "kv_cache_tokens": 262144 if torch.cuda.is_available() else 16384,
+    }
     if "cuda_graph" in {f.name for f in dataclasses.fields(EngineConfig)}:
         kw["cuda_graph"] = graphs
     return kw
 
 
-def bench_small_model(model: str | None, batch_sizes: list[int], max_tokens: int, repeats: int,
-                      graphs: bool = True, transformers: bool = True, width: int = 16) -> dict[str, Any]:
+def bench_small_model(
+    model: str | None,
+    batch_sizes: list[int],
+    max_tokens: int,
+    repeats: int,
+    graphs: bool = True,
+    transformers: bool = True,
+    width: int = 16,
+) -> dict[str, Any]:
     """``width``: the NGRAM engine's num_draft_tokens (its policy picks widths up to it)."""
     res: dict[str, Any] = {"cuda_graphs": graphs, "num_draft_tokens": width}
     t = time.perf_counter()
@@ -138,7 +149,9 @@ def bench_small_model(model: str | None, batch_sizes: list[int], max_tokens: int
     return res
 
 
-def bench_spec_overhead(model: str | None, batch_sizes: list[int], max_tokens: int, repeats: int) -> dict[str, Any]:
+def bench_spec_overhead(
+    model: str | None, batch_sizes: list[int], max_tokens: int, repeats: int
+) -> dict[str, Any]:
     """Where NGRAM loses against plain decoding when it should not: three engines on the same
     batches, interleaved run by run. "ngram D=1" indexes prompts and outputs into the corpus like
     the NGRAM engine but can never verify (its only width is 1; the policy answers at once, without
@@ -148,8 +161,11 @@ def bench_spec_overhead(model: str | None, batch_sizes: list[int], max_tokens: i
     previous one was read back), verify steps per run, and chains the policy broke for a verify
     step that it then called off (``EngineStats.false_drains``) per run."""
     kw = _engine_kwargs(model, True)
-    engines = {"plain": LLM(**kw), "ngram D=1": LLM(**kw, speculative="ngram", num_draft_tokens=1),
-               "ngram D=16": LLM(**kw, speculative="ngram", num_draft_tokens=16)}
+    engines = {
+        "plain": LLM(**kw),
+        "ngram D=1": LLM(**kw, speculative="ngram", num_draft_tokens=1),
+        "ngram D=16": LLM(**kw, speculative="ngram", num_draft_tokens=16),
+    }
     cats = _categories()
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for llm in engines.values():
@@ -164,42 +180,90 @@ def bench_spec_overhead(model: str | None, batch_sizes: list[int], max_tokens: i
             first = {name: run_chat(llm, batch, greedy)[0] for name, llm in engines.items()}
             traces: dict[str, list[StepRecord]] = {}  # the last run's steps, one by one
             verify_reasons: dict[str, Counter[str]] = {name: Counter() for name in engines}  # over all runs
-            for rep in range(repeats):
+            for _rep in range(repeats):
                 for name, llm in engines.items():
                     st = llm.engine.stats
-                    before = (st.steps, st.chained_steps, st.spec_steps, st.false_drains, st.policy_drains,
-                              getattr(st, "shadow_samples", 0))  # (an engine before shadow drafts has none)
+                    before = (
+                        st.steps,
+                        st.chained_steps,
+                        st.spec_steps,
+                        st.false_drains,
+                        st.policy_drains,
+                        getattr(st, "shadow_samples", 0),
+                    )  # (an engine before shadow drafts has none)
                     llm.engine.step_trace = traces[name] = []
                     tok_s = run_chat(llm, batch, greedy)[0]
                     llm.engine.step_trace = None
                     verify_reasons[name].update(r.reason for r in traces[name] if r.kind == "verify")
-                    runs[name].append((tok_s, (st.chained_steps - before[1]) / max(st.steps - before[0], 1),
-                                       st.spec_steps - before[2], st.false_drains - before[3],
-                                       st.policy_drains - before[4], getattr(st, "shadow_samples", 0) - before[5]))
+                    runs[name].append(
+                        (
+                            tok_s,
+                            (st.chained_steps - before[1]) / max(st.steps - before[0], 1),
+                            st.spec_steps - before[2],
+                            st.false_drains - before[3],
+                            st.policy_drains - before[4],
+                            getattr(st, "shadow_samples", 0) - before[5],
+                        )
+                    )
             cell: dict[str, dict[str, Any]] = {}
             for name, r in runs.items():
-                c = cell[name] = {"tok_s": statistics.median(x[0] for x in r),
-                                  "chained": statistics.median(x[1] for x in r),
-                                  "verify_steps": statistics.median(x[2] for x in r),
-                                  "false_drains": statistics.median(x[3] for x in r),
-                                  "policy_drains": statistics.median(x[4] for x in r),
-                                  "shadow_samples": statistics.median(x[5] for x in r),
-                                  "ratio_to_plain": statistics.median(x[0] / p[0] for x, p in zip(r, runs["plain"])),
-                                  "first_run_ratio": first[name] / first["plain"],
-                                  # per run: tok/s, chained, verify steps, false and policy drains, shadow samples
-                                  "runs": [list(x) for x in r],
-                                  "steps": _trace_summary(traces[name]),
-                                  "verify_reasons": dict(verify_reasons[name])}
-                rows.append([f"b{bs}/{cat}", name, c["tok_s"], c["ratio_to_plain"], c["first_run_ratio"],
-                             c["chained"], c["verify_steps"], c["false_drains"]])
+                c = cell[name] = {
+                    "tok_s": statistics.median(x[0] for x in r),
+                    "chained": statistics.median(x[1] for x in r),
+                    "verify_steps": statistics.median(x[2] for x in r),
+                    "false_drains": statistics.median(x[3] for x in r),
+                    "policy_drains": statistics.median(x[4] for x in r),
+                    "shadow_samples": statistics.median(x[5] for x in r),
+                    "ratio_to_plain": statistics.median(x[0] / p[0] for x, p in zip(r, runs["plain"])),
+                    "first_run_ratio": first[name] / first["plain"],
+                    # per run: tok/s, chained, verify steps, false and policy drains, shadow samples
+                    "runs": [list(x) for x in r],
+                    "steps": _trace_summary(traces[name]),
+                    "verify_reasons": dict(verify_reasons[name]),
+                }
+                rows.append(
+                    [
+                        f"b{bs}/{cat}",
+                        name,
+                        c["tok_s"],
+                        c["ratio_to_plain"],
+                        c["first_run_ratio"],
+                        c["chained"],
+                        c["verify_steps"],
+                        c["false_drains"],
+                    ]
+                )
             res[f"b{bs}/{cat}"] = cell
-            res[f"b{bs}/{cat}/trace"] = {name: [dataclasses.astuple(r) for r in t] for name, t in traces.items()}
-            print(f"b{bs}/{cat} last run, ms per step kind; the policy's reasons for verify steps over all runs: "
-                  + json.dumps({n: {"ms": {k: v["total_ms"] for k, v in c["steps"].items()},
-                                    "verify": c["verify_reasons"]} for n, c in cell.items()}), flush=True)
-    print_table(f"NGRAM overhead vs plain ({max_tokens} tokens per request, {repeats} interleaved runs, medians)",
-                ["batch/workload", "engine", "tok/s", "x plain (paired)", "x plain (first run)", "chained share",
-                 "verify steps/run", "false drains/run"], rows)
+            res[f"b{bs}/{cat}/trace"] = {
+                name: [dataclasses.astuple(r) for r in t] for name, t in traces.items()
+            }
+            print(
+                f"b{bs}/{cat} last run, ms per step kind; the policy's reasons for verify steps over all runs: "
+                + json.dumps(
+                    {
+                        n: {
+                            "ms": {k: v["total_ms"] for k, v in c["steps"].items()},
+                            "verify": c["verify_reasons"],
+                        }
+                        for n, c in cell.items()
+                    }
+                ),
+                flush=True,
+            )
+    print_table(
+        f"NGRAM overhead vs plain ({max_tokens} tokens per request, {repeats} interleaved runs, medians)",
+        [
+            "batch/workload",
+            "engine",
+            "tok/s",
+            "x plain (paired)",
+            "x plain (first run)",
+            "chained share",
+            "verify steps/run",
+            "false drains/run",
+        ],
+        rows,
+    )
     return res
 
 
@@ -209,11 +273,17 @@ def _trace_summary(trace: list[StepRecord]) -> dict[str, dict[str, Any]]:
     kinds: dict[str, list[StepRecord]] = {}
     for r in trace:
         kinds.setdefault(r.kind if r.kind != "verify" else f"verify{r.width}", []).append(r)
-    return {k: {"n": len(rs), "total_ms": round(1e3 * sum(r.seconds for r in rs), 3),
-                "median_ms": round(1e3 * statistics.median(r.seconds for r in rs), 3),
-                "host_ms": round(1e3 * sum(r.host_seconds for r in rs), 3),
-                "shadow_ms": round(1e3 * sum(getattr(r, "shadow_seconds", 0.0) for r in rs), 3),
-                "reasons": dict(Counter(r.reason for r in rs if r.reason))} for k, rs in kinds.items()}
+    return {
+        k: {
+            "n": len(rs),
+            "total_ms": round(1e3 * sum(r.seconds for r in rs), 3),
+            "median_ms": round(1e3 * statistics.median(r.seconds for r in rs), 3),
+            "host_ms": round(1e3 * sum(r.host_seconds for r in rs), 3),
+            "shadow_ms": round(1e3 * sum(getattr(r, "shadow_seconds", 0.0) for r in rs), 3),
+            "reasons": dict(Counter(r.reason for r in rs if r.reason)),
+        }
+        for k, rs in kinds.items()
+    }
 
 
 def _grammar_variants(plain: LLM, spec: LLM, bs: int, max_tokens: int, repeats: int) -> dict[str, Any]:
@@ -227,12 +297,18 @@ def _grammar_variants(plain: LLM, spec: LLM, bs: int, max_tokens: int, repeats: 
     try:
         run_chat(spec, prompts, gram)
         out["sync_debug_region_clean"] = True
-        for label, llm, params, readback in [("plain+grammar", plain, gram, False), ("ngram", spec, base, False),
-                                             ("ngram+grammar", spec, gram, False),
-                                             ("ngram+grammar readback", spec, gram, True)]:
+        for label, llm, params, readback in [
+            ("plain+grammar", plain, gram, False),
+            ("ngram", spec, base, False),
+            ("ngram+grammar", spec, gram, False),
+            ("ngram+grammar readback", spec, gram, True),
+        ]:
             worker.readback_links = readback
             runs = [run_chat(llm, prompts, params) for _ in range(repeats)]
-            out[label] = {"tok_s": statistics.median(r[0] for r in runs), "accept_len": accept_length(runs[-1][1])}
+            out[label] = {
+                "tok_s": statistics.median(r[0] for r in runs),
+                "accept_len": accept_length(runs[-1][1]),
+            }
     finally:
         worker.sync_debug = False
         worker.readback_links = False
@@ -253,13 +329,17 @@ def grammar_equal_work(spec: LLM, prompts: list[Any], max_tokens: int, repeats: 
     def text_tokens(ids: list[int]) -> list[int]:  # where the JSON ended, the grammar's run ends with EOS
         return ids[:-1] if ids and ids[-1] in eos else ids
 
-    free = [SamplingParams(max_tokens=max(len(text_tokens(o.token_ids)), 1), temperature=0, ignore_eos=True)
-            for o in first]
+    free = [
+        SamplingParams(max_tokens=max(len(text_tokens(o.token_ids)), 1), temperature=0, ignore_eos=True)
+        for o in first
+    ]
     pairs = []
     spec.engine.step_trace = trace = []  # both sides' steps: what a low ratio was made of
     for i in range(repeats):  # interleaved, alternating which side goes first
         order = [("grammar", constrained), ("free", free)]
-        runs = dict((label, run_chat(spec, prompts, params)) for label, params in (order if i % 2 else order[::-1]))
+        runs = dict(
+            (label, run_chat(spec, prompts, params)) for label, params in (order if i % 2 else order[::-1])
+        )
         pairs.append((runs["grammar"], runs["free"]))
     spec.engine.step_trace = None
     same = [text_tokens(a.token_ids) == b.token_ids for a, b in zip(pairs[-1][0][1], pairs[-1][1][1])]
@@ -274,12 +354,15 @@ def grammar_equal_work(spec: LLM, prompts: list[Any], max_tokens: int, repeats: 
     }
 
 
-def bench_links_equal_work(model: str | None, batch_sizes: list[int], max_tokens: int,
-                           repeats: int) -> dict[str, Any]:
+def bench_links_equal_work(
+    model: str | None, batch_sizes: list[int], max_tokens: int, repeats: int
+) -> dict[str, Any]:
     """Host-derived tree links against the readback switch on the same work (``links_equal_work``)
     with the policy off: every decode step verifies at D = 16."""
     spec = LLM(**_engine_kwargs(model, True), speculative="ngram", num_draft_tokens=16, spec_adaptive=False)
-    return {f"b{bs}": links_equal_work(spec, extraction_prompts(bs), max_tokens, repeats) for bs in batch_sizes}
+    return {
+        f"b{bs}": links_equal_work(spec, extraction_prompts(bs), max_tokens, repeats) for bs in batch_sizes
+    }
 
 
 def links_equal_work(spec: LLM, prompts: list[Any], max_tokens: int, repeats: int) -> dict[str, Any]:
@@ -296,8 +379,9 @@ def links_equal_work(spec: LLM, prompts: list[Any], max_tokens: int, repeats: in
     # that every decode step verifies a D-node tree on both sides.
     trim, worker.trim_trees = worker.trim_trees, False
     try:
-        return switch_pairs(spec, prompts, params, "readback_links", ("host_links", False), ("readback", True),
-                            repeats)
+        return switch_pairs(
+            spec, prompts, params, "readback_links", ("host_links", False), ("readback", True), repeats
+        )
     finally:
         worker.trim_trees = trim
 
@@ -309,16 +393,18 @@ def bench_acceptor(batch_sizes: list[int], width: int = 16, vocab: int = 49152) 
     µs per replay and whether results and the moved KV agree."""
     from ngrammar.kernels.tree_accept import greedy_tree_accept
     from ngrammar.runner.model_runner import compact_path_kv, move_kv_slots
-    from ngrammar.spec.verify import verify_tree_greedy_from_logits
+    from ngrammar.speculative.verify import verify_tree_greedy_from_logits
 
-    def ops(pool: torch.Tensor, cands: torch.Tensor, mask: torch.Tensor, logits: torch.Tensor,
-            slots: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    def ops(
+        pool: torch.Tensor, cands: torch.Tensor, mask: torch.Tensor, logits: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[Any, torch.Tensor]:
         result = verify_tree_greedy_from_logits(cands, mask, logits)
         compact_path_kv(pool, slots, result.accept_nodes, result.accept_len)
         return result, result.packed()
 
-    def fused(pool: torch.Tensor, cands: torch.Tensor, mask: torch.Tensor, logits: torch.Tensor,
-              slots: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    def fused(
+        pool: torch.Tensor, cands: torch.Tensor, mask: torch.Tensor, logits: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[Any, torch.Tensor]:
         out = greedy_tree_accept(cands, mask, logits.argmax(-1).view(cands.shape), slots)
         assert out.kv_src is not None
         move_kv_slots(pool, slots, out.kv_src)
@@ -329,7 +415,11 @@ def bench_acceptor(batch_sizes: list[int], width: int = 16, vocab: int = 49152) 
     for bs in batch_sizes:
         logits = torch.randn(bs * width, vocab, device="cuda", generator=gen)
         predict = logits.argmax(-1).view(bs, width)
-        mask = torch.tril(torch.ones(width, width, dtype=torch.bool, device="cuda")).expand(bs, width, width).contiguous()
+        mask = (
+            torch.tril(torch.ones(width, width, dtype=torch.bool, device="cuda"))
+            .expand(bs, width, width)
+            .contiguous()
+        )
         cands = torch.cat([predict[:, :1], predict[:, :-1]], dim=1)  # a chain that follows the argmax ...
         cands[:, width // 2] += 1  # ... up to its middle
         pages = bs * width // 16 + 8
@@ -346,41 +436,70 @@ def bench_acceptor(batch_sizes: list[int], width: int = 16, vocab: int = 49152) 
             graph.replay()
             row[f"{name}_us"] = cuda_seconds(graph.replay, 50) * 1e6
         (a, pa), (b, pb) = outs["torch"], outs["kernel"]
-        row["agree"] = bool(torch.equal(pa, pb) and torch.equal(pools["torch"], pools["kernel"]) and all(
-            torch.equal(getattr(a, f), getattr(b, f))
-            for f in ("accept_index", "accept_len", "accept_tokens", "accept_nodes", "bonus")))
+        row["agree"] = bool(
+            torch.equal(pa, pb)
+            and torch.equal(pools["torch"], pools["kernel"])
+            and all(
+                torch.equal(getattr(a, f), getattr(b, f))
+                for f in ("accept_index", "accept_len", "accept_tokens", "accept_nodes", "bonus")
+            )
+        )
         res[f"b{bs}"] = row
-    print_table(f"greedy acceptor graph, D = {width} (µs per replay)", ["batch", "torch ops", "kernel", "agree"],
-                [[k, v["torch_us"], v["kernel_us"], v["agree"]] for k, v in res.items()])
+    print_table(
+        f"greedy acceptor graph, D = {width} (µs per replay)",
+        ["batch", "torch ops", "kernel", "agree"],
+        [[k, v["torch_us"], v["kernel_us"], v["agree"]] for k, v in res.items()],
+    )
     return res
 
 
-def bench_acceptor_engine(model: str | None, batch_sizes: list[int], max_tokens: int,
-                          repeats: int) -> dict[str, Any]:
+def bench_acceptor_engine(
+    model: str | None, batch_sizes: list[int], max_tokens: int, repeats: int
+) -> dict[str, Any]:
     """NGRAM at D = 16 with the policy off (every decode step verifies) and the CUDA-graph acceptor
     as the one-launch kernel or as torch ops (``spec_accept_kernel``), in interleaved pairs after a
     dropped warm-up pair, per grounded category and batch size: tok/s, verify ms per step and
     whether both emitted the same tokens."""
-    kw = dict(_engine_kwargs(model, True), speculative="ngram", num_draft_tokens=16, spec_adaptive=False,
-              spec_trim_trees=False)  # every step verifies 16 nodes
+    kw = dict(
+        _engine_kwargs(model, True),
+        speculative="ngram",
+        num_draft_tokens=16,
+        spec_adaptive=False,
+        spec_trim_trees=False,
+    )  # every step verifies 16 nodes
     llms = {True: LLM(**kw), False: LLM(**kw, spec_accept_kernel=False)}
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     res: dict[str, Any] = {}
     for cat, prompts in _categories().items():
         for bs in batch_sizes:
             batch = _batch(prompts, bs)
-            res[f"{cat}_b{bs}"] = verify_pairs(("kernel", lambda: verify_run(llms[True], batch, params)),
-                                               ("torch", lambda: verify_run(llms[False], batch, params)), repeats)
-    print_table("NGRAM D = 16, policy off: acceptor kernel vs torch ops",
-                ["cell", "kernel tok/s", "torch tok/s", "ratio", "verify ms k/t", "accept", "same"],
-                [[k, v["kernel_tok_s"], v["torch_tok_s"], v["ratio"],
-                  f"{v['kernel_verify_ms']:.3f}/{v['torch_verify_ms']:.3f}", v["accept_len"], v["identical"]]
-                 for k, v in res.items()])
+            res[f"{cat}_b{bs}"] = verify_pairs(
+                ("kernel", lambda: verify_run(llms[True], batch, params)),
+                ("torch", lambda: verify_run(llms[False], batch, params)),
+                repeats,
+            )
+    print_table(
+        "NGRAM D = 16, policy off: acceptor kernel vs torch ops",
+        ["cell", "kernel tok/s", "torch tok/s", "ratio", "verify ms k/t", "accept", "same"],
+        [
+            [
+                k,
+                v["kernel_tok_s"],
+                v["torch_tok_s"],
+                v["ratio"],
+                f"{v['kernel_verify_ms']:.3f}/{v['torch_verify_ms']:.3f}",
+                v["accept_len"],
+                v["identical"],
+            ]
+            for k, v in res.items()
+        ],
+    )
     return res
 
 
-def bench_trim_trees(model: str | None, batch_sizes: list[int], max_tokens: int,
-                     repeats: int) -> dict[str, Any]:
+def bench_trim_trees(
+    model: str | None, batch_sizes: list[int], max_tokens: int, repeats: int
+) -> dict[str, Any]:
     """NGRAM at D = 16 with its trees trimmed before each verify launch (padding and
     grammar-forbidden drafts dropped) or verified as drafted (``trim_pairs``: one engine, switched
     between runs), with the draft policy on (the default engine) and off (every decode step
@@ -388,8 +507,10 @@ def bench_trim_trees(model: str | None, batch_sizes: list[int], max_tokens: int,
     kw = dict(_engine_kwargs(model, True), speculative="ngram", num_draft_tokens=16)
     engines = {"policy": LLM(**kw), "fixed": LLM(**kw, spec_adaptive=False)}
     base = dict(max_tokens=max_tokens, temperature=0)
-    workloads = {"json_schema": (extraction_prompts, SamplingParams(**base, json_schema=RECORD_SCHEMA)),
-                 "regex": (regex_prompts, SamplingParams(**base, regex=LOG_REGEX))}
+    workloads = {
+        "json_schema": (extraction_prompts, SamplingParams(**base, json_schema=RECORD_SCHEMA)),
+        "regex": (regex_prompts, SamplingParams(**base, regex=LOG_REGEX)),
+    }
     for cat, prompts in _categories().items():
         workloads[cat] = (lambda bs, p=prompts: _batch(p, bs), SamplingParams(**base, ignore_eos=True))
     res: dict[str, Any] = {}
@@ -397,8 +518,11 @@ def bench_trim_trees(model: str | None, batch_sizes: list[int], max_tokens: int,
         for name, (make_prompts, params) in workloads.items():
             for bs in batch_sizes:
                 res[f"{mode}/{name}_b{bs}"] = trim_pairs(llm, make_prompts(bs), params, repeats)
-    print_table("NGRAM D = 16: trees trimmed vs verified as drafted (policy on / fixed D)",
-                ["cell", *TRIM_COLUMNS], [[k, *trim_row(v)] for k, v in res.items()])
+    print_table(
+        "NGRAM D = 16: trees trimmed vs verified as drafted (policy on / fixed D)",
+        ["cell", *TRIM_COLUMNS],
+        [[k, *trim_row(v)] for k, v in res.items()],
+    )
     return res
 
 
@@ -410,7 +534,11 @@ def bench_transformers(plain: LLM, llm_model: str | None, max_tokens: int) -> di
 
     ckpt = resolve_checkpoint(llm_model)  # the converted cache folder holds HF config + safetensors
     device = plain.engine.device
-    hf = LlamaForCausalLM.from_pretrained(str(ckpt.tokenizer_dir), torch_dtype=plain.engine.dtype).to(device).eval()
+    hf = (
+        LlamaForCausalLM.from_pretrained(str(ckpt.tokenizer_dir), torch_dtype=plain.engine.dtype)
+        .to(device)
+        .eval()
+    )
     res: dict[str, Any] = {}
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for cat, prompts in _categories().items():
@@ -418,10 +546,18 @@ def bench_transformers(plain: LLM, llm_model: str | None, max_tokens: int) -> di
         ours = plain.chat(prompts[0], greedy, use_tqdm=False)[0].token_ids
         row: dict[str, Any] = {}
         for label, extra in [("hf_plain", {}), ("hf_prompt_lookup10", {"prompt_lookup_num_tokens": 10})]:
+
             def gen(n: int) -> Any:
                 with torch.no_grad():
-                    return hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                       attention_mask=torch.ones_like(ids), **extra)
+                    return hf.generate(
+                        ids,
+                        max_new_tokens=n,
+                        min_new_tokens=n,
+                        do_sample=False,
+                        attention_mask=torch.ones_like(ids),
+                        **extra,
+                    )
+
             gen(4)
             t = time.perf_counter()
             out = gen(max_tokens)
@@ -430,15 +566,25 @@ def bench_transformers(plain: LLM, llm_model: str | None, max_tokens: int) -> di
             gen(1)
             first = time.perf_counter() - t
             row[label] = (max_tokens - 1) / max(total - first, 1e-9)
-            row[f"{label}_identical_to_ngrammar"] = out[0, ids.shape[1]:].tolist() == ours
+            row[f"{label}_identical_to_ngrammar"] = out[0, ids.shape[1] :].tolist() == ours
         res[cat] = row
     return res
 
 
 # ---------------------------------------------------------------- part 2: 8B shape
-LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-                        num_kv_heads=8, head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5, max_position=8192,
-                        tie_word_embeddings=False)
+LLAMA3_8B = ModelConfig(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    max_position=8192,
+    tie_word_embeddings=False,
+)
 
 
 def copy_bandwidth(nbytes: int = 4 << 30) -> float:
@@ -481,22 +627,39 @@ def random_model(config: ModelConfig, ops: Any = None, backend: Any = None) -> A
     return model.eval(), backend
 
 
-def step_time(model: Any, backend: Any, config: ModelConfig, bs: int, q: int, ctx: int = 1024,
-              kv_len_bound: int | None = None) -> float:
+def step_time(
+    model: Any,
+    backend: Any,
+    config: ModelConfig,
+    bs: int,
+    q: int,
+    ctx: int = 1024,
+    kv_len_bound: int | None = None,
+) -> float:
     """Median seconds of one captured step (bs requests of q new tokens after ctx cached ones); the
     plan is built for kv_len_bound (default ctx + q), as the engine builds it for its longest context."""
     ps = 16
     pages_per = -(-(ctx + q) // ps)
-    kv = torch.zeros((config.num_layers, 2, bs * pages_per + 1, ps, config.num_kv_heads, config.head_dim),
-                     dtype=torch.bfloat16, device="cuda")
+    kv = torch.zeros(
+        (config.num_layers, 2, bs * pages_per + 1, ps, config.num_kv_heads, config.head_dim),
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
     table = torch.arange(bs * pages_per, device="cuda").view(bs, pages_per)
     kv_idx = torch.arange(ctx, ctx + q, device="cuda")
     slots = (table[:, kv_idx // ps] * ps + kv_idx % ps).reshape(-1)
     meta = AttentionMetadata(
-        slot_mapping=slots, page_table=table, kv_lens=torch.full((bs,), ctx + q, device="cuda"),
-        q_lens=torch.full((bs,), q, device="cuda"), q_start=torch.arange(bs + 1, device="cuda") * q,
-        max_q_len=q, max_kv_len=ctx + q, page_size=ps,
-        tree_mask=None if q == 1 else torch.tril(torch.ones(q, q, dtype=torch.bool, device="cuda")).expand(bs, q, q),
+        slot_mapping=slots,
+        page_table=table,
+        kv_lens=torch.full((bs,), ctx + q, device="cuda"),
+        q_lens=torch.full((bs,), q, device="cuda"),
+        q_start=torch.arange(bs + 1, device="cuda") * q,
+        max_q_len=q,
+        max_kv_len=ctx + q,
+        page_size=ps,
+        tree_mask=None
+        if q == 1
+        else torch.tril(torch.ones(q, q, dtype=torch.bool, device="cuda")).expand(bs, q, q),
     )
     plan = backend.plan(meta, kv_len_bound=kv_len_bound or ctx + q)
     ids = torch.randint(0, config.vocab_size, (bs * q,), device="cuda")
@@ -551,39 +714,82 @@ def summarize(log: dict[str, Any]) -> None:
             eq = v.get("equal_work")
             if eq:
                 acc = eq["accept_len"]
-                rows.append([key, f"equal work: ngram (same tokens {eq['identical']:.0%})", eq["ngram_tok_s"],
-                             acc["free"]])
-                rows.append([key, f"equal work: ngram+json_object (x{eq['ratio']:.2f})",
-                             eq["ngram+json_object_tok_s"], acc["grammar"]])
+                rows.append(
+                    [
+                        key,
+                        f"equal work: ngram (same tokens {eq['identical']:.0%})",
+                        eq["ngram_tok_s"],
+                        acc["free"],
+                    ]
+                )
+                rows.append(
+                    [
+                        key,
+                        f"equal work: ngram+json_object (x{eq['ratio']:.2f})",
+                        eq["ngram+json_object_tok_s"],
+                        acc["grammar"],
+                    ]
+                )
         elif isinstance(v, dict) and "plain_tok_s" in v:
             rows.append([key, "plain", v["plain_tok_s"], 1.0])
             if "plain_stepwise_tok_s" in v:
-                rows.append([key, f"plain, no overlap (overlap x{v['overlap_gain']:.2f}, same "
-                                  f"{v.get('overlap_identical')})", v["plain_stepwise_tok_s"], 1.0])
+                rows.append(
+                    [
+                        key,
+                        f"plain, no overlap (overlap x{v['overlap_gain']:.2f}, same "
+                        f"{v.get('overlap_identical')})",
+                        v["plain_stepwise_tok_s"],
+                        1.0,
+                    ]
+                )
             ratio = v.get("ratio", v["ngram_tok_s"] / v["plain_tok_s"])  # median of paired runs when logged
             chained = v.get("ngram_chained_share")
-            rows.append([key, f"ngram (x{ratio:.2f}, same {v['ngram_identical_to_plain']:.0%}"
-                              + ("" if chained is None else f", chained {chained:.0%}")
-                              + ("" if "first_run_ratio" not in v else f", first run x{v['first_run_ratio']:.2f}") + ")",
-                         v["ngram_tok_s"], v["accept_len"]])
+            rows.append(
+                [
+                    key,
+                    f"ngram (x{ratio:.2f}, same {v['ngram_identical_to_plain']:.0%}"
+                    + ("" if chained is None else f", chained {chained:.0%}")
+                    + ("" if "first_run_ratio" not in v else f", first run x{v['first_run_ratio']:.2f}")
+                    + ")",
+                    v["ngram_tok_s"],
+                    v["accept_len"],
+                ]
+            )
     for cat, v in small.get("transformers_b1", {}).items():
         if isinstance(v, dict):
             for label in ("hf_plain", "hf_prompt_lookup10"):
                 if label in v:
-                    rows.append([f"b1/{cat}", f"{label} (same {v[label + '_identical_to_ngrammar']})", v[label], ""])
+                    rows.append(
+                        [f"b1/{cat}", f"{label} (same {v[label + '_identical_to_ngrammar']})", v[label], ""]
+                    )
     for key, v in log.get("links_equal_work", {}).items():
         if isinstance(v, dict) and "ratio" in v:
-            rows.append([f"{key}/json D=16", f"readback links ({v['readback_verify_ms']:.2f} ms/verify)",
-                         v["readback_tok_s"], v["accept_len"]])
-            rows.append([f"{key}/json D=16", f"host links (x{v['ratio']:.3f}, {v['host_links_verify_ms']:.2f} "
-                                            f"ms/verify, same {v['identical']:.0%})", v["host_links_tok_s"],
-                         v["accept_len"]])
+            rows.append(
+                [
+                    f"{key}/json D=16",
+                    f"readback links ({v['readback_verify_ms']:.2f} ms/verify)",
+                    v["readback_tok_s"],
+                    v["accept_len"],
+                ]
+            )
+            rows.append(
+                [
+                    f"{key}/json D=16",
+                    f"host links (x{v['ratio']:.3f}, {v['host_links_verify_ms']:.2f} "
+                    f"ms/verify, same {v['identical']:.0%})",
+                    v["host_links_tok_s"],
+                    v["accept_len"],
+                ]
+            )
     print_table("SmolLM2-135M bf16", ["batch/workload", "variant", "tok/s", "accept len"], rows)
     big = log.get("llama3_8b_shape", {})
     if "floor_ms" in big:
         rows = [[k, v, v / big["floor_ms"]] for k, v in big.items() if k.endswith("_ms") and k != "floor_ms"]
-        print_table(f"8B-shaped random model (floor {big['floor_ms']:.2f} ms, copy {big['copy_bw_tb_s']:.2f} TB/s)",
-                    ["step", "ms", "x floor"], rows)
+        print_table(
+            f"8B-shaped random model (floor {big['floor_ms']:.2f} ms, copy {big['copy_bw_tb_s']:.2f} TB/s)",
+            ["step", "ms", "x floor"],
+            rows,
+        )
 
 
 def main() -> int:
@@ -597,32 +803,73 @@ def main() -> int:
     p.add_argument("--parts", default="smollm2,links,8b")
     p.add_argument("--num-draft-tokens", type=int, default=16, help="D of the smollm2 part's NGRAM engine")
     args = p.parse_args()
-    log: dict[str, Any] = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    log: dict[str, Any] = {
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    }
     parts = args.parts.split(",")
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     if "smollm2" in parts:
-        _safe("smollm2", lambda: bench_small_model(args.model, sizes, args.max_tokens, args.repeats,
-                                                   transformers=not args.no_transformers,
-                                                   width=args.num_draft_tokens), log)
+        _safe(
+            "smollm2",
+            lambda: bench_small_model(
+                args.model,
+                sizes,
+                args.max_tokens,
+                args.repeats,
+                transformers=not args.no_transformers,
+                width=args.num_draft_tokens,
+            ),
+            log,
+        )
         if "error" in log["smollm2"]:  # recorded above; measure the eager path too rather than nothing
-            _safe("smollm2_eager", lambda: bench_small_model(args.model, sizes, args.max_tokens, args.repeats,
-                                                             graphs=False, transformers=not args.no_transformers,
-                                                             width=args.num_draft_tokens),
-                  log)
+            _safe(
+                "smollm2_eager",
+                lambda: bench_small_model(
+                    args.model,
+                    sizes,
+                    args.max_tokens,
+                    args.repeats,
+                    graphs=False,
+                    transformers=not args.no_transformers,
+                    width=args.num_draft_tokens,
+                ),
+                log,
+            )
     if "links" in parts:
-        _safe("links_equal_work", lambda: bench_links_equal_work(args.model, sizes, args.max_tokens, args.repeats), log)
+        _safe(
+            "links_equal_work",
+            lambda: bench_links_equal_work(args.model, sizes, args.max_tokens, args.repeats),
+            log,
+        )
     if "acceptor" in parts and torch.cuda.is_available():
         _safe("acceptor", lambda: bench_acceptor(sizes), log)
-        _safe("acceptor_engine", lambda: bench_acceptor_engine(args.model, sizes, args.max_tokens, args.repeats), log)
+        _safe(
+            "acceptor_engine",
+            lambda: bench_acceptor_engine(args.model, sizes, args.max_tokens, args.repeats),
+            log,
+        )
     if "trim" in parts:
         _safe("trim_trees", lambda: bench_trim_trees(args.model, sizes, args.max_tokens, args.repeats), log)
     if "overhead" in parts:
-        _safe("spec_overhead", lambda: bench_spec_overhead(args.model, sizes, args.max_tokens, args.repeats), log)
+        _safe(
+            "spec_overhead",
+            lambda: bench_spec_overhead(args.model, sizes, args.max_tokens, args.repeats),
+            log,
+        )
     if "8b" in parts and torch.cuda.is_available():
         _safe("llama3_8b_shape", bench_8b, log)
-    kernel_parts = tuple(p for p, name in (("linear", "kernels"), ("steps", "kernels"), ("steps", "kernel_steps"),
-                                           ("splits", "kernel_splits"), ("verify_splits", "verify_splits"))
-                         if name in parts)
+    kernel_parts = tuple(
+        p
+        for p, name in (
+            ("linear", "kernels"),
+            ("steps", "kernels"),
+            ("steps", "kernel_steps"),
+            ("splits", "kernel_splits"),
+            ("verify_splits", "verify_splits"),
+        )
+        if name in parts
+    )
     if kernel_parts and torch.cuda.is_available():
         from benchmarks.bench_kernels import run as run_kernels
 

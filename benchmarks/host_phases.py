@@ -15,7 +15,8 @@ import functools
 import pkgutil
 import time
 from collections import defaultdict
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -41,18 +42,18 @@ ENGINE_PHASES: tuple[tuple[str, str, str], ...] = (
     ("      allocate bitmask", "ngrammar.grammar", "allocate_bitmask"),
     ("      fill bitmask (a row)", "ngrammar.grammar.backend.GrammarMatcher", "fill_bitmask"),
     ("      apply bitmask", "ngrammar.grammar", "apply_bitmask"),
-    ("  index plain step", "ngrammar.spec.worker.NgramSpecWorker", "index_plain_step"),
-    ("  choose width", "ngrammar.spec.worker.NgramSpecWorker", "choose_width"),
+    ("  index plain step", "ngrammar.speculative.worker.NgramSpecWorker", "index_plain_step"),
+    ("  choose width", "ngrammar.speculative.worker.NgramSpecWorker", "choose_width"),
     ("  schedule", "ngrammar.engine.scheduler.Scheduler", "schedule"),
-    ("  verify", "ngrammar.spec.worker.NgramSpecWorker", "run_verify"),
-    ("    draft (batch_get)", "ngrammar.spec.corpus.NgramCorpus", "batch_get"),
-    ("    step input", "ngrammar.spec.worker.NgramSpecWorker", "_step_input"),
-    ("    index outputs", "ngrammar.spec.worker.NgramSpecWorker", "index_outputs"),
-    ("    grammar tree masks", "ngrammar.spec.worker.NgramSpecWorker", "_apply_grammar"),
+    ("  verify", "ngrammar.speculative.worker.NgramSpecWorker", "run_verify"),
+    ("    draft (batch_get)", "ngrammar.speculative.corpus.NgramCorpus", "batch_get"),
+    ("    step input", "ngrammar.speculative.worker.NgramSpecWorker", "_step_input"),
+    ("    index outputs", "ngrammar.speculative.worker.NgramSpecWorker", "index_outputs"),
+    ("    grammar tree masks", "ngrammar.speculative.worker.NgramSpecWorker", "_apply_grammar"),
     ("    accept graph", "ngrammar.runner.cuda_graph.CUDAGraphRunner", "accept"),
     ("    compact KV", "ngrammar.runner.model_runner.ModelRunner", "compact_accepted_kv"),
     ("    to_host (waits)", "ngrammar.runner.model_runner.ModelRunner", "to_host"),
-    ("    verify commit", "ngrammar.spec.worker.NgramSpecWorker", "_commit"),
+    ("    verify commit", "ngrammar.speculative.worker.NgramSpecWorker", "_commit"),
     ("  outputs", "ngrammar.engine.engine.LLMEngine", "_collect_outputs"),
 )
 
@@ -84,7 +85,7 @@ class PhaseTimer:
 
         return timed
 
-    def __enter__(self) -> "PhaseTimer":
+    def __enter__(self) -> PhaseTimer:
         try:
             for name, owner, attr in self.phases:
                 cls = pkgutil.resolve_name(owner)

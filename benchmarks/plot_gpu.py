@@ -1,6 +1,6 @@
 """Plot tok/s vs batch size per variant from a gpu_bench JSON log.
 
-    python -m benchmarks.plot_gpu benchmarks/results/gpu_bench_h200.json benchmarks/results/gpu_tok_s.png
+python -m benchmarks.plot_gpu benchmarks/results/gpu_bench_h200.json benchmarks/results/gpu_tok_s.png
 """
 
 from __future__ import annotations
@@ -42,8 +42,13 @@ def main(src: str, dst: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     for label, pts in sorted(series(log).items()):
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label,
-                linestyle="--" if "plain" in label else "-")
+        ax.plot(
+            [p[0] for p in pts],
+            [p[1] for p in pts],
+            marker="o",
+            label=label,
+            linestyle="--" if "plain" in label else "-",
+        )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("batch size")

@@ -17,8 +17,9 @@ import json
 import pstats
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -37,8 +38,11 @@ def _generate(llm: LLM, prompts: list[Any], max_tokens: int, grammar: bool = Fal
     """Greedy decoding of ``prompts``: to max_tokens, or with ``grammar`` under "any JSON object"
     until the JSON ends."""
     forget_outputs(llm)
-    params = (SamplingParams(max_tokens=max_tokens, temperature=0, json_object=True) if grammar
-              else SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    params = (
+        SamplingParams(max_tokens=max_tokens, temperature=0, json_object=True)
+        if grammar
+        else SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    )
     eng = llm.engine
     steps0 = eng.stats.steps
     outs = llm.chat(prompts, params, use_tqdm=False)
@@ -87,8 +91,13 @@ def kernel_table(llm: LLM, bs: int, width: int, out: Path, replays: int = 10) ->
 def profile_variant(llm: LLM, label: str, prompts: list[Any], max_tokens: int, out: Path) -> dict[str, Any]:
     _generate(llm, prompts, 16)
     stats = llm.engine.stats
-    f0, s0, v0, e0, k0 = (stats.forward_seconds, stats.step_seconds, stats.spec_steps, stats.verify_emitted,
-                          stats.verify_steps)
+    f0, s0, v0, e0, k0 = (
+        stats.forward_seconds,
+        stats.step_seconds,
+        stats.spec_steps,
+        stats.verify_emitted,
+        stats.verify_steps,
+    )
     vs0, d0, c0 = stats.verify_seconds, stats.draft_seconds, stats.chained_steps
     tok_s, steps = _generate(llm, prompts, max_tokens)
     chained = stats.chained_steps - c0
@@ -109,22 +118,30 @@ def profile_variant(llm: LLM, label: str, prompts: list[Any], max_tokens: int, o
     ps.sort_stats("cumtime").print_stats(60)
     (out / f"{label}.prof.txt").write_text(text.getvalue())
     width = _max_width(llm)
-    res = {"tok_s": tok_s, "steps": steps, "verify_steps": verify_steps, "chained_steps": chained,
-           "accept_len": accept,
-           "step_ms": step_ms, "forward_call_ms": forward_ms, "verify_step_ms": verify_ms,
-           "draft_ms_per_verify": draft_ms,
-           "graph_replay_ms": _graph_replay_ms(llm, len(prompts), 1),
-           "graph_replay_verify_ms": None if width == 1 else _graph_replay_ms(llm, len(prompts), width)}
+    res = {
+        "tok_s": tok_s,
+        "steps": steps,
+        "verify_steps": verify_steps,
+        "chained_steps": chained,
+        "accept_len": accept,
+        "step_ms": step_ms,
+        "forward_call_ms": forward_ms,
+        "verify_step_ms": verify_ms,
+        "draft_ms_per_verify": draft_ms,
+        "graph_replay_ms": _graph_replay_ms(llm, len(prompts), 1),
+        "graph_replay_verify_ms": None if width == 1 else _graph_replay_ms(llm, len(prompts), width),
+    }
     print(label, json.dumps(res), flush=True)
     return res
 
 
-def _variants(plain: LLM, spec: LLM, batch_sizes: list[int],
-              grammar: bool = False) -> Iterator[tuple[str, LLM, list[Any]]]:
+def _variants(
+    plain: LLM, spec: LLM, batch_sizes: list[int], grammar: bool = False
+) -> Iterator[tuple[str, LLM, list[Any]]]:
     """("plain|ngram/b{bs}/{grounded|open|json}", engine, prompts) for every batch size, in table
     order; with ``grammar`` only the extraction prompts that the JSON grammar runs on."""
     for bs in batch_sizes:
-        for kind in (("json",) if grammar else ("grounded", "open")):
+        for kind in ("json",) if grammar else ("grounded", "open"):
             prompts = extraction_prompts(bs) if kind == "json" else _prompts(kind, bs)
             for name, llm in (("plain", plain), ("ngram", spec)):
                 yield f"{name}/b{bs}/{kind}", llm, prompts
@@ -140,21 +157,34 @@ def phase_variant(llm: LLM, prompts: list[Any], max_tokens: int, grammar: bool =
     _generate(llm, prompts, 16, grammar)
     with PhaseTimer() as timer:
         tok_s, steps = _generate(llm, prompts, max_tokens, grammar)
-    return {"tok_s": tok_s, "steps": steps,
-            "phases": {name: [us, calls] for name, us, calls in timer.per_step(steps)}}
+    return {
+        "tok_s": tok_s,
+        "steps": steps,
+        "phases": {name: [us, calls] for name, us, calls in timer.per_step(steps)},
+    }
 
 
-def run_phases(plain: LLM, spec: LLM, batch_sizes: list[int], max_tokens: int,
-               grammar: bool = False) -> dict[str, Any]:
+def run_phases(
+    plain: LLM, spec: LLM, batch_sizes: list[int], max_tokens: int, grammar: bool = False
+) -> dict[str, Any]:
     """The phase table of plain and NGRAM decoding at each batch size, plus single CUDA call costs."""
-    log: dict[str, Any] = {label: phase_variant(llm, prompts, max_tokens, grammar)
-                           for label, llm, prompts in _variants(plain, spec, batch_sizes, grammar)}
+    log: dict[str, Any] = {
+        label: phase_variant(llm, prompts, max_tokens, grammar)
+        for label, llm, prompts in _variants(plain, spec, batch_sizes, grammar)
+    }
     names = [n for n, _, _ in ENGINE_PHASES if any(n in v["phases"] for v in log.values())]
-    rows = [[n] + [f"{v['phases'][n][0]:.0f} ({v['phases'][n][1]:.2f})" if n in v["phases"] else ""
-                   for v in log.values()] for n in names]
+    rows = [
+        [n]
+        + [
+            f"{v['phases'][n][0]:.0f} ({v['phases'][n][1]:.2f})" if n in v["phases"] else ""
+            for v in log.values()
+        ]
+        for n in names
+    ]
     rows.append(["tok/s"] + [f"{v['tok_s']:.0f}" for v in log.values()])
-    print_table("host phases: µs per engine step (calls per step), inclusive, nested",
-                ["phase"] + list(log), rows)
+    print_table(
+        "host phases: µs per engine step (calls per step), inclusive, nested", ["phase"] + list(log), rows
+    )
     ops = op_costs()
     graphs = plain.engine.runner.graphs
     if graphs is not None and graphs.capture:
@@ -168,23 +198,49 @@ def run_phases(plain: LLM, spec: LLM, batch_sizes: list[int], max_tokens: int,
     return log
 
 
-def run_profile(plain: LLM, spec: LLM, batch_sizes: list[int], max_tokens: int, out: Path,
-                kernels: bool = False) -> dict[str, Any]:
+def run_profile(
+    plain: LLM, spec: LLM, batch_sizes: list[int], max_tokens: int, out: Path, kernels: bool = False
+) -> dict[str, Any]:
     """Profile plain and NGRAM decoding at each batch size; prints the breakdown table last."""
     out.mkdir(parents=True, exist_ok=True)
-    log: dict[str, Any] = {label: profile_variant(llm, label.replace("/", "_"), prompts, max_tokens, out)
-                           for label, llm, prompts in _variants(plain, spec, batch_sizes)}
+    log: dict[str, Any] = {
+        label: profile_variant(llm, label.replace("/", "_"), prompts, max_tokens, out)
+        for label, llm, prompts in _variants(plain, spec, batch_sizes)
+    }
     if kernels:
         for bs, width in ((1, 1), (8, 1), (1, _max_width(spec))):
             kernel_table(spec if width > 1 else plain, bs, width, out)
-    rows = [[k, v["tok_s"], f"{v['verify_steps']}/{v['chained_steps']}/{v['steps']}", v["accept_len"], v["step_ms"],
-             v["forward_call_ms"],
-             v["verify_step_ms"] if v["verify_steps"] else "", v["draft_ms_per_verify"] if v["verify_steps"] else "",
-             v["graph_replay_ms"] or "", v["graph_replay_verify_ms"] or ""]
-            for k, v in log.items()]
-    print_table("decode step breakdown", ["variant", "tok/s", "verify/chained/steps", "accept len", "step ms",
-                                          "in forward() ms", "verify step ms", "draft+index ms",
-                                          "replay ms (W=1)", "replay ms (W=D)"], rows)
+    rows = [
+        [
+            k,
+            v["tok_s"],
+            f"{v['verify_steps']}/{v['chained_steps']}/{v['steps']}",
+            v["accept_len"],
+            v["step_ms"],
+            v["forward_call_ms"],
+            v["verify_step_ms"] if v["verify_steps"] else "",
+            v["draft_ms_per_verify"] if v["verify_steps"] else "",
+            v["graph_replay_ms"] or "",
+            v["graph_replay_verify_ms"] or "",
+        ]
+        for k, v in log.items()
+    ]
+    print_table(
+        "decode step breakdown",
+        [
+            "variant",
+            "tok/s",
+            "verify/chained/steps",
+            "accept len",
+            "step ms",
+            "in forward() ms",
+            "verify step ms",
+            "draft+index ms",
+            "replay ms (W=1)",
+            "replay ms (W=D)",
+        ],
+        rows,
+    )
     return log
 
 
@@ -196,21 +252,44 @@ def main() -> int:
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--kernels", action="store_true", help="also print the kernels of the b=1 and b=8 graphs")
-    p.add_argument("--fixed-width", action="store_true", help="NGRAM always verifies at D=16 (policy and tree trimming off)")
-    p.add_argument("--phases", action="store_true",
-                   help="only the host phase table (benchmarks/host_phases.py), no cProfile or kernels")
-    p.add_argument("--grammar", action="store_true",
-                   help="with --phases: extraction prompts under the json_object grammar")
+    p.add_argument(
+        "--fixed-width",
+        action="store_true",
+        help="NGRAM always verifies at D=16 (policy and tree trimming off)",
+    )
+    p.add_argument(
+        "--phases",
+        action="store_true",
+        help="only the host phase table (benchmarks/host_phases.py), no cProfile or kernels",
+    )
+    p.add_argument(
+        "--grammar",
+        action="store_true",
+        help="with --phases: extraction prompts under the json_object grammar",
+    )
     args = p.parse_args()
     out = Path(args.out)
     plain = LLM(args.model, device=args.device)
-    spec = LLM(args.model, device=args.device, speculative="ngram", num_draft_tokens=16,
-               spec_adaptive=not args.fixed_width, spec_trim_trees=not args.fixed_width)
+    spec = LLM(
+        args.model,
+        device=args.device,
+        speculative="ngram",
+        num_draft_tokens=16,
+        spec_adaptive=not args.fixed_width,
+        spec_trim_trees=not args.fixed_width,
+    )
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     out.mkdir(parents=True, exist_ok=True)
-    result = (run_phases(plain, spec, sizes, args.max_tokens, args.grammar) if args.phases
-              else run_profile(plain, spec, sizes, args.max_tokens, out, args.kernels))
-    log = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "result": result}
+    result = (
+        run_phases(plain, spec, sizes, args.max_tokens, args.grammar)
+        if args.phases
+        else run_profile(plain, spec, sizes, args.max_tokens, out, args.kernels)
+    )
+    log = {
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "result": result,
+    }
     (out / "profile.json").write_text(json.dumps(log, indent=1, default=str))
     return 0
 

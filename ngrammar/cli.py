@@ -1,4 +1,4 @@
-"""Command line: ``ngrammar generate | serve | bench``. Errors print one line and exit 2."""
+"""Command line: ``ngrammar generate | serve`` (benchmarks: ``python -m benchmarks``). Errors print one line and exit 2."""
 
 from __future__ import annotations
 
@@ -6,61 +6,11 @@ import argparse
 import dataclasses
 import json
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
+from ngrammar.args import add_engine_args, engine_kwargs
 from ngrammar.sampling_params import SamplingParams
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: embedded SmolLM2-135M)")
-    g.add_argument("--device", default="auto")
-    g.add_argument("--dtype", default="auto")
-    g.add_argument("--page-size", type=int, default=16)
-    g.add_argument("--kv-cache-tokens", type=int, default=None)
-    g.add_argument("--max-running-requests", type=int, default=64)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "triton"])
-    g.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", help="run every step eagerly")
-    g.add_argument("--cuda-graph-max-bs", type=int, default=64)
-    g.add_argument("--overlap-schedule", default="auto", choices=["auto", "on", "off"],
-                   help="launch each plain decode step before reading the last one back (auto: on for CUDA)")
-    s = p.add_argument_group("speculation")
-    s.add_argument("--speculative", default=None, choices=["ngram"])
-    s.add_argument("--num-draft-tokens", type=int, default=None)
-    s.add_argument("--ngram-match-type", default=None, choices=["BFS", "PROB"])
-    s.add_argument("--ngram-max-bfs-breadth", type=int, default=None)
-    s.add_argument("--ngram-min-bfs-breadth", type=int, default=None)
-    s.add_argument("--ngram-max-trie-depth", type=int, default=None)
-    s.add_argument("--ngram-capacity", type=int, default=None)
-    s.add_argument("--no-spec-adaptive", dest="spec_adaptive", action="store_const", const=False, default=None)
-    s.add_argument("--no-spec-accept-kernel", dest="spec_accept_kernel", action="store_const", const=False,
-                   default=None, help="CUDA graphs: greedy acceptance with torch ops, not the Triton kernel")
-    s.add_argument("--no-spec-trim-trees", dest="spec_trim_trees", action="store_const", const=False,
-                   default=None, help="verify draft trees as drafted: padding and grammar-forbidden drafts included")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    kw: dict[str, Any] = {
-        "model": args.model,
-        "device": args.device,
-        "dtype": args.dtype,
-        "page_size": args.page_size,
-        "kv_cache_tokens": args.kv_cache_tokens,
-        "max_running_requests": args.max_running_requests,
-        "max_model_len": args.max_model_len,
-        "attention_backend": args.attention_backend,
-        "cuda_graph": args.cuda_graph,
-        "cuda_graph_max_bs": args.cuda_graph_max_bs,
-        "overlap_schedule": {"auto": None, "on": True, "off": False}[args.overlap_schedule],
-        "speculative": args.speculative,
-    }
-    for name in ("num_draft_tokens", "ngram_match_type", "ngram_max_bfs_breadth", "ngram_min_bfs_breadth",
-                 "ngram_max_trie_depth", "ngram_capacity", "spec_adaptive", "spec_accept_kernel",
-                 "spec_trim_trees"):
-        if getattr(args, name) is not None:
-            kw[name] = getattr(args, name)
-    return kw
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -72,7 +22,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[])
     p.add_argument("--json-schema", default=None, help="JSON schema (inline JSON or @file)")
     p.add_argument("--regex", default=None)
-    p.add_argument("--ignore-eos", action="store_true", help="generate max-tokens tokens whatever the model ends with")
+    p.add_argument(
+        "--ignore-eos", action="store_true", help="generate max-tokens tokens whatever the model ends with"
+    )
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -81,8 +33,15 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         with open(schema[1:]) as f:
             schema = f.read()
     return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, stop=tuple(args.stop), json_schema=schema, regex=args.regex, ignore_eos=args.ignore_eos,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        json_schema=schema,
+        regex=args.regex,
+        ignore_eos=args.ignore_eos,
     )
 
 
@@ -106,16 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-queue", type=int, default=256)
     add_engine_args(srv)
 
-    bench = sub.add_parser("bench", help="benchmarks (see benchmarks/)")
-    bench.add_argument("suite", nargs="?", default="engine",
-                       choices=["engine", "spec", "grammar", "serve", "profile", "host", "calibration", "drafts"])
-    bench.add_argument("--grammar", action="store_true", help="same as the 'grammar' suite")
-    bench.add_argument("--batch-sizes", default=None, help="comma-separated, e.g. 1,8,32")
-    bench.add_argument("--max-tokens", type=int, default=None)
-    bench.add_argument("--repeats", type=int, default=None)
-    bench.add_argument("--out", default=None, help="write the results as JSON here")
-    bench.add_argument("--no-transformers", action="store_true")
-    add_engine_args(bench)
     return parser
 
 
@@ -124,29 +73,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
-        if args.command == "serve":
-            from ngrammar.server.app import serve
+        from ngrammar.server.app import serve
 
-            return serve(args)
-        return _bench(args)
+        return serve(args)
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # the CLI's contract: one clear line, exit code 2, no traceback
         print(f"ngrammar: error: {e}", file=sys.stderr)
         return 2
-
-
-def _bench(args: argparse.Namespace) -> int:
-    """Benchmarks live in the repository's ``benchmarks/`` folder, beside the package."""
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    if not (root / "benchmarks" / "cli.py").exists():
-        raise RuntimeError("ngrammar bench needs a source checkout (the benchmarks/ folder)")
-    sys.path.insert(0, str(root))
-    from benchmarks.cli import run_benchmark
-
-    return run_benchmark(args)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -155,7 +89,9 @@ def _generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.input is None):
         raise ValueError("give either a PROMPT or --input prompts.jsonl")
     params = sampling_params(args)
-    rows = _read_rows(args.input, args.chat) if args.input is not None else None  # checked before the model loads
+    rows = (
+        _read_rows(args.input, args.chat) if args.input is not None else None
+    )  # checked before the model loads
     llm = LLM(**engine_kwargs(args))
     if rows is not None:
         return _generate_batch(llm, args, params, rows)
@@ -234,12 +170,18 @@ def _generate_batch(
     failed = 0
     try:
         for (_, row, _), out in zip(rows, outs):
-            record: dict[str, Any] = {"prompt": row.get("prompt", row.get("messages")), "text": out.text,
-                                      "finish_reason": out.finish_reason, "metrics": out.metrics}
+            record: dict[str, Any] = {
+                "prompt": row.get("prompt", row.get("messages")),
+                "text": out.text,
+                "finish_reason": out.finish_reason,
+                "metrics": out.metrics,
+            }
             if len(out.outputs) > 1:
                 record["outputs"] = [{"text": c.text, "finish_reason": c.finish_reason} for c in out.outputs]
             if out.outputs[0].logprobs is not None:  # [token id, logprob, [[id, logprob] of the top ones]]
-                record["logprobs"] = [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in out.outputs[0].logprobs]
+                record["logprobs"] = [
+                    [lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in out.outputs[0].logprobs
+                ]
             errors = [c.error for c in out.outputs if c.error]
             if errors:
                 record["error"] = errors[0]

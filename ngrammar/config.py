@@ -2,23 +2,47 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+# Flat keyword arguments of ``LLM`` / command-line flags -> SpeculativeConfig fields. The one place
+# that names them: ``llm.build_engine_config`` and ``args.add_engine_args`` both read it.
+SPECULATIVE_ARGS = {
+    "num_draft_tokens": "num_draft_tokens",
+    "ngram_match_type": "match_type",
+    "ngram_max_bfs_breadth": "max_bfs_breadth",
+    "ngram_min_bfs_breadth": "min_bfs_breadth",
+    "ngram_max_trie_depth": "max_trie_depth",
+    "ngram_capacity": "capacity",
+    "spec_threshold_single": "threshold_single",
+    "spec_threshold_acc": "threshold_acc",
+    "spec_adaptive": "adaptive",
+    "ngram_index_prompt": "index_prompt",
+    "spec_accept_kernel": "accept_kernel",
+    "spec_trim_trees": "trim_trees",
+}
+
+
+def _opt(default: Any, help: str, choices: list[str] | None = None, flag: str | None = None) -> Any:
+    """A field with the help text, choices and (when not its own name) the name of its command-line
+    flag (``args.add_engine_args``)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "flag": flag})
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """NGRAM tree speculation (no draft model). D = ``num_draft_tokens`` counts the root node."""
 
-    num_draft_tokens: int = 8
-    match_type: str = "BFS"  # "BFS": recency; "PROB": frequency
+    num_draft_tokens: int = _opt(8, "draft tree size D, root included")
+    match_type: str = _opt("BFS", "BFS: recent continuations first; PROB: frequent ones", ["BFS", "PROB"])
     max_bfs_breadth: int = 10
     min_bfs_breadth: int = 1
     max_trie_depth: int = 18
-    capacity: int = 1_000_000  # trie nodes
-    threshold_single: float = 1.0  # 1.0/1.0 = lossless target sampling
+    capacity: int = _opt(1_000_000, "n-gram trie nodes")
+    threshold_single: float = _opt(1.0, "1.0 (with threshold_acc 1.0) = lossless target sampling")
     threshold_acc: float = 1.0
-    adaptive: bool = True  # shrink D or decode plainly when speculation would not pay
-    index_prompt: bool = True  # prompts feed the corpus at admission (prompt copying)
+    adaptive: bool = _opt(True, "shrink D or decode plainly when speculation would not pay")
+    index_prompt: bool = _opt(True, "prompts feed the corpus at admission (prompt copying)")
     # CUDA-graph greedy verify steps accept with the one-launch Triton kernel (kernels/tree_accept.py);
     # False: with the torch ops of verify_tree_greedy (an A/B switch; CPU always uses the torch ops).
     accept_kernel: bool = True
@@ -44,25 +68,27 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
-    device: str = "auto"
-    dtype: str = "auto"
-    page_size: int = 16
-    kv_cache_tokens: int | None = None  # KV pool size in tokens; None: from memory
-    gpu_memory_utilization: float = 0.5  # share of free GPU memory for the KV pool
-    cpu_kv_cache_tokens: int = 65536
+    model: str | None = _opt(None, "GGUF file or Hugging Face folder (default: embedded SmolLM2-135M)")
+    device: str = _opt("auto", "cpu, cuda, cuda:N or auto")
+    dtype: str = _opt("auto", "float32, bfloat16, float16 or auto")
+    page_size: int = _opt(16, "KV page size in tokens (a power of two)")
+    kv_cache_tokens: int | None = _opt(None, "KV pool size in tokens (default: from memory)")
+    gpu_memory_utilization: float = _opt(0.5, "share of free GPU memory for the KV pool")
+    cpu_kv_cache_tokens: int = _opt(65536, "KV pool size in tokens on a CPU")
     max_running_requests: int = 64
-    max_prefill_tokens: int = 2048  # per step; longer prompts are prefilled in chunks
-    max_model_len: int | None = None  # None: the model's context length
-    attention_backend: str = "auto"  # "auto", "sdpa", "triton"
+    max_prefill_tokens: int = _opt(2048, "prefill tokens per step; longer prompts are prefilled in chunks")
+    max_model_len: int | None = _opt(None, "context length (default: the model's)")
+    attention_backend: str = _opt("auto", "attention kernels", ["auto", "sdpa", "triton"])
     speculative: SpeculativeConfig | None = None
-    seed: int = 0  # seeds requests that bring none
+    seed: int = _opt(0, "seeds requests that bring none", flag="engine_seed")
     grammar_cache_size: int = 256
-    cuda_graph: bool = True  # replay captured graphs for uniform decode / verify steps (CUDA only)
-    cuda_graph_max_bs: int = 64  # largest batch-size bucket captured; bigger batches run eagerly
+    cuda_graph: bool = _opt(True, "replay captured CUDA graphs for decode / verify steps (off: run eagerly)")
+    cuda_graph_max_bs: int = _opt(64, "largest batch-size bucket captured; bigger batches run eagerly")
     # Launch a plain decode step before the previous one is read back, so the host's work overlaps
     # the device. None: on for CUDA; on a CPU the forward is synchronous and there is nothing to hide.
-    overlap_schedule: bool | None = None
+    overlap_schedule: bool | None = _opt(
+        None, "launch each plain step before reading the last back (auto: CUDA)"
+    )
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -72,14 +98,20 @@ class EngineConfig:
         if self.max_prefill_tokens < self.page_size:
             raise ValueError("max_prefill_tokens must be at least one page")
         if self.attention_backend not in ("auto", "sdpa", "triton"):
-            raise ValueError(f"attention_backend must be auto, sdpa or triton, got {self.attention_backend!r}")
+            raise ValueError(
+                f"attention_backend must be auto, sdpa or triton, got {self.attention_backend!r}"
+            )
         if not 0 < self.gpu_memory_utilization < 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1)")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:
-            raise ValueError(f"kv_cache_tokens must hold at least one page ({self.page_size}), got {self.kv_cache_tokens}")
+            raise ValueError(
+                f"kv_cache_tokens must hold at least one page ({self.page_size}), got {self.kv_cache_tokens}"
+            )
         if self.cpu_kv_cache_tokens < self.page_size:
             raise ValueError(f"cpu_kv_cache_tokens must hold at least one page ({self.page_size})")
         if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be at least 2 (a prompt token and an output), got {self.max_model_len}")
+            raise ValueError(
+                f"max_model_len must be at least 2 (a prompt token and an output), got {self.max_model_len}"
+            )
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be positive, got {self.cuda_graph_max_bs}")

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import fields
-from typing import Any, Iterator, Sequence
+from typing import Any
 
-from ngrammar.config import EngineConfig, SpeculativeConfig
+from ngrammar.config import SPECULATIVE_ARGS, EngineConfig, SpeculativeConfig
 from ngrammar.engine.engine import LLMEngine
 from ngrammar.model.tokenizer import Message
 from ngrammar.outputs import RequestOutput
@@ -13,25 +14,12 @@ from ngrammar.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 
-_SPEC_ARGS = {
-    "num_draft_tokens": "num_draft_tokens",
-    "ngram_match_type": "match_type",
-    "ngram_max_bfs_breadth": "max_bfs_breadth",
-    "ngram_min_bfs_breadth": "min_bfs_breadth",
-    "ngram_max_trie_depth": "max_trie_depth",
-    "ngram_capacity": "capacity",
-    "spec_threshold_single": "threshold_single",
-    "spec_threshold_acc": "threshold_acc",
-    "spec_adaptive": "adaptive",
-    "ngram_index_prompt": "index_prompt",
-    "spec_accept_kernel": "accept_kernel",
-    "spec_trim_trees": "trim_trees",
-}
 
-
-def build_engine_config(model: str | None = None, speculative: str | None = None, **kwargs: Any) -> EngineConfig:
+def build_engine_config(
+    model: str | None = None, speculative: str | None = None, **kwargs: Any
+) -> EngineConfig:
     """Split flat keyword arguments into the engine and speculative configs (unknown names fail)."""
-    spec_kwargs = {_SPEC_ARGS[k]: kwargs.pop(k) for k in list(kwargs) if k in _SPEC_ARGS}
+    spec_kwargs = {SPECULATIVE_ARGS[k]: kwargs.pop(k) for k in list(kwargs) if k in SPECULATIVE_ARGS}
     engine_names = {f.name for f in fields(EngineConfig)}
     unknown = set(kwargs) - engine_names
     if unknown:
@@ -47,7 +35,9 @@ def build_engine_config(model: str | None = None, speculative: str | None = None
 
 
 class LLM:
-    def __init__(self, model: str | None = None, device: str = "auto", dtype: str = "auto", **kwargs: Any) -> None:
+    def __init__(
+        self, model: str | None = None, device: str = "auto", dtype: str = "auto", **kwargs: Any
+    ) -> None:
         self.engine = LLMEngine(build_engine_config(model, device=device, dtype=dtype, **kwargs))
         self.tokenizer = self.engine.tokenizer
 
@@ -57,7 +47,9 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (
+            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]  # type: ignore[list-item]
         return self._run(list(prompts), params, use_tqdm)  # type: ignore[arg-type]
 
@@ -72,9 +64,14 @@ class LLM:
         return self._run(list(conversations), params, use_tqdm)  # type: ignore[arg-type]
 
     def _run(
-        self, prompts: list[Any], params: SamplingParams | Sequence[SamplingParams] | None, use_tqdm: bool | None
+        self,
+        prompts: list[Any],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool | None,
     ) -> list[RequestOutput]:
-        plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        plist = (
+            list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        )
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
         ids = self._add_all(prompts, plist)

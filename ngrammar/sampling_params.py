@@ -55,7 +55,9 @@ class SamplingParams:
         try:
             stop, ids = tuple(stop), tuple(ids)  # any iterable: a list, a set, a numpy array
         except TypeError:
-            raise InvalidRequestError(f"stop and stop_token_ids must be sequences, got {self.stop!r} / {ids!r}") from None
+            raise InvalidRequestError(
+                f"stop and stop_token_ids must be sequences, got {self.stop!r} / {ids!r}"
+            ) from None
         if not all(map(_is_int, ids)):
             raise InvalidRequestError(f"stop_token_ids must be integers, got {ids!r}")
         object.__setattr__(self, "stop", stop)
@@ -76,12 +78,16 @@ class SamplingParams:
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             fail(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_TOP_K:
-            fail(f"top_k must be -1, 0 (disabled) or a positive integer up to {MAX_TOP_K}, got {self.top_k!r}")
+            fail(
+                f"top_k must be -1, 0 (disabled) or a positive integer up to {MAX_TOP_K}, got {self.top_k!r}"
+            )
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             fail(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not _is_int(self.n) or not 1 <= self.n <= 64:
             fail(f"n must be an integer in [1, 64], got {self.n!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
             fail(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail(f"stop strings must be non-empty strings, got {self.stop!r}")
@@ -93,8 +99,15 @@ class SamplingParams:
         if any(g is not None and not isinstance(g, str) for g in (self.regex, self.ebnf)):
             fail("regex and ebnf must be strings")
         if self.json_schema is not None and not isinstance(self.json_schema, (str, dict, bool)):
-            fail(f"json_schema must be a JSON schema (an object, a boolean or its JSON text), got {self.json_schema!r}")
-        grammars = [self.json_schema is not None, self.regex is not None, self.ebnf is not None, self.json_object]
+            fail(
+                f"json_schema must be a JSON schema (an object, a boolean or its JSON text), got {self.json_schema!r}"
+            )
+        grammars = [
+            self.json_schema is not None,
+            self.regex is not None,
+            self.ebnf is not None,
+            self.json_object,
+        ]
         if sum(grammars) > 1:
             fail("only one of json_schema, regex, ebnf, json_object may be set")
 
@@ -105,4 +118,9 @@ class SamplingParams:
 
     @property
     def has_grammar(self) -> bool:
-        return self.json_schema is not None or self.regex is not None or self.ebnf is not None or self.json_object
+        return (
+            self.json_schema is not None
+            or self.regex is not None
+            or self.ebnf is not None
+            or self.json_object
+        )

@@ -31,8 +31,14 @@ def spec_llm():  # type: ignore[no-untyped-def]
     """The same model with NGRAM speculation, non-adaptive so every decode step is a tree verify."""
     from ngrammar import LLM
 
-    return LLM(device="cpu", dtype="float32", kv_cache_tokens=16384, speculative="ngram",
-               num_draft_tokens=8, spec_adaptive=False)
+    return LLM(
+        device="cpu",
+        dtype="float32",
+        kv_cache_tokens=16384,
+        speculative="ngram",
+        num_draft_tokens=8,
+        spec_adaptive=False,
+    )
 
 
 @pytest.fixture(scope="session")

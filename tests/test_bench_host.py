@@ -12,8 +12,11 @@ def test_tiny_checkpoint_loads_and_decodes(tmp_path: Path) -> None:
     folder = tiny_checkpoint(tmp_path / "tiny")
     llm = LLM(model=str(folder), device="cpu", dtype="float32", kv_cache_tokens=1024, overlap_schedule=True)
     assert llm.engine.model_config.num_layers == 1 and llm.engine.model_config.hidden_size == 16
-    out = llm.chat([[{"role": "user", "content": "Say hi."}]], SamplingParams(max_tokens=6, temperature=0,
-                                                                               ignore_eos=True), use_tqdm=False)[0]
+    out = llm.chat(
+        [[{"role": "user", "content": "Say hi."}]],
+        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     assert len(out.token_ids) == 6 and out.prompt_token_ids  # the embedded chat template and tokenizer
     assert llm.engine.stats.chained_steps > 0  # overlap scheduling ran on the CPU too
 
@@ -23,8 +26,16 @@ def test_phase_timer_times_engine_phases_and_restores_them(tmp_path: Path) -> No
     from ngrammar.engine.engine import LLMEngine
 
     folder = tiny_checkpoint(tmp_path / "tiny")
-    llm = LLM(model=str(folder), device="cpu", dtype="float32", kv_cache_tokens=1024, overlap_schedule=True,
-              speculative="ngram", num_draft_tokens=4, spec_adaptive=False)
+    llm = LLM(
+        model=str(folder),
+        device="cpu",
+        dtype="float32",
+        kv_cache_tokens=1024,
+        overlap_schedule=True,
+        speculative="ngram",
+        num_draft_tokens=4,
+        spec_adaptive=False,
+    )
     original = LLMEngine.__dict__["step"]
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     steps0 = llm.engine.stats.steps
@@ -55,4 +66,6 @@ def test_phase_timer_times_grammar_functions_and_restores_them(tmp_path: Path) -
     assert grammar.apply_bitmask is original
     sampled = len(out.token_ids)  # one masked sampling per token, the prefill's first one included
     assert timer.calls["      apply bitmask"] == timer.calls["    grammar rows"] == sampled
-    assert timer.calls["      fill bitmask (a row)"] == sampled  # one row, never finished before its last token
+    assert (
+        timer.calls["      fill bitmask (a row)"] == sampled
+    )  # one row, never finished before its last token

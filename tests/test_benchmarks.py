@@ -99,7 +99,7 @@ def test_the_oracle_chain_bounds_the_corpus_drafts() -> None:
 
 
 def test_grammar_benchmark_pairs_trimmed_and_full_trees_on_the_same_tokens(llm: Any, spec_llm: Any) -> None:
-    """The trimming A/B of ``ngrammar bench grammar`` switches one engine's tree trimming between
+    """The trimming A/B of ``python -m benchmarks grammar`` switches one engine's tree trimming between
     runs: greedy fp32 decoding is lossless on both sides, so both emit the same tokens; trimming
     is on again afterwards."""
     from benchmarks.bench_grammar import run_grammar_benchmark
@@ -108,6 +108,11 @@ def test_grammar_benchmark_pairs_trimmed_and_full_trees_on_the_same_tokens(llm: 
     for name in ("json-extraction", "regex-logs"):
         ab = out[f"{name}/trim_ab"]
         assert ab["identical"] == 1.0 and ab["trimmed_tok_s"] > 0 and ab["full_tok_s"] > 0
-    assert sum(out[f"{n}/trim_ab"]["trimmed_nodes"] + out[f"{n}/trim_ab"]["vetoed_steps"]
-               for n in ("json-extraction", "regex-logs")) > 0  # trimming happened
+    assert (
+        sum(
+            out[f"{n}/trim_ab"]["trimmed_nodes"] + out[f"{n}/trim_ab"]["vetoed_steps"]
+            for n in ("json-extraction", "regex-logs")
+        )
+        > 0
+    )  # trimming happened
     assert spec_llm.engine.spec.trim_trees

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ngrammar.spec import corpus as corpus_module
-from ngrammar.spec.corpus import NgramCorpus
-from ngrammar.spec.tree import DraftTree, mask_from_parents
+from ngrammar.speculative import corpus as corpus_module
+from ngrammar.speculative.corpus import NgramCorpus
+from ngrammar.speculative.tree import DraftTree, mask_from_parents
 
 # ------------------------------------------------------------------------------------- helpers
 
@@ -53,7 +53,9 @@ def assert_tree_contract(tree: DraftTree, contexts: Sequence[Sequence[int]], cor
 
 
 def golden_corpus(match_type: str) -> NgramCorpus:
-    corpus = NgramCorpus(max_trie_depth=12, draft_token_num=8, min_bfs_breadth=1, max_bfs_breadth=8, match_type=match_type)
+    corpus = NgramCorpus(
+        max_trie_depth=12, draft_token_num=8, min_bfs_breadth=1, max_bfs_breadth=8, match_type=match_type
+    )
     corpus.update("a", list(range(1, 11)))
     corpus.update("b", [1, 2, 3, 44, 55, 66, 77, 88, 99, 100])
     return corpus
@@ -126,7 +128,9 @@ def test_paths_from_different_anchors_merge(match_type: str) -> None:
     # under 3 and 5 under 4. BFS takes [2,3]'s children most recent first (6, then 4 merged); PROB
     # takes them in a 1/2 tie, smaller token first (4 merged, then 6). Either way 6 enters the draft
     # after 4, so the output order is the same.
-    corpus = NgramCorpus(max_trie_depth=4, draft_token_num=8, min_bfs_breadth=1, max_bfs_breadth=8, match_type=match_type)
+    corpus = NgramCorpus(
+        max_trie_depth=4, draft_token_num=8, min_bfs_breadth=1, max_bfs_breadth=8, match_type=match_type
+    )
     corpus.index_prompt("a", [1, 2, 3, 4, 5])  # all windows (update would index only the last 4 positions)
     corpus.index_prompt("b", [8, 2, 3, 6])
     tree = corpus.batch_get(["q"], [[1, 2]])
@@ -338,7 +342,9 @@ def test_numpy_histories_work_like_lists() -> None:
 
 streams = st.lists(st.integers(1, 4), min_size=1, max_size=60)
 ops = st.lists(
-    st.tuples(st.sampled_from(["append", "grow", "get", "rewind", "erase"]), st.integers(0, 2), st.integers(1, 6)),
+    st.tuples(
+        st.sampled_from(["append", "grow", "get", "rewind", "erase"]), st.integers(0, 2), st.integers(1, 6)
+    ),
     min_size=1,
     max_size=40,
 )
@@ -354,7 +360,12 @@ ops = st.lists(
     d=st.integers(1, 10),
 )
 def test_incremental_matches_from_scratch(
-    prompts: list[list[int]], script: list[tuple[str, int, int]], match_type: str, capacity: int, depth: int, d: int
+    prompts: list[list[int]],
+    script: list[tuple[str, int, int]],
+    match_type: str,
+    capacity: int,
+    depth: int,
+    d: int,
 ) -> None:
     corpus = NgramCorpus(max_trie_depth=depth, draft_token_num=d, match_type=match_type, capacity=capacity)
     rng = np.random.default_rng(len(script))
@@ -396,8 +407,11 @@ def test_a_match_starts_from_the_insert_cursor_a_step_behind() -> None:
     corpus.index_prompt("r", history)
     advanced: list[int] = []
     advance = corpus._advance_match
-    with mock.patch.object(corpus, "_advance_match",
-                           side_effect=lambda nodes, appended: advanced.append(len(appended)) or advance(nodes, appended)):
+    with mock.patch.object(
+        corpus,
+        "_advance_match",
+        side_effect=lambda nodes, appended: advanced.append(len(appended)) or advance(nodes, appended),
+    ):
         for token in (3, 7, 3):
             history.append(token)
             corpus.batch_get(["r"], [history])
@@ -408,7 +422,10 @@ def test_a_match_starts_from_the_insert_cursor_a_step_behind() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(chunks=st.lists(st.lists(st.integers(1, 5), min_size=1, max_size=5), min_size=1, max_size=25), depth=st.integers(2, 6))
+@given(
+    chunks=st.lists(st.lists(st.integers(1, 5), min_size=1, max_size=5), min_size=1, max_size=25),
+    depth=st.integers(2, 6),
+)
 def test_counts_equal_naive_window_counts(chunks: list[list[int]], depth: int) -> None:
     corpus = NgramCorpus(max_trie_depth=depth)
     history: list[int] = []
@@ -431,7 +448,9 @@ def test_counts_equal_naive_window_counts(chunks: list[list[int]], depth: int) -
 def test_match_length_golden() -> None:
     corpus = NgramCorpus(max_trie_depth=8)
     corpus.index_prompt("p", [1, 2, 3, 4, 1, 2, 3])
-    assert corpus.match_length([9, 4, 1, 2, 3], 8) == 3  # "1 2 3" was followed by 4; "4 1 2 3" never continued
+    assert (
+        corpus.match_length([9, 4, 1, 2, 3], 8) == 3
+    )  # "1 2 3" was followed by 4; "4 1 2 3" never continued
     assert corpus.match_length([9, 4, 1, 2, 3], 2) == 2  # capped
     assert corpus.match_length([3, 2], 8) == 1  # "2" was followed by 3; "3 2" was never seen
     assert corpus.match_length([4, 1], 8) == 2  # "4 1" was followed by 2
@@ -453,8 +472,11 @@ def test_match_length_equals_naive_longest_continued_suffix(
     corpus.index_prompt("r", history)
     continued = windows(history, depth)  # an n-gram is continued iff its (n+1)-gram is a window
     naive = max(
-        (n for n in range(1, min(cap, len(context)) + 1)
-         if any(w[:-1] == tuple(context[-n:]) for w in continued if len(w) == n + 1)),
+        (
+            n
+            for n in range(1, min(cap, len(context)) + 1)
+            if any(w[:-1] == tuple(context[-n:]) for w in continued if len(w) == n + 1)
+        ),
         default=0,
     )
     assert corpus.match_length(context, cap) == naive
@@ -467,7 +489,9 @@ def test_match_length_equals_naive_longest_continued_suffix(
 @given(
     ops=st.lists(
         st.tuples(
-            st.sampled_from(["prompt", "extend"]), st.integers(0, 2), st.lists(st.integers(1, 4), min_size=1, max_size=30)
+            st.sampled_from(["prompt", "extend"]),
+            st.integers(0, 2),
+            st.lists(st.integers(1, 4), min_size=1, max_size=30),
         ),
         min_size=1,
         max_size=8,
@@ -491,7 +515,9 @@ def test_bulk_indexing_equals_per_position_indexing(
     capacity = sum(len(chunk) for _, _, chunk in ops) * depth + headroom  # room for every bulk insert
 
     def run() -> list[object]:
-        corpus = NgramCorpus(max_trie_depth=depth, draft_token_num=6, match_type=match_type, capacity=capacity)
+        corpus = NgramCorpus(
+            max_trie_depth=depth, draft_token_num=6, match_type=match_type, capacity=capacity
+        )
         histories: dict[int, list[int]] = {}
         seen: list[object] = []
 
@@ -514,9 +540,9 @@ def test_bulk_indexing_equals_per_position_indexing(
             observe()
         return seen
 
-    with mock.patch.object(corpus_module, "_BULK_MIN_TOKENS", 1):
+    with mock.patch.object(corpus_module, "BULK_MIN_TOKENS", 1):
         bulk = run()
-    with mock.patch.object(corpus_module, "_BULK_MIN_TOKENS", 10**9):
+    with mock.patch.object(corpus_module, "BULK_MIN_TOKENS", 10**9):
         per_position = run()
     assert bulk == per_position
 
@@ -546,7 +572,9 @@ class NaiveModel:
         return [g[-1] for g in self.count if len(g) == len(ngram) + 1 and g[:-1] == ngram]
 
 
-def naive_draft(model: NaiveModel, context: Sequence[int], d: int, min_b: int, max_b: int, mode: str) -> list[tuple[int, int]]:
+def naive_draft(
+    model: NaiveModel, context: Sequence[int], d: int, min_b: int, max_b: int, mode: str
+) -> list[tuple[int, int]]:
     """(token, parent) per node in output order: a literal FIFO-queue BFS or a probability heap."""
     depth = model.depth
     anchors = [
@@ -615,7 +643,11 @@ def naive_draft(model: NaiveModel, context: Sequence[int], d: int, min_b: int, m
 
 @settings(max_examples=80, deadline=None)
 @given(
-    chunks=st.lists(st.tuples(st.integers(0, 2), st.lists(st.integers(1, 4), min_size=1, max_size=6)), min_size=3, max_size=20),
+    chunks=st.lists(
+        st.tuples(st.integers(0, 2), st.lists(st.integers(1, 4), min_size=1, max_size=6)),
+        min_size=3,
+        max_size=20,
+    ),
     match_type=st.sampled_from(["BFS", "PROB"]),
     depth=st.integers(2, 6),
     d=st.integers(1, 12),
@@ -626,7 +658,11 @@ def test_drafts_equal_a_naive_reference(
 ) -> None:
     min_b, max_b = breadths[0], breadths[0] + breadths[1]
     corpus = NgramCorpus(
-        max_trie_depth=depth, draft_token_num=d, min_bfs_breadth=min_b, max_bfs_breadth=max_b, match_type=match_type
+        max_trie_depth=depth,
+        draft_token_num=d,
+        min_bfs_breadth=min_b,
+        max_bfs_breadth=max_b,
+        match_type=match_type,
     )
     model = NaiveModel(depth)
     histories: dict[int, list[int]] = {}

@@ -8,7 +8,7 @@ The GPU test at the end captures and replays for real.
 from __future__ import annotations
 
 import gc
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -51,8 +51,16 @@ def static_llm() -> Iterator[LLM]:
 
 @pytest.fixture(scope="module")
 def static_spec_llm() -> Iterator[LLM]:
-    llm = _static(LLM(device="cpu", dtype="float32", kv_cache_tokens=SMALL_POOL, speculative="ngram",
-                      num_draft_tokens=8, spec_adaptive=False))
+    llm = _static(
+        LLM(
+            device="cpu",
+            dtype="float32",
+            kv_cache_tokens=SMALL_POOL,
+            speculative="ngram",
+            num_draft_tokens=8,
+            spec_adaptive=False,
+        )
+    )
     yield llm
     del llm
     gc.collect()
@@ -143,8 +151,10 @@ def test_static_tree_verify_matches_eager(
     assert graphs.widths == [1, 4, 8]  # D = 8 and the narrower width a trimmed tree may take
 
     def verify_replays() -> tuple[int, int]:
-        return (sum(graphs.replays[(bucket, w)] for w in (4, 8)),
-                sum(graphs.accept_replays[(bucket, w)] for w in (4, 8)))
+        return (
+            sum(graphs.replays[(bucket, w)] for w in (4, 8)),
+            sum(graphs.accept_replays[(bucket, w)] for w in (4, 8)),
+        )
 
     handed = _record_allocations(static_spec_llm)
     before, accepts_before = verify_replays()
@@ -297,7 +307,9 @@ def test_non_uniform_steps_run_eagerly(static_spec_llm: LLM) -> None:
     assert graphs.accepts(uniform)
     cases = [
         StepInput([[1], [2, 3]], [[0], [0, 1]], [0, 0], pages, [0, 1, 2]),  # mixed widths
-        StepInput([[1] * 2] * 2, [list(range(2))] * 2, [0, 0], pages, list(range(4)), _tree_masks(2, 2, 0)),  # width 2
+        StepInput(
+            [[1] * 2] * 2, [list(range(2))] * 2, [0, 0], pages, list(range(4)), _tree_masks(2, 2, 0)
+        ),  # width 2
         StepInput([[1] * 8, [2] * 8], [list(range(8))] * 2, [0, 0], pages, [7, 15], mask),  # some rows
         StepInput([[1] * 8, [2] * 8], [list(range(8))] * 2, [0, 0], pages, list(range(16))),  # no tree
         StepInput([[1], [2]], [[0], [0]], [0, 0], pages, [0, 1], mask),  # decode with a mask
@@ -359,8 +371,15 @@ def test_cuda_graph_capture_replay_matches_eager() -> None:
 def test_kernel_acceptor_and_torch_acceptor_give_the_same_tokens() -> None:
     # The CUDA-graph acceptor with the one-launch kernel (the default) against the torch ops, on
     # prompts that copy (long accepted runs, KV moves) and at batch sizes that pad their bucket.
-    kw = dict(device="cuda", dtype="float32", kv_cache_tokens=16384, cuda_graph_max_bs=8,
-              speculative="ngram", num_draft_tokens=16, spec_adaptive=False)
+    kw = dict(
+        device="cuda",
+        dtype="float32",
+        kv_cache_tokens=16384,
+        cuda_graph_max_bs=8,
+        speculative="ngram",
+        num_draft_tokens=16,
+        spec_adaptive=False,
+    )
     fused = LLM(**kw)  # type: ignore[arg-type]
     ops = LLM(**kw, spec_accept_kernel=False)  # type: ignore[arg-type]
     assert fused.engine.spec.accept_kernel and not ops.engine.spec.accept_kernel

@@ -70,9 +70,14 @@ def test_greedy_matches_transformers_generate(llm: LLM, hf_model) -> None:  # ty
     for prompt, out in zip(PROMPTS, outs):
         ids = torch.tensor([llm.tokenizer.encode(prompt)])
         with torch.no_grad():
-            ref = hf_model.generate(ids, max_new_tokens=64, do_sample=False, eos_token_id=None,
-                                    attention_mask=torch.ones_like(ids))
-        assert out.token_ids == ref[0, ids.shape[1]:].tolist(), prompt
+            ref = hf_model.generate(
+                ids,
+                max_new_tokens=64,
+                do_sample=False,
+                eos_token_id=None,
+                attention_mask=torch.ones_like(ids),
+            )
+        assert out.token_ids == ref[0, ids.shape[1] :].tolist(), prompt
 
 
 def test_batched_equals_one_at_a_time(llm: LLM) -> None:
@@ -112,8 +117,10 @@ def test_seeded_sampling_is_reproducible(llm: LLM) -> None:
 
 
 def test_n_completions_differ_and_min_p(llm: LLM) -> None:
-    out = llm.generate("My favourite animal is", SamplingParams(max_tokens=8, temperature=1.0, n=3, seed=7,
-                                                                   min_p=0.05, ignore_eos=True))[0]
+    out = llm.generate(
+        "My favourite animal is",
+        SamplingParams(max_tokens=8, temperature=1.0, n=3, seed=7, min_p=0.05, ignore_eos=True),
+    )[0]
     assert len(out.outputs) == 3
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
 
@@ -121,7 +128,9 @@ def test_n_completions_differ_and_min_p(llm: LLM) -> None:
 def test_max_tokens_and_stop_strings_exact(llm: LLM) -> None:
     out = llm.generate("Count: 1, 2, 3,", SamplingParams(max_tokens=7, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 7 and out.finish_reason == "length"
-    full = llm.generate("Count: 1, 2, 3,", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0].text
+    full = llm.generate("Count: 1, 2, 3,", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[
+        0
+    ].text
     stop = " 6,"
     assert stop in full
     stopped = llm.generate("Count: 1, 2, 3,", SamplingParams(max_tokens=20, temperature=0, stop=[stop]))[0]
@@ -156,8 +165,9 @@ def test_lazy_text_is_exact_when_read_every_step_or_only_at_the_end(llm: LLM) ->
 
 
 def test_stop_token_ids_and_logprobs(llm: LLM) -> None:
-    base = llm.generate("Count: 1, 2, 3,", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
-                                                          logprobs=3))[0]
+    base = llm.generate(
+        "Count: 1, 2, 3,", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
+    )[0]
     assert base.logprobs is not None and len(base.logprobs) == 6
     for tok, lp in zip(base.token_ids, base.logprobs):
         assert lp.token_id == tok and lp.logprob <= 0
@@ -165,13 +175,17 @@ def test_stop_token_ids_and_logprobs(llm: LLM) -> None:
         assert len(lp.top) == 3
     j = next(i for i in range(1, 6) if base.token_ids[i] not in base.token_ids[:i])
     target = base.token_ids[j]
-    out = llm.generate("Count: 1, 2, 3,", SamplingParams(max_tokens=6, temperature=0, stop_token_ids=[target]))[0]
+    out = llm.generate(
+        "Count: 1, 2, 3,", SamplingParams(max_tokens=6, temperature=0, stop_token_ids=[target])
+    )[0]
     assert out.token_ids == base.token_ids[: j + 1] and out.finish_reason == "stop"
 
 
 def test_chat_template(llm: LLM) -> None:
-    out = llm.chat([{"role": "user", "content": "What is the capital of France? Answer in one word."}],
-                   SamplingParams(max_tokens=8, temperature=0))[0]
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+        SamplingParams(max_tokens=8, temperature=0),
+    )[0]
     assert "Paris" in out.text
     m = out.metrics
     assert m["prompt_tokens"] > 10 and m["completion_tokens"] >= 1
@@ -182,14 +196,32 @@ def test_chat_template(llm: LLM) -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(max_tokens=-1), dict(max_tokens=0), dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.5),
-     dict(top_k=-3), dict(n=0), dict(logprobs=99), dict(regex="a", json_object=True),
-     # Regression: these passed validation and then failed inside an engine step (int64 tensors,
-     # torch.topk, a temperature that overflows the logits), which left the request queued.
-     dict(seed=2**64), dict(seed=2**63 - 1, n=2), dict(seed=True), dict(top_k=2**70), dict(logprobs=1.5),
-     dict(logprobs=True), dict(temperature=float("inf")), dict(temperature=float("nan")), dict(max_tokens=True),
-     # ... and these raised TypeError rather than the request error
-     dict(temperature="0.5"), dict(stop=[1]), dict(json_object="yes")],
+    [
+        dict(max_tokens=-1),
+        dict(max_tokens=0),
+        dict(temperature=-0.5),
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+        dict(top_k=-3),
+        dict(n=0),
+        dict(logprobs=99),
+        dict(regex="a", json_object=True),
+        # Regression: these passed validation and then failed inside an engine step (int64 tensors,
+        # torch.topk, a temperature that overflows the logits), which left the request queued.
+        dict(seed=2**64),
+        dict(seed=2**63 - 1, n=2),
+        dict(seed=True),
+        dict(top_k=2**70),
+        dict(logprobs=1.5),
+        dict(logprobs=True),
+        dict(temperature=float("inf")),
+        dict(temperature=float("nan")),
+        dict(max_tokens=True),
+        # ... and these raised TypeError rather than the request error
+        dict(temperature="0.5"),
+        dict(stop=[1]),
+        dict(json_object="yes"),
+    ],
 )
 def test_bad_sampling_params(kwargs: dict) -> None:  # type: ignore[type-arg]
     with pytest.raises(InvalidRequestError):
@@ -205,7 +237,9 @@ def test_extreme_but_valid_sampling_params_run(llm: LLM) -> None:
     tiny = SamplingParams(max_tokens=6, temperature=1e-40, ignore_eos=True, seed=3, top_k=2**31 - 1)
     assert tiny.greedy
     assert llm.generate("Hello", tiny)[0].token_ids == llm.generate("Hello", greedy)[0].token_ids
-    out = llm.generate("Give me a JSON object.", SamplingParams(max_tokens=8, temperature=1e-40, json_object=True))[0]
+    out = llm.generate(
+        "Give me a JSON object.", SamplingParams(max_tokens=8, temperature=1e-40, json_object=True)
+    )[0]
     assert out.outputs[0].error is None and out.text.startswith("{")
 
 
@@ -301,8 +335,10 @@ def test_a_preempted_request_is_not_recomputed_at_every_step(llm: LLM) -> None:
     """Regression (review): re-admitted into just the pages it gave up, the preempted request was
     prefilled again and preempted again at every step until the older one had finished."""
     small = LLM(device="cpu", dtype="float32", kv_cache_tokens=80, page_size=16)
-    prompts = [llm.tokenizer.encode("The quick brown fox jumps over the lazy dog and then"),
-               llm.tokenizer.encode("Hello there my")]
+    prompts = [
+        llm.tokenizer.encode("The quick brown fox jumps over the lazy dog and then"),
+        llm.tokenizer.encode("Hello there my"),
+    ]
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     outs = small.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate(prompts, params)]
@@ -355,8 +391,15 @@ def test_a_sequence_stops_at_the_end_of_its_context(llm: LLM) -> None:
     verify step's, or one token) keeps only what fits, finishing with "length"."""
     from ngrammar.engine.sequence import Sequence
 
-    seq = Sequence("ctx", 0, [1, 2, 3], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
-                   llm.tokenizer, seed=0, max_len=6)
+    seq = Sequence(
+        "ctx",
+        0,
+        [1, 2, 3],
+        SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+        llm.tokenizer,
+        seed=0,
+        max_len=6,
+    )
     assert seq.remaining_tokens == 3
     assert seq.append_tokens([7, 8, 9, 10, 11]) == 3
     assert seq.token_ids == [1, 2, 3, 7, 8, 9] and seq.finish_reason == "length"
@@ -366,7 +409,9 @@ def test_plain_decoding_stops_at_the_end_of_the_context(llm: LLM) -> None:
     ids = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 5)
     short = LLM(device="cpu", dtype="float32", kv_cache_tokens=2048, max_model_len=64)
     out = short.generate([ids], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))[0]
-    reference = llm.generate([ids], SamplingParams(max_tokens=64 - len(ids), temperature=0, ignore_eos=True))[0]
+    reference = llm.generate([ids], SamplingParams(max_tokens=64 - len(ids), temperature=0, ignore_eos=True))[
+        0
+    ]
     assert out.finish_reason == "length" and out.token_ids == reference.token_ids
     alloc = short.engine.blocks.allocator
     assert alloc.num_free == alloc.num_pages
@@ -394,8 +439,15 @@ def test_a_run_appended_at_once_keeps_its_text(llm: LLM) -> None:
     from ngrammar.engine.sequence import Sequence
 
     ids = llm.tokenizer.encode(" 🙃🙃 🙏🙏🙏")  # 15 tokens, 3 per emoji
-    seq = Sequence("utf8", 0, [1], SamplingParams(max_tokens=14, temperature=0, ignore_eos=True),
-                   llm.tokenizer, seed=0, max_len=64)
+    seq = Sequence(
+        "utf8",
+        0,
+        [1],
+        SamplingParams(max_tokens=14, temperature=0, ignore_eos=True),
+        llm.tokenizer,
+        seed=0,
+        max_len=64,
+    )
     seq.append_tokens(ids)  # one verify-sized run, cut by max_tokens inside the last emoji
     assert seq.finish_reason == "length" and seq.text == " 🙃🙃 🙏🙏"
 
@@ -408,7 +460,9 @@ def test_sampling_params_take_none_and_refuse_bad_types_as_request_errors(llm: L
 
     assert SamplingParams(stop=None, stop_token_ids=None).stop == ()  # type: ignore[arg-type]
     # (Review) any iterable and numpy numbers still work, as before.
-    numpy_made = SamplingParams(stop={"x"}, stop_token_ids=np.array([2, 3]), top_p=np.float32(0.5), max_tokens=np.int64(4))
+    numpy_made = SamplingParams(
+        stop={"x"}, stop_token_ids=np.array([2, 3]), top_p=np.float32(0.5), max_tokens=np.int64(4)
+    )
     assert numpy_made.stop == ("x",) and numpy_made.stop_token_ids == (2, 3)
     for bad in (dict(top_p="0.5"), dict(min_p="0"), dict(stop_token_ids=["a"]), dict(stop=5), dict(regex=5)):
         with pytest.raises(InvalidRequestError):

@@ -27,8 +27,14 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     assert err <= TOL[dtype] * max(want.float().abs().max().item(), 1.0), err
 
 
-def _reference(prologue: Prologue, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
-               g: torch.Tensor | None, res: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _reference(
+    prologue: Prologue,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    g: torch.Tensor | None,
+    res: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     summed = None
     if prologue == Prologue.SILU_MUL:
         a = REF.silu_and_mul(x)
@@ -44,8 +50,9 @@ def _reference(prologue: Prologue, x: torch.Tensor, w: torch.Tensor, b: torch.Te
 @pytest.mark.parametrize("prologue", list(Prologue))
 @pytest.mark.parametrize("m,n,k", [(1, 960, 576), (3, 100, 200), (8, 96, 64), (16, 70, 130)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_fused_linear_matches_unfused_ops(dtype: torch.dtype, prologue: Prologue, m: int, n: int, k: int,
-                                          with_bias: bool) -> None:
+def test_fused_linear_matches_unfused_ops(
+    dtype: torch.dtype, prologue: Prologue, m: int, n: int, k: int, with_bias: bool
+) -> None:
     gen = torch.Generator().manual_seed(m * n + k + int(prologue))
     x_cols = 2 * k if prologue == Prologue.SILU_MUL else k
     x = (torch.randn(m, x_cols, generator=gen) * 2).to(DEVICE, dtype)
@@ -54,8 +61,9 @@ def test_fused_linear_matches_unfused_ops(dtype: torch.dtype, prologue: Prologue
     g = (torch.rand(k, generator=gen) + 0.5).to(DEVICE, dtype)
     res = torch.randn(m, k, generator=gen).to(DEVICE, dtype) if prologue == Prologue.ADD_NORM else None
     has_norm = prologue in (Prologue.NORM, Prologue.ADD_NORM)
-    got, got_sum = fused_linear(x, w, b, prologue=prologue, norm_weight=g if has_norm else None, residual=res,
-                                eps=1e-5)
+    got, got_sum = fused_linear(
+        x, w, b, prologue=prologue, norm_weight=g if has_norm else None, residual=res, eps=1e-5
+    )
     want, want_sum = _reference(prologue, x, w, b, g, res)
     _close(got, want, dtype)
     if prologue == Prologue.ADD_NORM:
@@ -65,7 +73,9 @@ def test_fused_linear_matches_unfused_ops(dtype: torch.dtype, prologue: Prologue
         assert got_sum is None
 
 
-@pytest.mark.parametrize("tiles", [LinearTiles(1, 4, 64, 4), LinearTiles(2, 16, 256, 2), LinearTiles(4, 64, 32, 4)])
+@pytest.mark.parametrize(
+    "tiles", [LinearTiles(1, 4, 64, 4), LinearTiles(2, 16, 256, 2), LinearTiles(4, 64, 32, 4)]
+)
 def test_every_tiling_gives_the_same_result(tiles: LinearTiles) -> None:
     """Column blocks narrower or wider than N, K split over several loads, rows padded to a tile."""
     gen = torch.Generator().manual_seed(7)
@@ -74,7 +84,9 @@ def test_every_tiling_gives_the_same_result(tiles: LinearTiles) -> None:
     res = torch.randn(m, k, generator=gen).to(DEVICE)
     w = torch.randn(n, k, generator=gen).to(DEVICE)
     g = torch.rand(k, generator=gen).to(DEVICE)
-    got, got_sum = fused_linear(x, w, prologue=Prologue.ADD_NORM, norm_weight=g, residual=res, eps=1e-6, tiles=tiles)
+    got, got_sum = fused_linear(
+        x, w, prologue=Prologue.ADD_NORM, norm_weight=g, residual=res, eps=1e-6, tiles=tiles
+    )
     want, want_sum = _reference(Prologue.ADD_NORM, x, w, None, g, res)
     _close(got, want, torch.float32)
     assert got_sum is not None and want_sum is not None and torch.equal(got_sum, want_sum)
@@ -89,12 +101,20 @@ def test_bad_shapes_raise() -> None:
         fused_linear(x, w, prologue=Prologue.NORM)
     g = torch.ones(8, device=DEVICE)
     with pytest.raises(ValueError, match="eps"):
-        fused_linear(x, w, prologue=Prologue.NORM, norm_weight=g)  # eps = 0 would divide by zero on a zero row
+        fused_linear(
+            x, w, prologue=Prologue.NORM, norm_weight=g
+        )  # eps = 0 would divide by zero on a zero row
     with pytest.raises(ValueError, match="residual"):
         fused_linear(x, w, prologue=Prologue.NORM, norm_weight=g, residual=x, eps=1e-5)
     with pytest.raises(ValueError, match="residual must be"):
-        fused_linear(x, w, prologue=Prologue.ADD_NORM, norm_weight=g, residual=torch.zeros(2, 8, device=DEVICE),
-                     eps=1e-5)
+        fused_linear(
+            x,
+            w,
+            prologue=Prologue.ADD_NORM,
+            norm_weight=g,
+            residual=torch.zeros(2, 8, device=DEVICE),
+            eps=1e-5,
+        )
     with pytest.raises(ValueError, match="norm_weight must be"):
         fused_linear(x, w, prologue=Prologue.NORM, norm_weight=torch.ones(4, device=DEVICE), eps=1e-5)
     with pytest.raises(ValueError, match="bias must be"):

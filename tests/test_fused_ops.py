@@ -66,9 +66,20 @@ def test_whole_model_logits_match_torch_ops(qk_norm: bool, tokens: int, fuse_lin
     """The decoder with fused ops and Triton attention (RoPE fused into the K/V write) gives the
     reference decoder's logits (fp32, random weights), with the projections' prologues fused (one
     token) or not (21 tokens, or fusion off)."""
-    config = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
-                         num_kv_heads=2, head_dim=16, max_position=64, qk_norm=qk_norm, rope_theta=10000.0,
-                         rms_norm_eps=1e-5, tie_word_embeddings=True)
+    config = ModelConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position=64,
+        qk_norm=qk_norm,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     ref = LlamaForCausalLM(config, TorchSDPABackend(), REF).to(DEVICE)
     for p in ref.parameters():
@@ -76,9 +87,14 @@ def test_whole_model_logits_match_torch_ops(qk_norm: bool, tokens: int, fuse_lin
     fused = LlamaForCausalLM(config, TritonAttentionBackend(), TritonOps(fuse_linear=fuse_linear)).to(DEVICE)
     fused.load_state_dict(ref.state_dict())
     meta = AttentionMetadata(
-        slot_mapping=torch.arange(tokens, device=DEVICE), page_table=torch.arange(3, device=DEVICE)[None],
-        kv_lens=torch.tensor([tokens], device=DEVICE), q_lens=torch.tensor([tokens], device=DEVICE),
-        q_start=torch.tensor([0, tokens], device=DEVICE), max_q_len=tokens, max_kv_len=tokens, page_size=8,
+        slot_mapping=torch.arange(tokens, device=DEVICE),
+        page_table=torch.arange(3, device=DEVICE)[None],
+        kv_lens=torch.tensor([tokens], device=DEVICE),
+        q_lens=torch.tensor([tokens], device=DEVICE),
+        q_start=torch.tensor([0, tokens], device=DEVICE),
+        max_q_len=tokens,
+        max_kv_len=tokens,
+        page_size=8,
     )
     ids = torch.randint(0, 97, (tokens,), device=DEVICE)
     pos = torch.arange(tokens, device=DEVICE)
@@ -86,7 +102,9 @@ def test_whole_model_logits_match_torch_ops(qk_norm: bool, tokens: int, fuse_lin
     for model in (ref, fused):
         cache = torch.zeros(3, 2, 3, 8, 2, 16, device=DEVICE)
         with torch.inference_mode():
-            out.append(model.compute_logits(model(ids, pos, cache, model.layers[0].self_attn.backend.plan(meta))))
+            out.append(
+                model.compute_logits(model(ids, pos, cache, model.layers[0].self_attn.backend.plan(meta)))
+            )
     _close(out[1], out[0], torch.float32)
 
 
@@ -94,9 +112,20 @@ def test_one_token_decode_after_a_long_prefix_matches_torch_ops() -> None:
     """The fused one-token path where it matters: a decode step at position 230 after a prefill,
     with real RoPE angles, a qkv bias, an untied head and the kv range split three ways (merged by
     the last split), against the torch reference decoder."""
-    config = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-                         num_kv_heads=2, head_dim=16, max_position=512, rope_theta=10000.0, rms_norm_eps=1e-5,
-                         tie_word_embeddings=False, attention_bias=True)
+    config = ModelConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position=512,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        attention_bias=True,
+    )
     torch.manual_seed(1)
     ref = LlamaForCausalLM(config, TorchSDPABackend(), REF).to(DEVICE)
     for p in ref.parameters():
@@ -109,9 +138,14 @@ def test_one_token_decode_after_a_long_prefix_matches_torch_ops() -> None:
 
     def meta(start: int, n: int) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=torch.arange(start, start + n, device=DEVICE), page_table=pages,
-            kv_lens=torch.tensor([start + n], device=DEVICE), q_lens=torch.tensor([n], device=DEVICE),
-            q_start=torch.tensor([0, n], device=DEVICE), max_q_len=n, max_kv_len=start + n, page_size=page_size,
+            slot_mapping=torch.arange(start, start + n, device=DEVICE),
+            page_table=pages,
+            kv_lens=torch.tensor([start + n], device=DEVICE),
+            q_lens=torch.tensor([n], device=DEVICE),
+            q_start=torch.tensor([0, n], device=DEVICE),
+            max_q_len=n,
+            max_kv_len=start + n,
+            page_size=page_size,
         )
 
     out = []
@@ -121,7 +155,9 @@ def test_one_token_decode_after_a_long_prefix_matches_torch_ops() -> None:
         with torch.inference_mode():
             model(ids[:prefix], torch.arange(prefix, device=DEVICE), cache, backend.plan(meta(0, prefix)))
             step = backend.plan(meta(prefix, 1))
-            out.append(model.compute_logits(model(ids[prefix:], torch.tensor([prefix], device=DEVICE), cache, step)))
+            out.append(
+                model.compute_logits(model(ids[prefix:], torch.tensor([prefix], device=DEVICE), cache, step))
+            )
     _close(out[1], out[0], torch.float32)
 
 
@@ -136,9 +172,19 @@ def test_pdl_decode_graph_replays_equal_serial_ones() -> None:
 
     if not pdl_supported(DEVICE):
         pytest.skip("PDL needs sm_90 or newer")
-    config = ModelConfig(vocab_size=4096, hidden_size=576, intermediate_size=1536, num_layers=16, num_heads=9,
-                         num_kv_heads=3, head_dim=64, max_position=2048, rope_theta=100000.0, rms_norm_eps=1e-5,
-                         tie_word_embeddings=True)
+    config = ModelConfig(
+        vocab_size=4096,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=16,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        max_position=2048,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(2)
     prefix, page_size = 700, 16
     pages = torch.arange(-(-(prefix + 8) // page_size), device=DEVICE)[None]
@@ -155,9 +201,14 @@ def test_pdl_decode_graph_replays_equal_serial_ones() -> None:
         ids = torch.zeros(1, dtype=torch.int64, device=DEVICE)
         pos = torch.zeros(1, dtype=torch.int64, device=DEVICE)
         meta = AttentionMetadata(
-            slot_mapping=pos.clone(), page_table=pages, kv_lens=torch.ones(1, dtype=torch.int64, device=DEVICE),
+            slot_mapping=pos.clone(),
+            page_table=pages,
+            kv_lens=torch.ones(1, dtype=torch.int64, device=DEVICE),
             q_lens=torch.ones(1, dtype=torch.int64, device=DEVICE),
-            q_start=torch.tensor([0, 1], device=DEVICE), max_q_len=1, max_kv_len=prefix + 8, page_size=page_size,
+            q_start=torch.tensor([0, 1], device=DEVICE),
+            max_q_len=1,
+            max_kv_len=prefix + 8,
+            page_size=page_size,
         )
         plan = backend.plan(meta, kv_len_bound=prefix + 8)
         logits = torch.empty(1, config.vocab_size, dtype=torch.float32, device=DEVICE)

@@ -6,7 +6,7 @@ import json
 import random
 import re
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -33,7 +33,7 @@ from ngrammar.grammar.tree_mask import (
     native_traverse_available,
 )
 from ngrammar.model.tokenizer import Tokenizer
-from ngrammar.spec.tree import links_from_parents
+from ngrammar.speculative.tree import links_from_parents
 
 VOCAB = 49152
 EOS = 2
@@ -53,10 +53,14 @@ REGEX_CASES = [
     (r"^\(\d{3}\) \d{3}-\d{4}$", "(555) 123-4567"),
     (r"^2024-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])$", "2024-07-29"),
     (r"^#[0-9A-F]{6}$", "#1A2B3C"),
-    (r'^\{"name": "[A-Za-z]+", "age": \d{1,3}, "city": "[A-Za-z ]+"\}$',
-     '{"name": "Alice", "age": 30, "city": "New York"}'),
-    (r"^\[(INFO|WARN|ERROR)\] \d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2} - [A-Za-z ]+$",
-     "[ERROR] 2024-03-15 10:42:07 - Disk quota exceeded"),
+    (
+        r'^\{"name": "[A-Za-z]+", "age": \d{1,3}, "city": "[A-Za-z ]+"\}$',
+        '{"name": "Alice", "age": 30, "city": "New York"}',
+    ),
+    (
+        r"^\[(INFO|WARN|ERROR)\] \d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2} - [A-Za-z ]+$",
+        "[ERROR] 2024-03-15 10:42:07 - Disk quota exceeded",
+    ),
 ]
 
 
@@ -89,7 +93,9 @@ def allowed(matcher: GrammarMatcher) -> list[int]:
 
 
 @pytest.mark.parametrize("pattern,text", REGEX_CASES)
-def test_regex_kit_compiles_and_walks(backend: GrammarBackend, tokenizer: Tokenizer, pattern: str, text: str) -> None:
+def test_regex_kit_compiles_and_walks(
+    backend: GrammarBackend, tokenizer: Tokenizer, pattern: str, text: str
+) -> None:
     assert re.fullmatch(pattern, text)
     matcher = backend.new_matcher(backend.compile(regex(pattern)))
     ids = tokenizer.encode(text)
@@ -112,7 +118,11 @@ def test_city_schema_walk(backend: GrammarBackend, tokenizer: Tokenizer) -> None
 
 def test_schema_rejects_extra_and_missing_properties(backend: GrammarBackend, tokenizer: Tokenizer) -> None:
     compiled = backend.compile(schema(CITY_SCHEMA))
-    for text in ['{"name": "Paris", "population": 1, "x": 2}', '{"name": "Paris"}', '{"name": "a b", "population": 1}']:
+    for text in [
+        '{"name": "Paris", "population": 1, "x": 2}',
+        '{"name": "Paris"}',
+        '{"name": "a b", "population": 1}',
+    ]:
         retained, rejected = backend.new_matcher(compiled).commit(tokenizer.encode(text) + [EOS])
         assert rejected, text
 
@@ -180,7 +190,9 @@ def test_schema_text_must_be_a_json_object(text: str) -> None:
         (GrammarSpec("ebnf", 'rule ::= "a"'), "invalid EBNF grammar: .*root"),
     ],
 )
-def test_invalid_grammars_raise_grammar_error(backend: GrammarBackend, spec: GrammarSpec, message: str) -> None:
+def test_invalid_grammars_raise_grammar_error(
+    backend: GrammarBackend, spec: GrammarSpec, message: str
+) -> None:
     with pytest.raises(GrammarError, match=message) as info:
         backend.compile(spec)
     assert ".cc:" not in str(info.value)  # xgrammar's source locations are stripped
@@ -189,8 +201,9 @@ def test_invalid_grammars_raise_grammar_error(backend: GrammarBackend, spec: Gra
     assert spec not in backend.cached_specs()
 
 
-def test_a_missing_module_is_not_reported_as_bad_input(tokenizer: Tokenizer,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_missing_module_is_not_reported_as_bad_input(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Regression: without jsonschema installed, every JSON schema was "invalid JSON schema: No module
     named 'jsonschema'" (a client error for a server fault)."""
     from ngrammar.grammar import backend as backend_module
@@ -360,9 +373,7 @@ def test_apply_bitmask_rejects_short_mask() -> None:
 # ---------------------------------------------------------------- tree masks
 
 
-def random_tree(
-    matcher: GrammarMatcher, d: int, rng: random.Random
-) -> tuple[list[int], list[int]]:
+def random_tree(matcher: GrammarMatcher, d: int, rng: random.Random) -> tuple[list[int], list[int]]:
     """(parents, tokens) of a BFS tree with a mix of valid, invalid, stop and padding tokens."""
     parents, tokens = [-1], [rng.randrange(VOCAB)]
     states: list[GrammarMatcher | None] = [matcher.fork()]
@@ -432,7 +443,9 @@ TREE_GRAMMARS = [
 
 
 @pytest.mark.parametrize("case", range(len(TREE_GRAMMARS)))
-def test_tree_masks_equal_naive_recomputation(backend: GrammarBackend, tokenizer: Tokenizer, case: int) -> None:
+def test_tree_masks_equal_naive_recomputation(
+    backend: GrammarBackend, tokenizer: Tokenizer, case: int
+) -> None:
     make_spec, text = TREE_GRAMMARS[case]
     compiled = backend.compile(make_spec())
     ids = tokenizer.encode(text) + [EOS]
@@ -456,7 +469,9 @@ def test_tree_masks_equal_naive_recomputation(backend: GrammarBackend, tokenizer
 
         native_rows = allocate_bitmask(d, VOCAB)
         native_rows.fill_(7)
-        fill_tree_bitmask_native(matcher, torch.tensor(nxt), torch.tensor(sib), torch.tensor(tokens), native_rows, 0)
+        fill_tree_bitmask_native(
+            matcher, torch.tensor(nxt), torch.tensor(sib), torch.tensor(tokens), native_rows, 0
+        )
         assert torch.equal(native_rows, expected)
 
         reference = backend.new_matcher(compiled)
@@ -490,8 +505,9 @@ def naive_valid_nodes(
 
 
 @pytest.mark.parametrize("case", range(len(TREE_GRAMMARS)))
-def test_grammar_valid_nodes_equal_naive_recomputation(backend: GrammarBackend, tokenizer: Tokenizer,
-                                                       case: int) -> None:
+def test_grammar_valid_nodes_equal_naive_recomputation(
+    backend: GrammarBackend, tokenizer: Tokenizer, case: int
+) -> None:
     make_spec, text = TREE_GRAMMARS[case]
     compiled = backend.compile(make_spec())
     ids = tokenizer.encode(text) + [EOS]
@@ -559,7 +575,9 @@ def test_terminal_node_row_stays_unconstrained(backend: GrammarBackend, tokenize
         if fill == "python":
             fill_tree_bitmask(matcher, nxt, sib, tokens, rows, 0, VOCAB)
         else:
-            fill_tree_bitmask_native(matcher, torch.tensor(nxt), torch.tensor(sib), torch.tensor(tokens), rows, 0)
+            fill_tree_bitmask_native(
+                matcher, torch.tensor(nxt), torch.tensor(sib), torch.tensor(tokens), rows, 0
+            )
         unpacked = unpack_bitmask(rows, VOCAB)
         assert unpacked[0].sum() == 10 and torch.nonzero(unpacked[1]).flatten().tolist() == [EOS]
         assert unpacked[2].all() and unpacked[3].all(), fill
@@ -581,7 +599,9 @@ def test_native_traversal_gate() -> None:
 # ------------------------------------------------------- deferred tokens
 
 
-def test_deferred_tokens_give_the_same_state_as_accepted_ones(backend: GrammarBackend, tokenizer: Tokenizer) -> None:
+def test_deferred_tokens_give_the_same_state_as_accepted_ones(
+    backend: GrammarBackend, tokenizer: Tokenizer
+) -> None:
     compiled = backend.compile(schema(CITY_SCHEMA))
     ids = tokenizer.encode('{"name": "Rome", "population": 2800000}')
     now, later = backend.new_matcher(compiled), backend.new_matcher(compiled)

@@ -27,8 +27,13 @@ CITY_SCHEMA = {
     "required": ["name", "population"],
     "additionalProperties": False,
 }
-CITY_PROMPT = [{"role": "user", "content": "Paris is the capital of France; 2161000 people live there. "
-                                            "Give the city's name and population as JSON."}]
+CITY_PROMPT = [
+    {
+        "role": "user",
+        "content": "Paris is the capital of France; 2161000 people live there. "
+        "Give the city's name and population as JSON.",
+    }
+]
 
 
 def _chat(prompt: str) -> list[dict[str, str]]:
@@ -42,9 +47,12 @@ def engine_llm(request, llm: LLM, spec_llm: LLM) -> LLM:  # type: ignore[no-unty
 
 def test_regex_outputs_match(engine_llm: LLM) -> None:
     convs = [_chat(q) for _, q in REGEXES]
-    greedy = engine_llm.chat(convs, [SamplingParams(max_tokens=64, temperature=0, regex=r) for r, _ in REGEXES])
-    sampled = engine_llm.chat(convs, [SamplingParams(max_tokens=64, temperature=0.5, n=3, seed=3, regex=r)
-                                      for r, _ in REGEXES])
+    greedy = engine_llm.chat(
+        convs, [SamplingParams(max_tokens=64, temperature=0, regex=r) for r, _ in REGEXES]
+    )
+    sampled = engine_llm.chat(
+        convs, [SamplingParams(max_tokens=64, temperature=0.5, n=3, seed=3, regex=r) for r, _ in REGEXES]
+    )
     for (pattern, _), g, s in zip(REGEXES, greedy, sampled):
         for c in g.outputs + s.outputs:
             assert c.text.strip() and re.match(pattern, c.text.strip()), (pattern, c.text)
@@ -52,9 +60,13 @@ def test_regex_outputs_match(engine_llm: LLM) -> None:
 
 
 def test_json_schema_outputs_validate(engine_llm: LLM) -> None:
-    greedy = engine_llm.chat(CITY_PROMPT, SamplingParams(max_tokens=64, temperature=0, json_schema=CITY_SCHEMA))[0]
-    sampled = engine_llm.chat(CITY_PROMPT, SamplingParams(max_tokens=64, temperature=0.5, n=3, seed=1,
-                                                          json_schema=json.dumps(CITY_SCHEMA)))[0]
+    greedy = engine_llm.chat(
+        CITY_PROMPT, SamplingParams(max_tokens=64, temperature=0, json_schema=CITY_SCHEMA)
+    )[0]
+    sampled = engine_llm.chat(
+        CITY_PROMPT,
+        SamplingParams(max_tokens=64, temperature=0.5, n=3, seed=1, json_schema=json.dumps(CITY_SCHEMA)),
+    )[0]
     for c in greedy.outputs + sampled.outputs:
         obj = json.loads(c.text)
         jsonschema.validate(obj, CITY_SCHEMA)
@@ -95,8 +107,11 @@ def test_forty_mixed_requests(spec_llm: LLM) -> None:
     for i in range(40):
         if i % 2:
             convs.append(CITY_PROMPT)
-            params.append(SamplingParams(max_tokens=48, temperature=0 if i % 4 == 1 else 0.7, seed=i,
-                                         json_schema=CITY_SCHEMA))
+            params.append(
+                SamplingParams(
+                    max_tokens=48, temperature=0 if i % 4 == 1 else 0.7, seed=i, json_schema=CITY_SCHEMA
+                )
+            )
         else:
             convs.append(_chat(f"Say something about the number {i}."))
             params.append(SamplingParams(max_tokens=12, temperature=0.7, seed=i))
@@ -136,14 +151,18 @@ def test_a_grammar_dead_end_says_so(llm: LLM, spec_llm: LLM, which: str) -> None
     """A grammar can reach a state no token continues ("a" under ``a[^\\s\\S]``): every logit is
     masked there, and the request must end with an error that says why, not "rejected token 0"."""
     engine = llm if which == "plain" else spec_llm
-    out = engine.generate("Say a", SamplingParams(max_tokens=8, temperature=0, regex=r"a[^\s\S]", logprobs=2))[0]
+    out = engine.generate(
+        "Say a", SamplingParams(max_tokens=8, temperature=0, regex=r"a[^\s\S]", logprobs=2)
+    )[0]
     assert out.outputs[0].finish_reason == "error" and out.text == "a"
     assert "no text can complete it" in (out.outputs[0].error or "") and out.outputs[0].request_error
     # (Review: the token drawn from the all-masked row, with NaN logprobs, stayed in the output,
     # and then in the streamed outputs until the next step.)
     assert out.token_ids == engine.tokenizer.encode("a") and len(out.outputs[0].logprobs or []) == 1
     eng = engine.engine
-    rid = eng.add_request("Say a", SamplingParams(max_tokens=8, temperature=0, regex=r"a[^\s\S]"), stream=True)
+    rid = eng.add_request(
+        "Say a", SamplingParams(max_tokens=8, temperature=0, regex=r"a[^\s\S]"), stream=True
+    )
     streamed = []
     while eng.has_unfinished():
         streamed += [o.token_ids for o in eng.step() if o.request_id == rid]
@@ -229,9 +248,12 @@ def test_grammar_pruning_keeps_outputs_and_calls_off_hopeless_verify_steps(llm: 
     eng = spec_llm.engine
     assert eng.spec is not None and eng.spec.config.trim_trees
     prompts = [_chat("Repeat exactly: apples, bananas, cherries, apples, bananas, cherries"), CITY_PROMPT]
-    params = [SamplingParams(max_tokens=32, temperature=0,
-                             regex=r"(APPLES|BANANAS|CHERRIES)(, (APPLES|BANANAS|CHERRIES)){2,5}"),
-              SamplingParams(max_tokens=32, temperature=0, json_schema=CITY_SCHEMA)]
+    params = [
+        SamplingParams(
+            max_tokens=32, temperature=0, regex=r"(APPLES|BANANAS|CHERRIES)(, (APPLES|BANANAS|CHERRIES)){2,5}"
+        ),
+        SamplingParams(max_tokens=32, temperature=0, json_schema=CITY_SCHEMA),
+    ]
     st = eng.stats
     vetoed, pruned = st.vetoed_steps, st.grammar_pruned_nodes
     eng.step_trace = trace = []

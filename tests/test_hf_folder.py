@@ -24,8 +24,17 @@ IDS = list(range(100, 148))
 def build(folder: Path, arch: str = "LlamaForCausalLM", **overrides: Any) -> Path:
     import transformers
 
-    cfg = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+    cfg = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     cfg.update(overrides)
     torch.manual_seed(0)
     config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**cfg)
@@ -40,7 +49,9 @@ def logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     runner, blocks = llm.engine.runner, llm.engine.blocks
     pages = blocks.allocator.allocate(-(-len(ids) // blocks.page_size))
     try:
-        return runner.forward(StepInput([ids], [list(range(len(ids)))], [0], [pages], list(range(len(ids))))).float()
+        return runner.forward(
+            StepInput([ids], [list(range(len(ids)))], [0], [pages], list(range(len(ids))))
+        ).float()
     finally:
         blocks.allocator.free(pages)
 
@@ -58,15 +69,20 @@ def relative_error(folder: Path) -> float:
 def test_rope_scaling_matches_transformers(tmp_path: Path, rope_type: str) -> None:
     """Regression: "linear" scaling was ignored (a 9e-3 logit error, no warning). Dynamic NTK
     changes nothing within max_position_embeddings, which bounds the engine's context."""
-    folder = build(tmp_path / rope_type, rope_parameters=dict(rope_type=rope_type, rope_theta=10000.0, factor=4.0))
+    folder = build(
+        tmp_path / rope_type, rope_parameters=dict(rope_type=rope_type, rope_theta=10000.0, factor=4.0)
+    )
     assert relative_error(folder) < 1e-4
 
 
-@pytest.mark.parametrize(("key", "value"), [
-    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
-    ("rope_scaling", {"type": "longrope", "factor": 2.0}),
-    ("hidden_act", "gelu"),
-])
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("rope_scaling", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
+        ("rope_scaling", {"type": "longrope", "factor": 2.0}),
+        ("hidden_act", "gelu"),
+    ],
+)
 def test_what_is_not_computed_is_refused(tmp_path: Path, key: str, value: Any) -> None:
     """Regression: yarn / dynamic RoPE and a non-SiLU MLP loaded and gave wrong logits."""
     folder = build(tmp_path / "m")
@@ -82,13 +98,22 @@ def test_a_sliding_window_caps_the_context(tmp_path: Path) -> None:
     """Regression: Mistral's window was ignored, so past it logits were wrong. It is not
     implemented; within the window attention is full, so the context stops there."""
     mistral = build(tmp_path / "mistral", "MistralForCausalLM", sliding_window=32)
-    assert LLM(model=str(mistral), device="cpu", dtype="float32", kv_cache_tokens=1024).engine.max_model_len == 32
+    assert (
+        LLM(model=str(mistral), device="cpu", dtype="float32", kv_cache_tokens=1024).engine.max_model_len
+        == 32
+    )
     with pytest.raises(ValueError, match="sliding window"):
         LLM(model=str(mistral), device="cpu", dtype="float32", kv_cache_tokens=1024, max_model_len=64)
     qwen = build(tmp_path / "qwen", "Qwen2ForCausalLM", sliding_window=32, use_sliding_window=False)
     assert resolve_checkpoint(qwen).config.max_context == 512  # a window Qwen does not use
     # (Review) nor one only layers past max_window_layers would use, with 2 layers.
-    qwen = build(tmp_path / "qwen2", "Qwen2ForCausalLM", sliding_window=32, use_sliding_window=True, max_window_layers=2)
+    qwen = build(
+        tmp_path / "qwen2",
+        "Qwen2ForCausalLM",
+        sliding_window=32,
+        use_sliding_window=True,
+        max_window_layers=2,
+    )
     assert resolve_checkpoint(qwen).config.max_context == 512
 
 
@@ -105,11 +130,15 @@ def test_folder_quirks_load(tmp_path: Path) -> None:
     save_file(weights, folder / "model-00001-of-00001.safetensors")
     (folder / "model.safetensors").unlink()
     (folder / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": {name: "model-00001-of-00001.safetensors" for name in weights}}))
+        json.dumps(
+            {"metadata": {}, "weight_map": {name: "model-00001-of-00001.safetensors" for name in weights}}
+        )
+    )
     save_file({"layers.0.attention.wq.weight": torch.zeros(2, 2)}, folder / "consolidated.safetensors")
     ckpt = resolve_checkpoint(folder)
     assert set(ckpt.config.eos_token_ids) == {2, 507} and [p.name for p in ckpt.weight_files] == [
-        "model-00001-of-00001.safetensors"]
+        "model-00001-of-00001.safetensors"
+    ]
     assert relative_error(folder) < 1e-4
 
 
@@ -121,9 +150,12 @@ def test_plain_prompts_get_the_tokenizer_special_tokens(tmp_path: Path) -> None:
     folder = build(tmp_path / "bos")
     tj = json.loads((folder / "tokenizer.json").read_text())
     bos = {"SpecialToken": {"id": "<|im_start|>", "type_id": 0}}
-    tj["post_processor"] = {"type": "TemplateProcessing", "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
-                            "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
-                            "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [1], "tokens": ["<|im_start|>"]}}}
+    tj["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [1], "tokens": ["<|im_start|>"]}},
+    }
     (folder / "tokenizer.json").write_text(json.dumps(tj))
     engine = LLM(model=str(folder), device="cpu", dtype="float32", kv_cache_tokens=1024).engine
     text = "The capital of France is"
@@ -131,8 +163,10 @@ def test_plain_prompts_get_the_tokenizer_special_tokens(tmp_path: Path) -> None:
     assert engine.tokenize(text)[0] == 1
 
 
-@pytest.mark.parametrize("kwargs", [dict(kv_cache_tokens=0), dict(kv_cache_tokens=8), dict(max_model_len=0),
-                                    dict(max_model_len=100_000)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(kv_cache_tokens=0), dict(kv_cache_tokens=8), dict(max_model_len=0), dict(max_model_len=100_000)],
+)
 def test_engine_sizes_are_checked_not_replaced(kwargs: dict[str, int]) -> None:
     """Regression: kv_cache_tokens=0 meant the default pool, a pool under one page became two
     pages, max_model_len=0 meant the whole context and one past the model's was cut silently."""
@@ -164,19 +198,28 @@ def test_gguf_rope_frequencies_are_refused(tmp_path: Path, monkeypatch: pytest.M
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        with pytest.raises(ModelLoadError, match="rope_freqs" if extra == "rope_freqs" else "unsupported rope"):
+        with pytest.raises(
+            ModelLoadError, match="rope_freqs" if extra == "rope_freqs" else "unsupported rope"
+        ):
             resolve_checkpoint(tmp_path / f"{name}.gguf")
 
 
-def test_gguf_layer_tensors_of_other_models_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gguf_layer_tensors_of_other_models_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Regression: a Llama-architecture GGUF with MoE experts or a fused attn_qkv raised KeyError."""
     import gguf
     import numpy as np
 
     monkeypatch.setenv("NGRAMMAR_CACHE_DIR", str(tmp_path / "cache"))
     writer = gguf.GGUFWriter(str(tmp_path / "moe.gguf"), "llama")
-    for add, value in ((writer.add_block_count, 1), (writer.add_embedding_length, 8),
-                       (writer.add_feed_forward_length, 16), (writer.add_head_count, 2), (writer.add_context_length, 64)):
+    for add, value in (
+        (writer.add_block_count, 1),
+        (writer.add_embedding_length, 8),
+        (writer.add_feed_forward_length, 16),
+        (writer.add_head_count, 2),
+        (writer.add_context_length, 64),
+    ):
         add(value)
     writer.add_tensor("blk.0.ffn_gate_inp.weight", np.zeros((2, 8), dtype=np.float32))
     writer.write_header_to_file()
@@ -187,7 +230,9 @@ def test_gguf_layer_tensors_of_other_models_are_refused(tmp_path: Path, monkeypa
         resolve_checkpoint(tmp_path / "moe.gguf")
 
 
-def test_an_interrupted_gguf_conversion_is_redone_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_interrupted_gguf_conversion_is_redone_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Regression: a tokenizer.json cut short by a killed conversion was kept as "pre-seeded" and
     the cache then failed on every load; conversions also shared one temp file name, so two
     processes converting at once could rename each other's file away."""

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 import torch
+from device_events import device_events
 
 from ngrammar import LLM, SamplingParams
 from ngrammar.outputs import RequestOutput
-from ngrammar.spec.policy import MAX_MATCH, AdaptiveDraftPolicy, _SeqBias, bucket_of
-from device_events import device_events
+from ngrammar.speculative.policy import MAX_MATCH, AdaptiveDraftPolicy, _SeqBias, bucket_of
 
 PROMPTS = [
     "The capital of France is",
@@ -67,7 +67,9 @@ def test_seeded_sampling_equals_the_step_by_step_engine(llm: LLM, overlap_llm: L
 
 def test_a_chained_step_launches_before_the_read_of_the_step_before(overlap_llm: LLM) -> None:
     with device_events(overlap_llm.engine.runner) as events:
-        out = overlap_llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+        out = overlap_llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[
+            0
+        ]
     assert len(out.token_ids) == 12
     # prefill, then 11 decode steps: every token is read exactly once, and the chained decode steps
     # launch their forward while the step before is still unread (two launches in a row).
@@ -85,14 +87,23 @@ def test_a_step_left_in_flight_by_a_finished_batch_is_dropped(overlap_llm: LLM) 
     # A member ending on EOS while the other runs on: the step in flight is drained with it
     # finished, and its dropped token is not counted as decoded.
     before = eng.stats.decode_tokens
-    outs = overlap_llm.generate(["Say hi.", "Count to fifty:"], [SamplingParams(max_tokens=200, temperature=0),
-                                SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)])
+    outs = overlap_llm.generate(
+        ["Say hi.", "Count to fifty:"],
+        [
+            SamplingParams(max_tokens=200, temperature=0),
+            SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+        ],
+    )
     assert outs[0].outputs[0].finish_reason == "stop" and len(outs[0].token_ids) < len(outs[1].token_ids)
-    assert eng.stats.decode_tokens - before == sum(len(o.token_ids) - 1 for o in outs)  # the first is prefill's
+    assert eng.stats.decode_tokens - before == sum(
+        len(o.token_ids) - 1 for o in outs
+    )  # the first is prefill's
 
 
 @pytest.mark.parametrize("sampled", [False, True])
-def test_members_that_finish_leave_the_chain_without_breaking_it(llm: LLM, overlap_llm: LLM, sampled: bool) -> None:
+def test_members_that_finish_leave_the_chain_without_breaking_it(
+    llm: LLM, overlap_llm: LLM, sampled: bool
+) -> None:
     """A member whose token in flight is its last (max_tokens), or that ended on a stop string while
     its next token was in flight, is left out of the next launch; the others go on chained (each
     such drain cost about half a step on the H200). Seeded sampling and logprobs come out as in the
@@ -110,8 +121,9 @@ def test_members_that_finish_leave_the_chain_without_breaking_it(llm: LLM, overl
     want = llm.generate(PROMPTS, params)
     # Tokens, text and finish reasons are exact; logprobs within fp32 noise: the step after the
     # stop runs one row more than the step-by-step engine's (the stopped member's token in flight).
-    assert [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in got] == \
-        [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in want]
+    assert [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in got] == [
+        [(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in want
+    ]
     for a, b in zip(got, want):
         for x, y in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or []):
             assert x.top[0][0] == y.top[0][0] and x.logprob == pytest.approx(y.logprob, abs=1e-4)
@@ -132,7 +144,9 @@ def test_members_reaching_max_tokens_leave_one_at_a_time() -> None:
     overlap = LLM(device="cpu", dtype="float32", kv_cache_tokens=4096, overlap_schedule=True)
     eng = overlap.engine
     eng.step_trace = trace = []
-    overlap.generate(PROMPTS, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (4, 9, 6, 13)])
+    overlap.generate(
+        PROMPTS, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (4, 9, 6, 13)]
+    )
     assert [r.kind for r in trace] == ["prefill", "decode"] + ["chain"] * 11 + ["idle"]
     assert [r.batch_size for r in trace[1:-1]] == [4, 4, 4, 3, 3, 2, 2, 2, 1, 1, 1, 1]
 
@@ -140,10 +154,14 @@ def test_members_reaching_max_tokens_leave_one_at_a_time() -> None:
 def test_a_member_leaving_lets_a_waiting_request_in_at_once() -> None:
     """Under load a member that finishes frees a slot: the chain breaks so the scheduler admits the
     next request now, rather than one step later."""
-    capped = LLM(device="cpu", dtype="float32", kv_cache_tokens=4096, overlap_schedule=True, max_running_requests=2)
+    capped = LLM(
+        device="cpu", dtype="float32", kv_cache_tokens=4096, overlap_schedule=True, max_running_requests=2
+    )
     eng = capped.engine
     eng.step_trace = trace = []
-    capped.generate(PROMPTS[:3], [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 8, 4)])
+    capped.generate(
+        PROMPTS[:3], [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 8, 4)]
+    )
     # The first member's last token is in flight at the third decode step: the next engine step
     # drains and admits the third request instead of launching a step for the second alone.
     assert [r.kind for r in trace[:5]] == ["prefill", "decode", "chain", "prefill", "decode"]
@@ -151,7 +169,9 @@ def test_a_member_leaving_lets_a_waiting_request_in_at_once() -> None:
 
 def test_a_full_batch_keeps_chaining_while_requests_wait(llm: LLM) -> None:
     """Requests that cannot be admitted (the batch is at max_running_requests) do not stop overlap."""
-    capped = LLM(device="cpu", dtype="float32", kv_cache_tokens=16384, overlap_schedule=True, max_running_requests=2)
+    capped = LLM(
+        device="cpu", dtype="float32", kv_cache_tokens=16384, overlap_schedule=True, max_running_requests=2
+    )
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     got = capped.generate(PROMPTS, params)
     assert capped.engine.stats.chained_steps >= 2 * 8  # the first two pairs chain while others wait
@@ -207,24 +227,37 @@ def test_ngram_with_overlap_is_lossless() -> None:
     """The adaptive policy decides a chained step from the committed tokens (one behind); verify
     steps drain the step in flight first. Greedy output stays identical to plain decoding."""
     plain = LLM(device="cpu", dtype="float32", kv_cache_tokens=16384)
-    spec = LLM(device="cpu", dtype="float32", kv_cache_tokens=16384, overlap_schedule=True,
-               speculative="ngram", num_draft_tokens=8)
+    spec = LLM(
+        device="cpu",
+        dtype="float32",
+        kv_cache_tokens=16384,
+        overlap_schedule=True,
+        speculative="ngram",
+        num_draft_tokens=8,
+    )
     text = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
-    prompts = [f"Repeat this code exactly:\n{text}", "Tell me a short story about a cat.",
-               f"Copy:\n{text}\nNow copy it again:\n"]
+    prompts = [
+        f"Repeat this code exactly:\n{text}",
+        "Tell me a short story about a cat.",
+        f"Copy:\n{text}\nNow copy it again:\n",
+    ]
     params = SamplingParams(max_tokens=48, temperature=0)
     got = spec.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(prompts, params)]
     stats = spec.engine.stats
     assert stats.spec_steps > 0 and stats.chained_steps > 0  # both kinds of step ran
     assert stats.shadow_samples > 0  # plain steps taught the policy through shadow drafts ...
-    assert spec.engine.spec is not None and len(spec.engine.spec.shadows) == 0  # ... and none outlives its request
+    assert (
+        spec.engine.spec is not None and len(spec.engine.spec.shadows) == 0
+    )  # ... and none outlives its request
     assert spec.engine.blocks.allocator.num_free == spec.engine.blocks.allocator.num_pages
 
 
 def test_preemption_under_a_tiny_pool_with_overlap() -> None:
     """A chained step reserves KV without preempting; when that fails it drains and schedules."""
-    kw: dict[str, Any] = dict(device="cpu", dtype="float32", kv_cache_tokens=256, page_size=16, max_prefill_tokens=64)
+    kw: dict[str, Any] = dict(
+        device="cpu", dtype="float32", kv_cache_tokens=256, page_size=16, max_prefill_tokens=64
+    )
     prompts = [f"Story number {i}: once upon a time" for i in range(6)]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     small = LLM(**kw, overlap_schedule=True)
@@ -255,8 +288,9 @@ def test_a_decision_ahead_sees_the_committed_match_lengths(spec_llm: LLM) -> Non
     longer = eng.requests[other].seqs[0]
     seen: list[tuple[list[int], bool]] = []
 
-    def record(seq_ids: Any, lengths: Any, constrained: bool = False, remaining: Any = None,
-               ahead: bool = False) -> int:
+    def record(
+        seq_ids: Any, lengths: Any, constrained: bool = False, remaining: Any = None, ahead: bool = False
+    ) -> int:
         seen.append((list(lengths()), ahead))
         return 1
 
@@ -356,10 +390,12 @@ def test_overlap_on_cuda_emits_exactly_the_step_by_step_tokens() -> None:
     # Members finish only at max_tokens, which never chains: both engines run the same batches. (A
     # member ending on EOS mid-chain leaves the others one step at the larger batch, another graph
     # bucket, whose bf16 GEMMs need not round alike.)
-    params = [SamplingParams(max_tokens=48, temperature=0, ignore_eos=True),
-              SamplingParams(max_tokens=32, temperature=0.8, seed=3, ignore_eos=True),
-              SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
-              SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)]
+    params = [
+        SamplingParams(max_tokens=48, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=32, temperature=0.8, seed=3, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+    ]
     got = overlapped.generate(PROMPTS, params)
     assert overlapped.engine.stats.chained_steps > 0
     assert _summary(got) == _summary(stepwise.generate(PROMPTS, params))
@@ -373,8 +409,14 @@ def test_the_plain_step_restarting_the_chain_carries_the_verify_steps_tail() -> 
     # Sleeps well above a plain step's time on a busy CPU (with 0.2 s inside, CI once failed on a
     # 0.21 s plain step).
     INSIDE, BETWEEN = 0.5, 0.8
-    spec = LLM(device="cpu", dtype="float32", kv_cache_tokens=4096, overlap_schedule=True,
-               speculative="ngram", num_draft_tokens=4)
+    spec = LLM(
+        device="cpu",
+        dtype="float32",
+        kv_cache_tokens=4096,
+        overlap_schedule=True,
+        speculative="ngram",
+        num_draft_tokens=4,
+    )
     eng = spec.engine
     assert eng.spec is not None
     widths = [4]  # the first decode step verifies, every later one is plain
@@ -382,7 +424,9 @@ def test_the_plain_step_restarting_the_chain_carries_the_verify_steps_tail() -> 
     observed: list[tuple[int, float, float | None]] = []
     observe = eng.spec.observe_step
     eng.spec.observe_step = lambda bs, width, seconds, restart=None: (  # type: ignore[method-assign]
-        observed.append((width, seconds, restart)), observe(bs, width, seconds, restart))
+        observed.append((width, seconds, restart)),
+        observe(bs, width, seconds, restart),
+    )
     collect = eng._collect_outputs
     kinds: list[str] = []
 

@@ -12,8 +12,9 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import jsonschema
@@ -26,7 +27,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from ngrammar import LLM, SamplingParams
 from ngrammar.server import create_app
 
-ENGINE_KWARGS: dict[str, Any] = dict(device="cpu", dtype="float32", kv_cache_tokens=16384, speculative="ngram")
+ENGINE_KWARGS: dict[str, Any] = dict(
+    device="cpu", dtype="float32", kv_cache_tokens=16384, speculative="ngram"
+)
 
 PERSON_SCHEMA = {
     "type": "object",
@@ -144,8 +147,9 @@ def test_text_completion_with_openai_client(oai: openai.OpenAI, live: LiveServer
 
 
 def test_streaming_joins_to_the_non_streaming_text(oai: openai.OpenAI) -> None:
-    args: dict[str, Any] = dict(model="default", messages=chat_messages("Name three colors."), max_tokens=24,
-                                temperature=0)
+    args: dict[str, Any] = dict(
+        model="default", messages=chat_messages("Name three colors."), max_tokens=24, temperature=0
+    )
     full = oai.chat.completions.create(**args)
     chunks = list(oai.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -158,8 +162,16 @@ def test_streaming_joins_to_the_non_streaming_text(oai: openai.OpenAI) -> None:
 
 
 def test_completion_stream_usage(oai: openai.OpenAI) -> None:
-    chunks = list(oai.completions.create(model="default", prompt="One, two, three,", max_tokens=10, temperature=0,
-                                         stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        oai.completions.create(
+            model="default",
+            prompt="One, two, three,",
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices)
     usage = chunks[-1].usage
     assert usage is not None and usage.completion_tokens == 10
@@ -178,15 +190,23 @@ def test_response_format_json_schema(oai: openai.OpenAI) -> None:
 
 
 def test_regex_via_extra_body(oai: openai.OpenAI) -> None:
-    resp = oai.completions.create(model="default", prompt="My phone number is", max_tokens=16, temperature=0,
-                                  extra_body={"regex": PHONE_REGEX})
+    resp = oai.completions.create(
+        model="default",
+        prompt="My phone number is",
+        max_tokens=16,
+        temperature=0,
+        extra_body={"regex": PHONE_REGEX},
+    )
     assert re.fullmatch(PHONE_REGEX, resp.choices[0].text)
 
 
 def test_json_object_response_format(oai: openai.OpenAI) -> None:
     resp = oai.chat.completions.create(
-        model="default", messages=chat_messages("Reply with a JSON object holding a key 'ok'."),
-        max_tokens=32, temperature=0, response_format={"type": "json_object"},
+        model="default",
+        messages=chat_messages("Reply with a JSON object holding a key 'ok'."),
+        max_tokens=32,
+        temperature=0,
+        response_format={"type": "json_object"},
     )
     text = resp.choices[0].message.content or ""
     if resp.choices[0].finish_reason == "stop":
@@ -197,15 +217,23 @@ def test_json_object_response_format(oai: openai.OpenAI) -> None:
 
 def test_chat_logprobs_and_n(oai: openai.OpenAI) -> None:
     resp = oai.chat.completions.create(
-        model="default", messages=chat_messages("Pick a number."), max_tokens=6,
-        temperature=0.8, seed=7, n=2, logprobs=True, top_logprobs=2,
+        model="default",
+        messages=chat_messages("Pick a number."),
+        max_tokens=6,
+        temperature=0.8,
+        seed=7,
+        n=2,
+        logprobs=True,
+        top_logprobs=2,
     )
     assert sorted(c.index for c in resp.choices) == [0, 1]
     for choice in resp.choices:
         assert choice.logprobs is not None and choice.logprobs.content
         assert all(len(t.top_logprobs) <= 2 and t.logprob <= 0 for t in choice.logprobs.content)
     assert resp.usage is not None
-    assert resp.usage.completion_tokens == sum(len(c.logprobs.content or []) for c in resp.choices if c.logprobs)
+    assert resp.usage.completion_tokens == sum(
+        len(c.logprobs.content or []) for c in resp.choices if c.logprobs
+    )
 
 
 def test_batched_prompts_and_n_map_to_choice_indices(http: httpx.Client) -> None:
@@ -224,8 +252,10 @@ def test_batched_prompts_and_n_map_to_choice_indices(http: httpx.Client) -> None
 
 
 def test_generate_native(http: httpx.Client) -> None:
-    body = {"text": "My phone number is", "sampling_params": {"max_new_tokens": 16, "temperature": 0,
-                                                               "regex": PHONE_REGEX}}
+    body = {
+        "text": "My phone number is",
+        "sampling_params": {"max_new_tokens": 16, "temperature": 0, "regex": PHONE_REGEX},
+    }
     out = http.post("/generate", json=body).json()
     assert re.fullmatch(PHONE_REGEX, out["text"])
     meta = out["meta_info"]
@@ -241,7 +271,7 @@ def test_generate_native_stream_and_input_ids(http: httpx.Client, live: LiveServ
     with http.stream("POST", "/generate", json=body) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):
-                events.append(line[len("data: "):])
+                events.append(line[len("data: ") :])
     assert events[-1] == "[DONE]"
     last = json.loads(events[-2])
     assert last["meta_info"]["completion_tokens"] == 8 and len(last["output_ids"]) == 8
@@ -266,16 +296,24 @@ def mixed_workload() -> list[tuple[str, dict[str, Any], Any, SamplingParams]]:
     """32 greedy requests (endpoint, body, offline prompt, offline params), half structured."""
     topics = ["the sea", "a robot", "winter", "coffee", "a city", "music", "a cat", "the moon"]
     work = []
-    for i, topic in enumerate(topics):
+    for _i, topic in enumerate(topics):
         params = SamplingParams(max_tokens=20, temperature=0)
         msgs = chat_messages(f"Write one sentence about {topic}.")
-        work.append(("/v1/chat/completions", {"messages": msgs, "max_tokens": 20, "temperature": 0}, msgs, params))
+        work.append(
+            ("/v1/chat/completions", {"messages": msgs, "max_tokens": 20, "temperature": 0}, msgs, params)
+        )
         prompt = f"Here is a short story about {topic}:"
-        work.append(("/v1/completions", {"prompt": prompt, "max_tokens": 20, "temperature": 0}, prompt, params))
+        work.append(
+            ("/v1/completions", {"prompt": prompt, "max_tokens": 20, "temperature": 0}, prompt, params)
+        )
         schema_params = SamplingParams(max_tokens=32, temperature=0, json_schema=PERSON_SCHEMA)
         msgs = chat_messages(f"Describe a person who loves {topic} as JSON with name and age.")
-        body = {"messages": msgs, "max_tokens": 32, "temperature": 0,
-                "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON_SCHEMA}}}
+        body = {
+            "messages": msgs,
+            "max_tokens": 32,
+            "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON_SCHEMA}},
+        }
         work.append(("/v1/chat/completions", body, msgs, schema_params))
         regex_params = SamplingParams(max_tokens=16, temperature=0, regex=PHONE_REGEX)
         prompt = f"Call the {topic} hotline at"
@@ -321,8 +359,13 @@ def test_concurrent_mixed_requests_match_offline(http: httpx.Client, offline: LL
 
 def test_cancelled_stream_frees_kv_pages(http: httpx.Client, live: LiveServer) -> None:
     wait_idle(http)
-    body = {"messages": chat_messages("Tell me a very long story."), "max_tokens": 2000, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "messages": chat_messages("Tell me a very long story."),
+        "max_tokens": 2000,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.Client(base_url=live.url, timeout=60) as own:
         with own.stream("POST", "/v1/chat/completions", json=body) as r:
             received = 0
@@ -353,8 +396,18 @@ def test_invalid_inputs_get_openai_errors(http: httpx.Client) -> None:
     bad_schema = {"type": "object", "properties": {"a": {"type": "strin"}}}
     cases: list[tuple[str, dict[str, Any], int, str | None]] = [
         ("/v1/chat/completions", {"messages": msgs, "json_schema": bad_schema}, 400, None),
-        ("/v1/chat/completions", {"messages": msgs, "response_format": {
-            "type": "json_schema", "json_schema": {"name": "x", "schema": bad_schema}}}, 400, None),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": msgs,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": bad_schema},
+                },
+            },
+            400,
+            None,
+        ),
         ("/v1/completions", {"prompt": "x", "regex": "(unclosed"}, 400, None),
         ("/generate", {"text": "x", "sampling_params": {"ebnf": "root ::= oops("}}, 400, None),
         ("/v1/completions", {"prompt": "hello " * 9000, "max_tokens": 4}, 400, None),
@@ -372,14 +425,21 @@ def test_invalid_inputs_get_openai_errors(http: httpx.Client) -> None:
         ("/v1/completions", {"prompt": "x", "max_tokens": 4, "regex": "[^\\s\\S]"}, 400, None),
         ("/generate", {"text": "x", "sampling_params": {"ebnf": "root ::= [^\\x00-\\U0010FFFF]"}}, 400, None),
         # A grammar that reaches a dead end after "a": the request's fault too (it was a 500).
-        ("/v1/completions", {"prompt": "Say a", "max_tokens": 8, "temperature": 0, "regex": "a[^\\s\\S]"}, 400, None),
+        (
+            "/v1/completions",
+            {"prompt": "Say a", "max_tokens": 8, "temperature": 0, "regex": "a[^\\s\\S]"},
+            400,
+            None,
+        ),
     ]
     for path, body, status, param in cases:
         error = assert_error(http.post(path, json=body), status)
         if param is not None:
             assert error["param"] == param, (path, body, error)
     assert "prompt is" in assert_error(http.post("/v1/completions", json=cases[4][1]), 400)["message"]
-    malformed = http.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    malformed = http.post(
+        "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     error = assert_error(malformed, 400)  # (its param was the character offset of the error)
     assert error["param"] is None and "not valid JSON" in error["message"], error
     assert_error(http.get("/no/such/route"), 404)
@@ -456,29 +516,39 @@ def test_without_max_tokens_each_prompt_runs_to_its_own_context_end() -> None:
     with TestClient(app) as client:
         tokenizer = app.state.server.engine.tokenizer
         prompts = ["Hi", "Tell me a story about a dragon and a knight, with a castle and a quest, please"]
-        r = client.post("/v1/completions", json={"prompt": prompts, "max_tokens": None, "temperature": 0,
-                                                  "ignore_eos": True})
+        r = client.post(
+            "/v1/completions",
+            json={"prompt": prompts, "max_tokens": None, "temperature": 0, "ignore_eos": True},
+        )
         assert r.status_code == 200, r.text
         room = [48 - len(tokenizer.encode(p)) for p in prompts]
         assert r.json()["usage"]["completion_tokens"] == sum(room) and room[0] > room[1]
         assert all(c["finish_reason"] == "length" for c in r.json()["choices"])
         error = assert_error(client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 48}), 400)
         assert "max_tokens" in error["message"]
-        error = assert_error(client.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 48}}), 400)
+        error = assert_error(
+            client.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 48}}), 400
+        )
         assert "max_new_tokens" in error["message"]
         assert client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
         # Review: a limit the client did not send (/generate's default of 128 new tokens, the
         # completions endpoint's 16) is capped to the room left, not refused.
-        native = client.post("/generate", json={"text": prompts[1], "sampling_params": {"temperature": 0,
-                                                                                      "ignore_eos": True}})
+        native = client.post(
+            "/generate", json={"text": prompts[1], "sampling_params": {"temperature": 0, "ignore_eos": True}}
+        )
         assert native.status_code == 200 and native.json()["meta_info"]["completion_tokens"] == room[1]
 
 
 def test_stream_chunks_carry_openai_null_fields(http: httpx.Client) -> None:
     """Regression: nulls were dropped from every body (``finish_reason``, ``logprobs``, ``usage``),
     which strict typed clients need; a delta still carries only what it adds."""
-    body = {"messages": chat_messages("Say hi"), "max_tokens": 4, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "messages": chat_messages("Say hi"),
+        "max_tokens": 4,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
@@ -487,30 +557,35 @@ def test_stream_chunks_carry_openai_null_fields(http: httpx.Client) -> None:
     plain = http.post("/v1/chat/completions", json={**body, "stream": False}).json()
     assert plain["choices"][0]["logprobs"] is None
     with http.stream("POST", "/v1/chat/completions", json={**body, "stream_options": None}) as r:
-        assert all("usage" not in json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {"))
+        assert all(
+            "usage" not in json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")
+        )
 
 
 def test_logprob_tokens_keep_their_bytes() -> None:
     """Regression: each token was decoded alone, so a token holding part of a character read as
     U+FFFD: its ``bytes`` were U+FFFD's, distinct tokens merged into one top_logprobs key, and the
     text offsets drifted. Completions logprobs also left out the sampled token itself."""
-    from ngrammar.outputs import TokenLogprob
-    from ngrammar.server.app import _chat_logprobs, _completion_logprobs, _TextOffsets
-
     from ngrammar.model.loader import resolve_checkpoint
     from ngrammar.model.tokenizer import Tokenizer
+    from ngrammar.outputs import TokenLogprob
+    from ngrammar.server.app import _chat_logprobs, _completion_logprobs, _TextOffsets
 
     tokenizer = Tokenizer(resolve_checkpoint(None).tokenizer_dir)
     text = "ok 🙃🙏 é"
     ids = tokenizer.encode(text)
     alternatives = list(dict.fromkeys(ids[:3]))
-    lps = [TokenLogprob(t, -0.5, tuple((a, -1.0 - k) for k, a in enumerate(alternatives) if a != t)) for t in ids]
+    lps = [
+        TokenLogprob(t, -0.5, tuple((a, -1.0 - k) for k, a in enumerate(alternatives) if a != t)) for t in ids
+    ]
     chat = _chat_logprobs(tokenizer, lps)
     assert b"".join(bytes(c.bytes or []) for c in chat.content).decode() == text
     legacy = _completion_logprobs(tokenizer, lps, _TextOffsets())
     assert any(t.startswith("bytes:") for t in legacy.tokens)
-    assert all(len(top) == len(lp.top) + 1 and top[tok] == -0.5
-               for top, lp, tok in zip(legacy.top_logprobs, lps, legacy.tokens))
+    assert all(
+        len(top) == len(lp.top) + 1 and top[tok] == -0.5
+        for top, lp, tok in zip(legacy.top_logprobs, lps, legacy.tokens)
+    )
     for k, offset in enumerate(legacy.text_offset):
         assert offset == len(tokenizer.decode(ids[:k]).rstrip("\ufffd"))
 
@@ -531,14 +606,18 @@ def test_api_key_is_checked(live: LiveServer) -> None:
 def test_metrics_parse_and_count(http: httpx.Client) -> None:
     before = scrape(http)
     for _ in range(2):
-        r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 5, "temperature": 0,
-                                               "ignore_eos": True})
+        r = http.post(
+            "/v1/completions", json={"prompt": "Hello", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+        )
         assert r.status_code == 200
     wait_idle(http)
     after = scrape(http)
     key = ("ngrammar_http_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))
     assert after[key] - before.get(key, 0) == 2
-    assert after[("ngrammar_generation_tokens_total", ())] - before[("ngrammar_generation_tokens_total", ())] == 10
+    assert (
+        after[("ngrammar_generation_tokens_total", ())] - before[("ngrammar_generation_tokens_total", ())]
+        == 10
+    )
     assert after[("ngrammar_prompt_tokens_total", ())] > before[("ngrammar_prompt_tokens_total", ())]
     assert after[("ngrammar_step_seconds_count", ())] > before[("ngrammar_step_seconds_count", ())]
     assert after[("ngrammar_requests_finished_total", (("finish_reason", "length"),))] >= 2

@@ -10,11 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ngrammar.spec.corpus import NgramCorpus
-from ngrammar.spec.policy import COST_REFRESH, AdaptiveDraftPolicy, bucket_of
-from ngrammar.spec.shadow import RETRY, ShadowDrafts, tree_kids, walk_tree
-from ngrammar.spec.tree import DraftTree
-from ngrammar.spec.verify import verify_tree_greedy
+from ngrammar.speculative.corpus import NgramCorpus
+from ngrammar.speculative.policy import COST_REFRESH, AdaptiveDraftPolicy, bucket_of
+from ngrammar.speculative.shadow import RETRY, ShadowDrafts, tree_kids, walk_tree
+from ngrammar.speculative.tree import DraftTree
+from ngrammar.speculative.verify import verify_tree_greedy
 
 
 @st.composite
@@ -52,7 +52,9 @@ def test_a_decided_walk_accepts_what_greedy_verify_would(
     for i in range(1, d):
         path[i] = path[parents[i]] + [tokens[i]]
     predict = [
-        following[depth[i]] if depth[i] < len(following) and path[i][1:] == following[: depth[i]] else rng.randrange(4)
+        following[depth[i]]
+        if depth[i] < len(following) and path[i][1:] == following[: depth[i]]
+        else rng.randrange(4)
         for i in range(d)
     ]
     kids, levels = tree_kids(tokens, parents)
@@ -155,13 +157,23 @@ def test_an_engine_with_nothing_to_pick_drafts_no_shadows() -> None:
     from ngrammar.engine.sequence import Sequence
 
     tokens = [5, 6, 7, 8] * 6
-    for kw, trees in (({"num_draft_tokens": 1}, 0), ({"num_draft_tokens": 4, "spec_adaptive": False}, 0),
-                      ({"num_draft_tokens": 4}, 1)):
+    for kw, trees in (
+        ({"num_draft_tokens": 1}, 0),
+        ({"num_draft_tokens": 4, "spec_adaptive": False}, 0),
+        ({"num_draft_tokens": 4}, 1),
+    ):
         llm = LLM(device="cpu", dtype="float32", kv_cache_tokens=1024, speculative="ngram", **kw)
         worker = llm.engine.spec
         assert worker is not None
-        seq = Sequence("repeats", 0, list(tokens), SamplingParams(max_tokens=4, temperature=0), llm.engine.tokenizer,
-                       seed=0, max_len=llm.engine.max_model_len)
+        seq = Sequence(
+            "repeats",
+            0,
+            list(tokens),
+            SamplingParams(max_tokens=4, temperature=0),
+            llm.engine.tokenizer,
+            seed=0,
+            max_len=llm.engine.max_model_len,
+        )
         worker.on_admit(seq)  # indexes the prompt: its last tokens have a match
         worker._shadow_step([seq], budget=1.0)
         assert llm.engine.stats.shadow_trees == trees, kw

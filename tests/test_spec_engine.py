@@ -13,14 +13,14 @@ from hypothesis import strategies as st
 
 from ngrammar import LLM, SamplingParams
 from ngrammar.engine.sequence import Sequence
-from ngrammar.spec.policy import REASONS, AdaptiveDraftPolicy, bucket_of
-from ngrammar.spec.worker import NgramSpecWorker
+from ngrammar.speculative.policy import REASONS, AdaptiveDraftPolicy, bucket_of
+from ngrammar.speculative.worker import NgramSpecWorker
 
 GROUNDED = [
     "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the river bank.\n",
     "Copy the list: apples, bananas, cherries, dates, elderberries, figs, grapes.\nList: apples,",
     "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
-    "Name: Alice Smith\nAge: 34\nCity: Paris\n\nExtract the fields as JSON: {\"name\": \"",
+    'Name: Alice Smith\nAge: 34\nCity: Paris\n\nExtract the fields as JSON: {"name": "',
 ]
 OPEN_ENDED = [
     "Write a short poem about autumn leaves.",
@@ -40,8 +40,15 @@ def plain_outputs(llm: LLM) -> list[list[int]]:
 @pytest.mark.parametrize("match_type", ["BFS", "PROB"])
 @pytest.mark.parametrize("width", [2, 8, 16])
 def test_greedy_speculation_is_lossless(plain_outputs: list[list[int]], width: int, match_type: str) -> None:
-    spec = LLM(device="cpu", dtype="float32", kv_cache_tokens=8192, speculative="ngram", num_draft_tokens=width,
-               ngram_match_type=match_type, spec_adaptive=False)
+    spec = LLM(
+        device="cpu",
+        dtype="float32",
+        kv_cache_tokens=8192,
+        speculative="ngram",
+        num_draft_tokens=width,
+        ngram_match_type=match_type,
+        spec_adaptive=False,
+    )
     outs = spec.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == plain_outputs
     assert spec.engine.stats.verify_steps > 0
@@ -63,7 +70,9 @@ def test_spec_metrics_and_stop_inside_accepted_run(spec_llm: LLM, llm: LLM) -> N
     out = spec_llm.generate(prompt, SamplingParams(max_tokens=30, temperature=0))[0]
     assert out.token_ids == full.token_ids
     m = out.metrics
-    assert m["spec_verify_steps"] >= 1 and 1 <= m["spec_accept_length"] <= 8 and 0 <= m["spec_accept_rate"] <= 1
+    assert (
+        m["spec_verify_steps"] >= 1 and 1 <= m["spec_accept_length"] <= 8 and 0 <= m["spec_accept_rate"] <= 1
+    )
     # max_tokens and stop strings cut an accepted run exactly where plain decoding stops
     for n in (3, 5, 11):
         cut = spec_llm.generate(prompt, SamplingParams(max_tokens=n, temperature=0))[0]
@@ -90,7 +99,10 @@ def test_the_step_trace_records_every_step_by_kind(spec_llm: LLM) -> None:
     assert {r.reason for r in trace if r.kind != "prefill"} == {"fixed"}  # the fixture is not adaptive
     assert all(r.reason == "" for r in trace if r.kind in ("prefill", "idle"))
     assert all(r.width == 1 for r in trace if r.kind != "verify")
-    assert all(r.seconds > 0 and 0 <= r.shadow_seconds <= r.host_seconds + 1e-9 and r.host_seconds <= r.seconds for r in trace)
+    assert all(
+        r.seconds > 0 and 0 <= r.shadow_seconds <= r.host_seconds + 1e-9 and r.host_seconds <= r.seconds
+        for r in trace
+    )
     assert all(a.start + a.seconds <= b.start for a, b in zip(trace, trace[1:]))
 
 
@@ -154,8 +166,15 @@ def test_a_real_end_of_text_draft_with_children_verifies_like_any_draft(llm: LLM
     # " Berlin" <|endoftext|> "." ... "The capital of France is Paris. The capital of Germany is"
     prompt = [11452, 0, 30, 17, 504, 3575, 282, 4649, 314, 7042, 30, 378, 3575, 282, 4521, 314]
     params = SamplingParams(max_tokens=8, temperature=0)
-    short = LLM(device="cpu", dtype="float32", kv_cache_tokens=2048, speculative="ngram", num_draft_tokens=8,
-                spec_adaptive=False, ngram_max_trie_depth=4)  # short windows: the tree is trimmed
+    short = LLM(
+        device="cpu",
+        dtype="float32",
+        kv_cache_tokens=2048,
+        speculative="ngram",
+        num_draft_tokens=8,
+        spec_adaptive=False,
+        ngram_max_trie_depth=4,
+    )  # short windows: the tree is trimmed
     assert short.generate(prompt, params)[0].token_ids == llm.generate(prompt, params)[0].token_ids
     assert short.engine.stats.trimmed_nodes > 0
 
@@ -166,8 +185,15 @@ def test_speculation_stops_at_the_end_of_the_context_as_plain_decoding_does(llm:
     context's end (at the model's own 8,192 that indexed past the RoPE table and raised)."""
     ids = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 5)
     params = SamplingParams(max_tokens=32, temperature=0)
-    spec = LLM(device="cpu", dtype="float32", kv_cache_tokens=2048, max_model_len=64, speculative="ngram",
-               num_draft_tokens=8, spec_adaptive=False)
+    spec = LLM(
+        device="cpu",
+        dtype="float32",
+        kv_cache_tokens=2048,
+        max_model_len=64,
+        speculative="ngram",
+        num_draft_tokens=8,
+        spec_adaptive=False,
+    )
     out = spec.generate([ids], params)[0]
     room = 64 - len(ids)
     reference = llm.generate([ids], SamplingParams(max_tokens=room, temperature=0))[0]
@@ -182,8 +208,15 @@ def test_speculation_does_not_fail_a_request_that_plain_decoding_has_room_for(ll
     failed the last running request ("the KV cache is too small") where a plain step fits."""
     prompt = "Copy the list: apples, bananas, cherries, dates, elderberries, figs, grapes.\nList: apples,"
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    small = LLM(device="cpu", dtype="float32", kv_cache_tokens=64, page_size=16, speculative="ngram",
-                num_draft_tokens=16, spec_adaptive=False)
+    small = LLM(
+        device="cpu",
+        dtype="float32",
+        kv_cache_tokens=64,
+        page_size=16,
+        speculative="ngram",
+        num_draft_tokens=16,
+        spec_adaptive=False,
+    )
     out = small.generate(prompt, params)[0]
     assert out.finish_reason == "length" and out.token_ids == llm.generate(prompt, params)[0].token_ids
     alloc = small.engine.blocks.allocator
@@ -200,8 +233,12 @@ def test_speculative_sampling_respects_top_k(spec_llm: LLM) -> None:
 
 
 def test_many_speculative_requests_free_all_pages(spec_llm: LLM) -> None:
-    params = [SamplingParams(max_tokens=8 + i % 5, temperature=0 if i % 2 else 0.8, seed=i, logprobs=1 if i % 3 else None)
-              for i in range(16)]
+    params = [
+        SamplingParams(
+            max_tokens=8 + i % 5, temperature=0 if i % 2 else 0.8, seed=i, logprobs=1 if i % 3 else None
+        )
+        for i in range(16)
+    ]
     outs = spec_llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(16)], params)
     assert all(o.finished for o in outs)
     for o in outs:
@@ -269,7 +306,9 @@ def test_sequences_without_a_match_are_not_verified_and_rarely_probed() -> None:
     policy = AdaptiveDraftPolicy(max_width=8)
     ids = [f"s{i}" for i in range(32)]
     probes: list[int] = []
-    chosen = _run_policy(policy, ids, spec_time=0.06, spec_accept=1.0, steps=200, match_length=0, probes=probes)
+    chosen = _run_policy(
+        policy, ids, spec_time=0.06, spec_accept=1.0, steps=200, match_length=0, probes=probes
+    )
     timing = len(policy.widths) * 2  # every width is timed twice first
     assert all(w == 1 for w in chosen[timing:])
     # A probe that found nothing holds the next ones off for bucket // 4 = 8 steps at batch 32.
@@ -287,8 +326,12 @@ def test_probes_are_spaced_to_cost_a_small_share_of_plain_steps() -> None:
         probes: list[int] = []
         for step in range(200):
             width = policy.choose(ids, lambda: probes.append(step) or [0] * len(ids))
-            policy.observe(8, width, plain_seconds if width == 1 else 3 * plain_seconds,
-                           None if width == 1 else {s: 0 for s in ids})
+            policy.observe(
+                8,
+                width,
+                plain_seconds if width == 1 else 3 * plain_seconds,
+                None if width == 1 else {s: 0 for s in ids},
+            )
         assert policy.probe_cost[bucket_of(8, False)] > 0
         counts.append(len(probes))
     timing = 3 * 2  # widths 4 and 8 and plain, each timed twice
@@ -300,10 +343,12 @@ def test_probes_are_spaced_to_cost_a_small_share_of_plain_steps() -> None:
 def test_losing_widths_are_retried_less_often_the_more_a_retry_costs() -> None:
     ids = [f"s{i}" for i in range(32)]
     timing = 3 * 2  # widths 4 and 8 and plain, each timed twice
-    cheap = _run_policy(AdaptiveDraftPolicy(max_width=8), ids, spec_time=0.06, spec_accept=1.0, steps=300,
-                        match_length=2)
-    dear = _run_policy(AdaptiveDraftPolicy(max_width=8), ids, spec_time=0.2, spec_accept=1.0, steps=300,
-                       match_length=2)
+    cheap = _run_policy(
+        AdaptiveDraftPolicy(max_width=8), ids, spec_time=0.06, spec_accept=1.0, steps=300, match_length=2
+    )
+    dear = _run_policy(
+        AdaptiveDraftPolicy(max_width=8), ids, spec_time=0.2, spec_accept=1.0, steps=300, match_length=2
+    )
     cheap_retries = sum(w > 1 for w in cheap[timing:])
     dear_retries = sum(w > 1 for w in dear[timing:])
     # 1.2x plain: every max(8, 0.2 / 0.02) = 10 steps; 4x plain: every 3 / 0.02 = 150 steps.
@@ -459,7 +504,9 @@ def test_a_sequence_bias_shifts_the_first_draft_rate_only() -> None:
     first, p = policy.first[(16, 4)].p, policy.cont[4].p
     levels = policy._levels(16)[4]
     f = min(first + bias, 0.97)
-    assert policy.expected_drafts("s", 4, 16) == pytest.approx(f * (1 + p * (1 - p ** (levels - 1)) / (1 - p)))
+    assert policy.expected_drafts("s", 4, 16) == pytest.approx(
+        f * (1 + p * (1 - p ** (levels - 1)) / (1 - p))
+    )
     unbiased = first * (1 + p * (1 - p ** (levels - 1)) / (1 - p))
     assert policy.expected_drafts("s", 4, 16) > unbiased + 0.1 and plain > 0
 
@@ -476,16 +523,22 @@ def test_a_shallow_tree_is_not_priced_as_a_chain() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 15), st.booleans(), st.integers(0, 9)),
-                min_size=1, max_size=12),
-       st.lists(st.integers(0, 6), min_size=1, max_size=6), st.booleans())
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 6), st.integers(0, 15), st.booleans(), st.integers(0, 9)),
+        min_size=1,
+        max_size=12,
+    ),
+    st.lists(st.integers(0, 6), min_size=1, max_size=6),
+    st.booleans(),
+)
 def test_expected_drafts_equal_the_two_rate_run_formula(
     steps: list[tuple[int, int, bool, int]], lengths: list[int], ahead: bool
 ) -> None:
     """``_expected`` prices each member from precomputed (rate, gain) tables with the clamp inlined;
     it must equal the two-rate run ``_run2(clamp(f + bias), clamp(p), levels)`` written out, and,
     ``ahead``, its mix of the member's match continuing (length n + 1) or not (length 1)."""
-    from ngrammar.spec.policy import MAX_MATCH, PRIOR_CONTINUE, _clamp, _run2
+    from ngrammar.speculative.policy import MAX_MATCH, PRIOR_CONTINUE, _clamp, _run2
 
     policy = AdaptiveDraftPolicy(max_width=16)
     ids = [f"s{i}" for i in range(len(lengths))]
@@ -517,8 +570,14 @@ def test_expected_drafts_equal_the_two_rate_run_formula(
         seq = ids[k % len(ids)]
         policy._lengths[seq] = n
         width = policy.widths[1 + k % (len(policy.widths) - 1)]
-        policy.observe(1, width, 0.05, {seq: min(accepted, width - 1)},
-                       censored={seq} if censored else set(), depths={seq: depth})
+        policy.observe(
+            1,
+            width,
+            0.05,
+            {seq: min(accepted, width - 1)},
+            censored={seq} if censored else set(),
+            depths={seq: depth},
+        )
         check()
 
 
@@ -526,8 +585,15 @@ def test_plain_steps_index_the_output_so_a_repetition_is_matched() -> None:
     # Regression: only verify steps indexed outputs, so a request that started repeating itself
     # while decoding plainly never found the repetition in the corpus and never speculated again.
     # D = 1: every step is a plain decode step; the prompt is not indexed, so all n-grams are output.
-    spec = LLM(device="cpu", dtype="float32", kv_cache_tokens=2048, speculative="ngram", spec_adaptive=False,
-               num_draft_tokens=1, ngram_index_prompt=False)
+    spec = LLM(
+        device="cpu",
+        dtype="float32",
+        kv_cache_tokens=2048,
+        speculative="ngram",
+        spec_adaptive=False,
+        num_draft_tokens=1,
+        ngram_index_prompt=False,
+    )
     out = spec.generate(GROUNDED[1], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
     corpus = spec.engine.spec.corpus
     # A step indexes the tokens committed before it: all but the last output token.
@@ -537,8 +603,14 @@ def test_plain_steps_index_the_output_so_a_repetition_is_matched() -> None:
 
 
 def test_plain_steps_skip_indexing_where_it_would_cost_a_share_of_the_step() -> None:
-    spec = LLM(device="cpu", dtype="float32", kv_cache_tokens=2048, speculative="ngram", spec_adaptive=False,
-               num_draft_tokens=1)
+    spec = LLM(
+        device="cpu",
+        dtype="float32",
+        kv_cache_tokens=2048,
+        speculative="ngram",
+        spec_adaptive=False,
+        num_draft_tokens=1,
+    )
     worker = spec.engine.spec
     calls = []
     index = worker.index_outputs
@@ -565,10 +637,26 @@ def test_plain_steps_index_while_the_host_would_wait_for_the_device(spec_llm: LL
     policy = AdaptiveDraftPolicy(max_width=16)
     for _ in range(2):
         policy.observe(2, 1, 0.004)  # a plain step: 4 ms at batch 2
-    seqs = [Sequence(f"idle-{i}", 0, list(range(200 + i, 230 + i)), SamplingParams(max_tokens=4),
-                     eng.tokenizer, seed=0, max_len=eng.max_model_len) for i in range(2)]
-    saved = (worker.engine, worker.policy, worker._constrained, worker._plain_skips, worker._index_cost,
-             worker._plain_host_seconds)
+    seqs = [
+        Sequence(
+            f"idle-{i}",
+            0,
+            list(range(200 + i, 230 + i)),
+            SamplingParams(max_tokens=4),
+            eng.tokenizer,
+            seed=0,
+            max_len=eng.max_model_len,
+        )
+        for i in range(2)
+    ]
+    saved = (
+        worker.engine,
+        worker.policy,
+        worker._constrained,
+        worker._plain_skips,
+        worker._index_cost,
+        worker._plain_host_seconds,
+    )
     stats = copy.copy(eng.stats)
     stats.last_step_seconds = 0.004  # the last plain step took a plain step's time: its work was hidden
     stub = SimpleNamespace(read_wait=0.0, stats=stats, device=torch.device("cpu"))
@@ -587,7 +675,10 @@ def test_plain_steps_index_while_the_host_would_wait_for_the_device(spec_llm: LL
         assert indexed() == [0, 0]
         for s in seqs:
             s.token_ids.append(7)
-        worker._index_cost, stub.read_wait = 1e-3, 0.001  # what indexing left of the wait, plus its own time: too little
+        worker._index_cost, stub.read_wait = (
+            1e-3,
+            0.001,
+        )  # what indexing left of the wait, plus its own time: too little
         worker._plain_host_seconds = 0.0005
         worker.index_plain_step(seqs)
         assert indexed() == [1, 1]
@@ -626,8 +717,14 @@ def test_plain_steps_index_while_the_host_would_wait_for_the_device(spec_llm: LL
         assert budgets == [pytest.approx(0.0025), pytest.approx(0.003)]
     finally:
         worker.__dict__.pop("index_outputs", None)  # the class's method again
-        (worker.engine, worker.policy, worker._constrained, worker._plain_skips, worker._index_cost,
-         worker._plain_host_seconds) = saved
+        (
+            worker.engine,
+            worker.policy,
+            worker._constrained,
+            worker._plain_skips,
+            worker._index_cost,
+            worker._plain_host_seconds,
+        ) = saved
         worker.on_finish(seqs)
 
 
@@ -636,8 +733,18 @@ def test_a_budgeted_catch_up_indexes_the_sequences_furthest_behind_first(spec_ll
     # stay behind and must come first next time, or the same members would never be indexed.
     eng = spec_llm.engine
     worker = eng.spec
-    seqs = [Sequence(f"budget-{i}", 0, list(range(100 + i, 140 + i)), SamplingParams(max_tokens=4),
-                     eng.tokenizer, seed=0, max_len=eng.max_model_len) for i in range(3)]
+    seqs = [
+        Sequence(
+            f"budget-{i}",
+            0,
+            list(range(100 + i, 140 + i)),
+            SamplingParams(max_tokens=4),
+            eng.tokenizer,
+            seed=0,
+            max_len=eng.max_model_len,
+        )
+        for i in range(3)
+    ]
     corpus = worker.corpus
     try:
         for turn in range(3):
@@ -657,7 +764,9 @@ def test_the_catch_up_budget_is_a_plain_step_at_the_batch_size_and_only_on_cuda(
     policy = AdaptiveDraftPolicy(max_width=16)
     for _ in range(2):
         policy.observe(6, 1, 0.003)  # 3 ms for 6 sequences: 4 ms per step of the bucket of 8
-    stub = SimpleNamespace(engine=SimpleNamespace(device=torch.device("cuda")), policy=policy, _constrained=False)
+    stub = SimpleNamespace(
+        engine=SimpleNamespace(device=torch.device("cuda")), policy=policy, _constrained=False
+    )
     assert NgramSpecWorker._index_budget(stub, 5) == pytest.approx(0.0025)  # type: ignore[arg-type]
     assert NgramSpecWorker._index_budget(stub, 16) is None  # type: ignore[arg-type]  # bucket not timed
     stub.engine.device = torch.device("cpu")
@@ -714,10 +823,13 @@ def test_accepted_path_kv_is_compacted_on_the_device_as_the_host_loop_would() ->
     cache = torch.randn(2, 2, 4, 8, 1, 3)  # [layers, k/v, pages, page size, kv heads, d]
     runner = types.SimpleNamespace(kv_cache=cache.clone())
     # Request 0 on page 2 at kv 3..8 (slot = page * 8 + index % 8), request 1 on pages 0, 1 at kv 6..11.
-    slots = torch.tensor([[19, 20, 21, 22, 23, 16 + 8 + 0],
-                          [6, 7, 8, 9, 10, 11]])
-    nodes = torch.tensor([[0, 2, 5, -1, -1, -1],  # root, then nodes 2 and 5 (not in place)
-                          [0, -1, -1, -1, -1, -1]])  # nothing accepted
+    slots = torch.tensor([[19, 20, 21, 22, 23, 16 + 8 + 0], [6, 7, 8, 9, 10, 11]])
+    nodes = torch.tensor(
+        [
+            [0, 2, 5, -1, -1, -1],  # root, then nodes 2 and 5 (not in place)
+            [0, -1, -1, -1, -1, -1],
+        ]
+    )  # nothing accepted
     lens = torch.tensor([3, 1])
     narrow = types.SimpleNamespace(kv_cache=cache.clone())
     ModelRunner.compact_accepted_kv(runner, slots, nodes, lens)  # type: ignore[arg-type]

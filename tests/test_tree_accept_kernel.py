@@ -14,8 +14,8 @@ from triton_env import DEVICE
 
 from ngrammar.kernels.tree_accept import GreedyAccept, greedy_tree_accept
 from ngrammar.runner.model_runner import compact_path_kv, move_kv_slots
-from ngrammar.spec.tree import mask_from_parents
-from ngrammar.spec.verify import TreeAcceptResult, verify_tree_greedy
+from ngrammar.speculative.tree import mask_from_parents
+from ngrammar.speculative.verify import TreeAcceptResult, verify_tree_greedy
 
 pytestmark = pytest.mark.gpu
 
@@ -23,7 +23,9 @@ pytestmark = pytest.mark.gpu
 def _random_trees(rng: np.random.Generator, bs: int, d: int, vocab: int) -> tuple[torch.Tensor, ...]:
     """Random parents (each < its child), tokens from a small vocabulary (so siblings repeat and
     matches are frequent), the ancestor-or-self mask, and a random target argmax per node."""
-    parents = np.array([[-1] + [int(rng.integers(0, i)) for i in range(1, d)] for _ in range(bs)], dtype=np.int64)
+    parents = np.array(
+        [[-1] + [int(rng.integers(0, i)) for i in range(1, d)] for _ in range(bs)], dtype=np.int64
+    )
     mask = mask_from_parents(parents)
     tokens = rng.integers(0, vocab, size=(bs, d))
     predict = rng.integers(0, vocab, size=(bs, d))

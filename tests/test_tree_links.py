@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from ngrammar.spec.tree import (
+from ngrammar.speculative.tree import (
     DraftTree,
     carry_to_kept,
     derive_tree_links,
@@ -48,7 +48,8 @@ def naive_links(parents: np.ndarray) -> tuple[list[int], list[int]]:
     d = len(parents)
     next_token = [next((c for c in range(d) if parents[c] == i), -1) for i in range(d)]
     next_sibling = [
-        next((c for c in range(i + 1, d) if parents[i] >= 0 and parents[c] == parents[i]), -1) for i in range(d)
+        next((c for c in range(i + 1, d) if parents[i] >= 0 and parents[c] == parents[i]), -1)
+        for i in range(d)
     ]
     return next_token, next_sibling
 
@@ -82,7 +83,9 @@ def test_host_device_and_naive_agree_on_random_trees() -> None:
     while trees < 1200:
         bs = int(rng.integers(1, 9))
         d = int(rng.integers(1, 33))
-        parents = np.stack([random_parents(rng, d, TREE_KINDS[int(rng.integers(len(TREE_KINDS)))]) for _ in range(bs)])
+        parents = np.stack(
+            [random_parents(rng, d, TREE_KINDS[int(rng.integers(len(TREE_KINDS)))]) for _ in range(bs)]
+        )
         mask = mask_from_parents(parents)
         seq_lens = torch.from_numpy(rng.integers(0, 1000, size=bs))
         trees += bs
@@ -128,7 +131,9 @@ def test_parents_kept_by_from_parents_equal_those_read_from_the_mask() -> None:
     rng = np.random.default_rng(99)
     for _ in range(300):
         bs, d = int(rng.integers(1, 9)), int(rng.integers(1, 33))
-        parents = np.stack([random_parents(rng, d, TREE_KINDS[int(rng.integers(len(TREE_KINDS)))]) for _ in range(bs)])
+        parents = np.stack(
+            [random_parents(rng, d, TREE_KINDS[int(rng.integers(len(TREE_KINDS)))]) for _ in range(bs)]
+        )
         parents[:, 0] = rng.integers(-1, 5, size=bs)  # whatever a builder left at the root
         tree = DraftTree.from_parents(np.zeros(bs * d, dtype=np.int64), parents)
         from_mask = DraftTree(tree.tokens, tree.mask, bs, d)  # no parents given: read from the mask
@@ -139,12 +144,23 @@ def test_parents_kept_by_from_parents_equal_those_read_from_the_mask() -> None:
 def test_mask_from_parents_is_ancestor_or_self() -> None:
     parents = np.array([[-1, 0, 0, 1, 2, 3, 0, 0]])
     mask = mask_from_parents(parents)[0]
-    ancestors = {0: {0}, 1: {0, 1}, 2: {0, 2}, 3: {0, 1, 3}, 4: {0, 2, 4}, 5: {0, 1, 3, 5}, 6: {0, 6}, 7: {0, 7}}
+    ancestors = {
+        0: {0},
+        1: {0, 1},
+        2: {0, 2},
+        3: {0, 1, 3},
+        4: {0, 2, 4},
+        5: {0, 1, 3, 5},
+        6: {0, 6},
+        7: {0, 7},
+    }
     for i, row in ancestors.items():
         assert set(np.flatnonzero(mask[i]).tolist()) == row
 
 
-@pytest.mark.parametrize("bs,d", [(1, 1), (1, 16), (3, 33), (8, 16), (16, 16), (17, 16), (32, 16), (2, 64), (2, 65)])
+@pytest.mark.parametrize(
+    "bs,d", [(1, 1), (1, 16), (3, 33), (8, 16), (16, 16), (17, 16), (32, 16), (2, 64), (2, 65)]
+)
 def test_mask_from_parents_matches_walking_up_the_tree(bs: int, d: int) -> None:
     """Both ways of building the mask (int bit sets for small batches, a numpy pass per node index
     for large batches or trees wider than 64) against each node's ancestors found by walking up."""
@@ -248,7 +264,9 @@ def test_keep_nodes_golden() -> None:
     pruned = tree.keep_nodes(keep, 6)
     assert pruned.tokens.tolist() == [7, 11, 12, 13, 22, 31]
     assert pruned.has_child().tolist() == [[True, False, True, False, True, False]]
-    assert carry_to_kept(tree.has_child(), keep, 6, False).tolist() == [[True, True, True, False, True, False]]
+    assert carry_to_kept(tree.has_child(), keep, 6, False).tolist() == [
+        [True, True, True, False, True, False]
+    ]
 
 
 def test_a_drafted_pad_token_with_children_is_not_padding() -> None:
@@ -277,10 +295,13 @@ def test_the_nodes_that_are_not_padding_form_a_tree() -> None:
         tree.keep_nodes(keep, int(keep.sum(axis=1).max()))
 
 
-@pytest.mark.parametrize("bad, message", [
-    ([[False, True, True]], "keep every root"),
-    ([[True, False, True]], "parent of every kept node"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ([[False, True, True]], "keep every root"),
+        ([[True, False, True]], "parent of every kept node"),
+    ],
+)
 def test_keep_nodes_rejects_a_set_that_is_not_a_tree(bad: list[list[bool]], message: str) -> None:
     tree = DraftTree.from_parents(np.array([5, 6, 7]), np.array([[-1, 0, 1]]))
     with pytest.raises(ValueError, match=message):
@@ -292,13 +313,14 @@ def test_keep_nodes_rejects_a_set_that_is_not_a_tree(bad: list[list[bool]], mess
 def test_pruned_trees_accept_what_the_full_trees_accept() -> None:
     """Dropping nodes the target can never pick (as a grammar's bitmask guarantees) keeps every
     kept node's path and sibling order, so greedy verification accepts the same tokens."""
-    from ngrammar.spec.verify import verify_tree_greedy
+    from ngrammar.speculative.verify import verify_tree_greedy
 
     rng = np.random.default_rng(11)
     for _ in range(300):
         bs, d = int(rng.integers(1, 5)), int(rng.choice([2, 4, 8, 16]))
-        parents = np.stack([random_parents(rng, d, str(rng.choice(["star", "chain", "bfs", "padded"])))
-                            for _ in range(bs)])
+        parents = np.stack(
+            [random_parents(rng, d, str(rng.choice(["star", "chain", "bfs", "padded"]))) for _ in range(bs)]
+        )
         tokens = rng.integers(1, 6, size=(bs, d))  # few distinct tokens: siblings often repeat
         keep = rng.random((bs, d)) < 0.7
         keep[:, 0] = True
@@ -330,6 +352,8 @@ def test_pruned_trees_accept_what_the_full_trees_accept() -> None:
 
         assert accepted(pruned) == accepted(tree)
         kept_paths = [sorted(p for p, k in zip(paths[b], keep[b]) if k) for b in range(bs)]
-        new_paths = [sorted(_paths(pruned.parents()[b].tolist(), pruned.tokens_2d()[b].tolist())[: int(keep[b].sum())])
-                     for b in range(bs)]
+        new_paths = [
+            sorted(_paths(pruned.parents()[b].tolist(), pruned.tokens_2d()[b].tolist())[: int(keep[b].sum())])
+            for b in range(bs)
+        ]
         assert new_paths == kept_paths  # (from_parents checked parent < child)

@@ -174,7 +174,9 @@ def test_arbitrary_block_mask(heads: tuple[int, int, int]):
     """The contract allows any tree_mask, not only ancestor masks: columns of the new block that
     follow a row, and a root column hidden from some rows. Diagonals stay set so no row is empty."""
     # Request 2's prefix is 63, so its first 64-wide tile ends on the block's first column.
-    meta, q, k, v, cache = make_case([9, 16, 5], [9, 40, 68], page_size=16, heads=heads, dtype=DTYPES[0], seed=3)
+    meta, q, k, v, cache = make_case(
+        [9, 16, 5], [9, 40, 68], page_size=16, heads=heads, dtype=DTYPES[0], seed=3
+    )
     gen = torch.Generator().manual_seed(4)
     mask = torch.rand(3, 16, 16, generator=gen) < 0.4
     mask |= torch.eye(16, dtype=torch.bool)
@@ -186,7 +188,9 @@ def test_arbitrary_block_mask(heads: tuple[int, int, int]):
 @pytest.mark.parametrize("page_size", [8, 32, 64])
 def test_other_page_sizes(page_size: int):
     heads, dtype = HEADS[0], DTYPES[-1]
-    check_against_reference(*make_case([7, 1, 12], [40, 90, 12], page_size=page_size, heads=heads, dtype=dtype))
+    check_against_reference(
+        *make_case([7, 1, 12], [40, 90, 12], page_size=page_size, heads=heads, dtype=dtype)
+    )
     tree_case = make_case([6, 3], [30, 3], page_size=page_size, heads=heads, dtype=dtype, tree=True, seed=5)
     check_against_reference(*tree_case)
 
@@ -285,7 +289,9 @@ def test_cuda_graph_replay_with_new_lengths(tree: bool):
             meta.max_q_len, meta.max_kv_len, 16, meta.tree_mask,
         )  # fmt: skip
         ref = TorchSDPABackend()
-        expected = ref.forward(q.float(), k.float(), v.float(), expected_cache.float(), ref.plan(ref_meta), scale)
+        expected = ref.forward(
+            q.float(), k.float(), v.float(), expected_cache.float(), ref.plan(ref_meta), scale
+        )
         graph.replay()
         torch.cuda.synchronize()
         err = (static_out.float() - expected).abs().max().item()
@@ -304,18 +310,32 @@ def test_rope_fused_into_the_kv_write(heads: tuple[int, int, int], dtype, views:
 
     hq, hkv, d = heads
     meta, q, k, v, cache = make_case([1, 5, 3], [30, 5, 70], page_size=16, heads=heads, dtype=dtype, seed=8)
-    config = ModelConfig(vocab_size=16, hidden_size=hq * d, intermediate_size=8, num_layers=1, num_heads=hq,
-                         num_kv_heads=hkv, head_dim=d, max_position=128, rope_theta=10000.0, rms_norm_eps=1e-5,
-                         tie_word_embeddings=True)
+    config = ModelConfig(
+        vocab_size=16,
+        hidden_size=hq * d,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        max_position=128,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    )
     positions = torch.tensor([29, 0, 1, 2, 3, 4, 67, 68, 69], device=DEVICE)
     rope = RotaryEmbedding(config).to(DEVICE).table(positions)
     if views:  # q/k/v as views of one projection row, as the model passes them
         row = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
-        q, k, v = (t.view(-1, h, d) for t, h in zip(row.split([hq * d, hkv * d, hkv * d], dim=1), (hq, hkv, hkv)))
+        q, k, v = (
+            t.view(-1, h, d) for t, h in zip(row.split([hq * d, hkv * d, hkv * d], dim=1), (hq, hkv, hkv))
+        )
     v_before = v.clone()
     scale = d**-0.5
     ref_backend, ref_cache = TorchSDPABackend(), cache.clone()
-    want = ref_backend.forward(q.clone(), k.clone(), v.clone(), ref_cache, ref_backend.plan(meta), scale, rope)
+    want = ref_backend.forward(
+        q.clone(), k.clone(), v.clone(), ref_cache, ref_backend.plan(meta), scale, rope
+    )
     backend, got_cache = TritonAttentionBackend(), cache.clone()
     got = backend.forward(q, k, v, got_cache, backend.plan(meta), scale, rope)
     tol = TOLERANCE[dtype]
@@ -327,8 +347,9 @@ def test_rope_fused_into_the_kv_write(heads: tuple[int, int, int], dtype, views:
 def test_split_counters_rearm_for_the_next_layer():
     """The last split merges and resets its counter, so every layer of a step (one plan, one set of
     counters) merges again: a second call through the same plan gives the same output."""
-    meta, q, k, v, cache = make_case([1, 1, 1], [40, 200, 90], page_size=16, heads=HEADS[0], dtype=DTYPES[-1],
-                                     seed=9)
+    meta, q, k, v, cache = make_case(
+        [1, 1, 1], [40, 200, 90], page_size=16, heads=HEADS[0], dtype=DTYPES[-1], seed=9
+    )
     backend = TritonAttentionBackend(num_kv_splits=3)
     plan = backend.plan(meta)
     first = backend.forward(q, k, v, cache.clone(), plan, 0.125)

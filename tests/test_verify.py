@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from ngrammar.spec.verify import (
+from ngrammar.speculative.verify import (
     TreeAcceptResult,
     sample_from_probs,
     tree_speculative_sampling_target_only,
@@ -70,9 +70,7 @@ def batch_tensors(trees: list[tuple[list[int], list[int]]]) -> tuple[torch.Tenso
 # ---------------------------------------------------------------------------------------------
 
 
-def reference_greedy(
-    parents: list[int], tokens: list[int], predict: list[int]
-) -> tuple[list[int], int]:
+def reference_greedy(parents: list[int], tokens: list[int], predict: list[int]) -> tuple[list[int], int]:
     """(path nodes incl. root, bonus)."""
     next_token, next_sibling = links_from_parents(parents)
     path = [0]
@@ -272,9 +270,7 @@ def test_greedy_matches_reference_on_random_trees() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def random_probs(
-    rng: random.Random, gen: torch.Generator, bs: int, d: int, vocab: int
-) -> torch.Tensor:
+def random_probs(rng: random.Random, gen: torch.Generator, bs: int, d: int, vocab: int) -> torch.Tensor:
     """[bs, D, V] float64 rows, some peaked, some with zero entries."""
     scale = rng.choice([0.5, 2.0, 6.0])
     logits = torch.randn(bs, d, vocab, generator=gen, dtype=torch.float64) * scale
@@ -304,9 +300,7 @@ def test_sampling_matches_reference(thresholds: tuple[float, float]) -> None:
             candidates, mask, probs, coins, final_coins, threshold_single, threshold_acc
         )
         refs = [
-            reference_sampling(
-                p, t, probs[b].tolist(), coins[b].tolist(), final_coins[b].item(), *thresholds
-            )
+            reference_sampling(p, t, probs[b].tolist(), coins[b].tolist(), final_coins[b].item(), *thresholds)
             for b, (p, t) in enumerate(trees)
         ]
         expected = expected_result([r[0] for r in refs], [r[1] for r in refs], trees, d)
@@ -322,9 +316,7 @@ def test_sampling_zero_coin_skips_zero_probability_child() -> None:
     probs = torch.zeros(1, 3, 4)
     probs[0, 0] = torch.tensor([0.5, 0.0, 0.5, 0.0])
     probs[0, 1:] = 0.25
-    result = tree_speculative_sampling_target_only(
-        candidates, mask, probs, torch.zeros(1, 3), torch.zeros(1)
-    )
+    result = tree_speculative_sampling_target_only(candidates, mask, probs, torch.zeros(1, 3), torch.zeros(1))
     assert result.accept_nodes.tolist() == [[0, 2, -1]]
 
 

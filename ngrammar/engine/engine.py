@@ -16,8 +16,9 @@ from __future__ import annotations
 import itertools
 import random
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Sequence as Seq
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -45,7 +46,7 @@ from ngrammar.sampling_params import InvalidRequestError, SamplingParams
 
 if TYPE_CHECKING:
     from ngrammar.grammar import GrammarBackend
-    from ngrammar.spec.worker import NgramSpecWorker
+    from ngrammar.speculative.worker import NgramSpecWorker
 
 
 @dataclass
@@ -110,7 +111,9 @@ class EngineStats:
     shadow_seconds: float = 0.0  # host time of both
     grammar_seconds: float = 0.0  # host grammar masks (links + DFS), overlapped with the forward
     grammar_pruned_nodes: int = 0  # draft nodes a grammar forbade, dropped before the verify launch
-    trimmed_nodes: int = 0  # tree nodes (padding, forbidden drafts) verify steps did not compute: B * (D - D')
+    trimmed_nodes: int = (
+        0  # tree nodes (padding, forbidden drafts) verify steps did not compute: B * (D - D')
+    )
     vetoed_steps: int = 0  # verify steps called off: no draft was left to verify (a plain step ran)
     verify_seconds: float = 0.0  # whole verify steps
     forward_seconds: float = 0.0
@@ -136,7 +139,9 @@ class LLMEngine:
         num_pages = self._num_pages()
         # The pool gets one page past the allocator's range (page ``num_pages``): no sequence ever
         # owns it, so CUDA-graph padding rows write their K/V there.
-        self.runner = ModelRunner(checkpoint, self.device, self.dtype, num_pages + 1, config.page_size, self._backend())
+        self.runner = ModelRunner(
+            checkpoint, self.device, self.dtype, num_pages + 1, config.page_size, self._backend()
+        )
         self.blocks = BlockManager(PageAllocator(num_pages, config.page_size))
         self.scheduler = Scheduler(self.blocks, config.max_running_requests, config.max_prefill_tokens)
         self.requests: dict[str, Request] = {}
@@ -144,7 +149,9 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._grammar: GrammarBackend | None = None
-        self.overlap = config.overlap_schedule if config.overlap_schedule is not None else self.device.type == "cuda"
+        self.overlap = (
+            config.overlap_schedule if config.overlap_schedule is not None else self.device.type == "cuda"
+        )
         self._in_flight: _InFlight | None = None  # overlap scheduling: the plain step not read back yet
         self._step_start = 0.0  # perf_counter() at the start of the current engine step
         self._last_commit = 0.0  # perf_counter() when the last step's tokens were committed
@@ -158,7 +165,7 @@ class LLMEngine:
         self.step_trace: list[StepRecord] | None = None  # a list: every step is recorded in it
         self.spec: NgramSpecWorker | None = None
         if config.speculative is not None:
-            from ngrammar.spec.worker import NgramSpecWorker
+            from ngrammar.speculative.worker import NgramSpecWorker
 
             self.spec = NgramSpecWorker(config.speculative, self)
         if config.cuda_graph and self.device.type == "cuda" and graph_capturable(self.runner.backend):
@@ -208,8 +215,14 @@ class LLMEngine:
         if requested is None:
             return model.max_context
         if requested > model.max_context:
-            why = "its sliding window, not implemented here" if model.max_context < model.max_position else "its context"
-            raise ValueError(f"max_model_len {requested} is longer than the model's {model.max_context} tokens ({why})")
+            why = (
+                "its sliding window, not implemented here"
+                if model.max_context < model.max_position
+                else "its context"
+            )
+            raise ValueError(
+                f"max_model_len {requested} is longer than the model's {model.max_context} tokens ({why})"
+            )
         return requested
 
     def _num_pages(self) -> int:
@@ -218,7 +231,9 @@ class LLMEngine:
         if tokens is None:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
-                tokens = int(free * c.gpu_memory_utilization) // kv_bytes_per_token(self.model_config, self.dtype)
+                tokens = int(free * c.gpu_memory_utilization) // kv_bytes_per_token(
+                    self.model_config, self.dtype
+                )
             else:
                 tokens = c.cpu_kv_cache_tokens
         if tokens < c.page_size:
@@ -226,11 +241,13 @@ class LLMEngine:
         return tokens // c.page_size
 
     @property
-    def grammar_backend(self) -> "GrammarBackend":
+    def grammar_backend(self) -> GrammarBackend:
         if self._grammar is None:
             from ngrammar.grammar import GrammarBackend
 
-            self._grammar = GrammarBackend(self.tokenizer, self.model_config.vocab_size, self.config.grammar_cache_size)
+            self._grammar = GrammarBackend(
+                self.tokenizer, self.model_config.vocab_size, self.config.grammar_cache_size
+            )
         return self._grammar
 
     # ------------------------------------------------------------- requests
@@ -346,9 +363,23 @@ class LLMEngine:
         if self.step_trace is not None:
             host = self._host_seconds() - host
             # The policy's last decision is this step's: the schedule's, or the chain's decided ahead.
-            reason = self.spec.policy.reason if self.spec is not None and kind in ("chain", "decode", "verify") else ""
-            self.step_trace.append(StepRecord(kind, size, width, start, self.stats.last_step_seconds, host, reason,
-                                              self.stats.shadow_seconds - shadow))
+            reason = (
+                self.spec.policy.reason
+                if self.spec is not None and kind in ("chain", "decode", "verify")
+                else ""
+            )
+            self.step_trace.append(
+                StepRecord(
+                    kind,
+                    size,
+                    width,
+                    start,
+                    self.stats.last_step_seconds,
+                    host,
+                    reason,
+                    self.stats.shadow_seconds - shadow,
+                )
+            )
         outputs = self._collect_outputs()
         if kind == "verify":
             self._verify_tail = time.perf_counter() - self._last_commit
@@ -422,7 +453,9 @@ class LLMEngine:
             if lo + n == len(seq.token_ids):  # the final chunk of a new sequence: sample its first token
                 rows.append(offset - 1)
                 sampled.append(seq)
-        step = StepInput(tokens, positions, [s.num_cached for s, _ in chunks], [s.pages for s, _ in chunks], rows or [0])
+        step = StepInput(
+            tokens, positions, [s.num_cached for s, _ in chunks], [s.pages for s, _ in chunks], rows or [0]
+        )
         logits = self.timed_forward(step)
         for seq, n in chunks:
             seq.num_cached += n
@@ -474,7 +507,9 @@ class LLMEngine:
             tokens = tokens.index_select(0, to_device(keep, torch.int64, self.device))  # no host read
         logits = self._launch_decode(seqs, tokens)
         self._commit_decode(flight)  # the read waits for the previous step only
-        self._in_flight = self._sample_and_index(seqs, logits)  # after the commit: grammar rows need its tokens
+        self._in_flight = self._sample_and_index(
+            seqs, logits
+        )  # after the commit: grammar rows need its tokens
         self.stats.chained_steps += 1
         return True
 
@@ -550,8 +585,12 @@ class LLMEngine:
         if all(s.params.greedy for s in seqs):
             tokens = logits.argmax(dim=-1)  # no per-row parameters to copy in
         else:
-            st = SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs],
-                                       [len(s.token_ids) for s in seqs], self.device)
+            st = SamplingTensors.build(
+                [s.params for s in seqs],
+                [s.seed for s in seqs],
+                [len(s.token_ids) for s in seqs],
+                self.device,
+            )
             tokens = sample(logits, st)
         lp: list[torch.Tensor] = []
         if any(s.params.logprobs is not None for s in seqs):
@@ -592,7 +631,9 @@ class LLMEngine:
 
         t = time.perf_counter()
         self.settle_grammars(seqs)
-        bitmask = allocate_bitmask(len(seqs), self.model_config.vocab_size, pin_memory=self.device.type == "cuda")
+        bitmask = allocate_bitmask(
+            len(seqs), self.model_config.vocab_size, pin_memory=self.device.type == "cuda"
+        )
         for i, seq in enumerate(seqs):
             if seq.grammar is not None and not seq.is_finished:
                 seq.grammar.fill_bitmask(bitmask, i)
@@ -627,10 +668,12 @@ class LLMEngine:
         out: list[list[TokenLogprob]] = []
         for b, seq in enumerate(seqs):
             k = seq.params.logprobs or 0
-            out.append([
-                TokenLogprob(0, chosen[b][j], tuple(zip(top_i[b][j][:k], top_v[b][j][:k])))
-                for j in range(counts[b])
-            ])
+            out.append(
+                [
+                    TokenLogprob(0, chosen[b][j], tuple(zip(top_i[b][j][:k], top_v[b][j][:k])))
+                    for j in range(counts[b])
+                ]
+            )
         return out
 
     # --------------------------------------------------------------- outputs
@@ -673,8 +716,15 @@ class LLMEngine:
             if lps is not None:
                 lps = [TokenLogprob(t, lp.logprob, lp.top) for t, lp in zip(s.output_token_ids, lps)]
             completions.append(
-                CompletionOutput(s.index, s.visible_text(), list(s.output_token_ids), s.finish_reason, lps, s.error,
-                                 s.request_error)
+                CompletionOutput(
+                    s.index,
+                    s.visible_text(),
+                    list(s.output_token_ids),
+                    s.finish_reason,
+                    lps,
+                    s.error,
+                    s.request_error,
+                )
             )
         metrics = req.seqs[0].metrics()
         if len(req.seqs) > 1:

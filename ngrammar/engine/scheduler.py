@@ -7,8 +7,8 @@ decode step over every running sequence; prefill goes first so new requests join
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from ngrammar.engine.block_manager import BlockManager
 from ngrammar.engine.sequence import Sequence, SequenceStatus
@@ -100,7 +100,9 @@ class Scheduler:
 
     def _fit_chunk(self, seq: Sequence, budget: int) -> int:
         """Largest chunk (<= budget) of seq's remaining prefill whose pages can be reserved now."""
-        free_tokens = (len(seq.pages) + self.blocks.allocator.num_free) * self.blocks.page_size - seq.num_cached
+        free_tokens = (
+            len(seq.pages) + self.blocks.allocator.num_free
+        ) * self.blocks.page_size - seq.num_cached
         chunk = min(seq.prefill_target - seq.num_cached, budget, free_tokens)
         if chunk <= 0:
             return 0

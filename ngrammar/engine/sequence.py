@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence as Seq
 from enum import Enum, auto
-from typing import TYPE_CHECKING, Any, Sequence as Seq
+from typing import TYPE_CHECKING, Any
 
 from ngrammar.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from ngrammar.outputs import TokenLogprob
@@ -39,7 +40,7 @@ class Sequence:
         tokenizer: Tokenizer,
         seed: int,
         max_len: int,
-        grammar: "GrammarMatcher | None" = None,
+        grammar: GrammarMatcher | None = None,
     ) -> None:
         self.request_id = request_id
         self.index = index
@@ -55,7 +56,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.error: str | None = None
-        self.request_error = False  # the error is the request's own (its grammar's dead end), not the engine's
+        self.request_error = (
+            False  # the error is the request's own (its grammar's dead end), not the engine's
+        )
         self.num_cached = 0
         self.pages: list[int] = []
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
@@ -234,5 +237,7 @@ class Sequence:
         if self.spec_verify_steps:
             m["spec_verify_steps"] = self.spec_verify_steps
             m["spec_accept_length"] = self.spec_accepted_tokens / self.spec_verify_steps
-            m["spec_accept_rate"] = (self.spec_accepted_tokens - self.spec_verify_steps) / max(self.spec_draft_tokens, 1)
+            m["spec_accept_rate"] = (self.spec_accepted_tokens - self.spec_verify_steps) / max(
+                self.spec_draft_tokens, 1
+            )
         return m

@@ -16,9 +16,10 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -109,7 +110,9 @@ def check_json_schema(schema: dict[str, Any] | bool) -> None:
         validator_for(schema).check_schema(schema)
     except SchemaError as e:
         where = "/".join(str(p) for p in e.absolute_path)
-        raise GrammarError(f"invalid JSON schema: {e.message}" + (f" (at {where})" if where else "")) from None
+        raise GrammarError(
+            f"invalid JSON schema: {e.message}" + (f" (at {where})" if where else "")
+        ) from None
 
 
 def _xgrammar_message(error: Exception) -> str:
@@ -258,7 +261,9 @@ class GrammarBackend:
         )
         self.stop_token_ids = frozenset(int(t) for t in self.tokenizer_info.stop_token_ids)
         # Our LRU is the only cache: xgrammar's own one is unbounded by count and would duplicate it.
-        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=compile_threads, cache_enabled=False)
+        self._compiler = xgr.GrammarCompiler(
+            self.tokenizer_info, max_threads=compile_threads, cache_enabled=False
+        )
         self._pool = ThreadPoolExecutor(max_workers=compile_threads, thread_name_prefix="grammar-compile")
         self._lock = threading.Lock()
         self._cache: OrderedDict[GrammarSpec, xgr.CompiledGrammar] = OrderedDict()  # newest last

@@ -14,8 +14,8 @@ mask the target's logits at every node and accept only grammar-valid paths.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from functools import lru_cache
-from typing import Sequence
 
 import numpy as np
 import torch

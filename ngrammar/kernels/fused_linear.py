@@ -40,7 +40,6 @@ import triton
 import triton.language as tl
 from triton.language.extra import cuda as tcuda
 
-
 # The fused kernel serves steps of this many tokens (one-token decode) and weights of at most this
 # many elements (SmolLM2's largest is 1.8 M; an 8B model's smallest is 16.8 M).
 FUSED_MAX_TOKENS = 1
@@ -204,7 +203,9 @@ def fused_linear(
         raise ValueError("fused_linear needs unit stride along K")
     want_k = 2 * k if prologue == Prologue.SILU_MUL else k
     if x.shape[1] != want_k:
-        raise ValueError(f"x has {x.shape[1]} columns, the {prologue.name} prologue of a [{n}, {k}] weight needs {want_k}")
+        raise ValueError(
+            f"x has {x.shape[1]} columns, the {prologue.name} prologue of a [{n}, {k}] weight needs {want_k}"
+        )
     has_norm = prologue in (Prologue.NORM, Prologue.ADD_NORM)
     if has_norm and (norm_weight is None or eps is None):
         raise ValueError(f"{prologue.name} needs norm_weight and eps")

@@ -98,10 +98,10 @@ def silu_and_mul(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     out = torch.empty((t, n), dtype=x.dtype, device=x.device)
     if t:
         block = min(triton.next_power_of_2(n), 2048)
-        _silu_and_mul_kernel[(t, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block,
-                                                          PDL=pdl, launch_pdl=pdl)
+        _silu_and_mul_kernel[(t, triton.cdiv(n, block))](
+            x, out, x.stride(0), out.stride(0), n, BLOCK=block, PDL=pdl, launch_pdl=pdl
+        )
     return out
-
 
 
 class TritonOps:
@@ -140,8 +140,16 @@ class TritonOps:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self._fused(x, weight):
             prologue = Prologue.NORM if residual is None else Prologue.ADD_NORM
-            return fused_linear(x, weight, bias, prologue=prologue, norm_weight=norm_weight, residual=residual, eps=eps,
-                                pdl=self._pdl(x))
+            return fused_linear(
+                x,
+                weight,
+                bias,
+                prologue=prologue,
+                norm_weight=norm_weight,
+                residual=residual,
+                eps=eps,
+                pdl=self._pdl(x),
+            )
         normed, summed = rms_norm(x, norm_weight, eps, residual, self._pdl(x))
         return F.linear(normed, weight, bias), summed
 

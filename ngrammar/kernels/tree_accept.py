@@ -1,6 +1,6 @@
 """Greedy tree acceptance in one Triton launch: what CUDA-graph verify steps accept with.
 
-Why: ``ngrammar.spec.verify.verify_tree_greedy`` is vectorized over [bs, D, D] boolean tensors so it
+Why: ``ngrammar.speculative.verify.verify_tree_greedy`` is vectorized over [bs, D, D] boolean tensors so it
 runs anywhere without a host read, but on a GPU that is ~100 small kernels. On the H200 the greedy
 acceptor graph (argmax, acceptance, KV compaction, packing) replayed in 0.29 ms at batch 1, against
 1.02 ms for the D = 16 verify forward itself (BENCHMARKS.md, session 14). Here one program per
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ngrammar.spec.verify import TreeAcceptResult
+from ngrammar.speculative.verify import TreeAcceptResult
 
 
 @dataclass(frozen=True)
@@ -52,8 +52,11 @@ def _greedy_tree_accept_kernel(
     out_row = b * (2 * W + 1)
     cand = tl.load(cand_ptr + row + offs, mask=valid, other=-1)
     pred = tl.load(pred_ptr + row + offs, mask=valid, other=-1)
-    mask = tl.load(mask_ptr + b * W * W + offs[:, None] * W + offs[None, :],
-                   mask=valid[:, None] & valid[None, :], other=0)
+    mask = tl.load(
+        mask_ptr + b * W * W + offs[:, None] * W + offs[None, :],
+        mask=valid[:, None] & valid[None, :],
+        other=0,
+    )
     # parent[i] = the largest ancestor index below i (-1 for the root).
     below = (mask != 0) & (offs[None, :] < offs[:, None])
     parent = tl.max(tl.where(below, offs[None, :], -1), axis=1)
@@ -90,16 +93,25 @@ def _greedy_tree_accept_kernel(
 
 
 def greedy_tree_accept(
-    candidates: torch.Tensor, tree_mask: torch.Tensor, predict: torch.Tensor, slots: torch.Tensor | None = None
+    candidates: torch.Tensor,
+    tree_mask: torch.Tensor,
+    predict: torch.Tensor,
+    slots: torch.Tensor | None = None,
 ) -> GreedyAccept:
     """``verify_tree_greedy`` in one launch: candidates [bs, D] int64, tree_mask [bs, D, D] bool,
     predict [bs, D] int64 (the target argmax after each node), optionally slots [bs, D] int64 (the
     step's KV slots: then ``kv_src`` names what ``move_kv_slots(kv_cache, slots, kv_src)`` must move);
     all on the kernel's device. Fixed shapes and no host read, so it can be captured in a CUDA graph."""
     bs, d = candidates.shape
-    if tree_mask.shape != (bs, d, d) or predict.shape != (bs, d) or (slots is not None and slots.shape != (bs, d)):
-        raise ValueError(f"shapes disagree: candidates {tuple(candidates.shape)}, mask {tuple(tree_mask.shape)}, "
-                         f"predict {tuple(predict.shape)}, slots {None if slots is None else tuple(slots.shape)}")
+    if (
+        tree_mask.shape != (bs, d, d)
+        or predict.shape != (bs, d)
+        or (slots is not None and slots.shape != (bs, d))
+    ):
+        raise ValueError(
+            f"shapes disagree: candidates {tuple(candidates.shape)}, mask {tuple(tree_mask.shape)}, "
+            f"predict {tuple(predict.shape)}, slots {None if slots is None else tuple(slots.shape)}"
+        )
     dev = candidates.device
     packed = torch.empty((bs, 2 * d + 1), dtype=torch.int64, device=dev)
     aux = torch.empty((bs, 2 * d + 1), dtype=torch.int64, device=dev)

@@ -162,7 +162,9 @@ def _attend_tiles(
             if HAS_TREE:
                 tree_ok = row_valid[:, None] & ((rel >= 0) & in_range)[None, :]
                 tree_bits = tl.load(
-                    tree_row_ptr + tok[:, None] * stride_tm_i + rel[None, :] * stride_tm_j, mask=tree_ok, other=0
+                    tree_row_ptr + tok[:, None] * stride_tm_i + rel[None, :] * stride_tm_j,
+                    mask=tree_ok,
+                    other=0,
                 )
                 visible = (rel < 0)[None, :] | (tree_bits != 0)
             else:
@@ -331,11 +333,28 @@ def _paged_attention_kernel(
             tl.debug_barrier()
             counter = counter_ptr + pid_bh * tl.num_programs(0) + q_block
             if tl.atomic_add(counter, 1, sem="acq_rel") == used_splits - 1:
-                _merge_partials(part_o_ptr, part_lse_ptr, out_ptr, po_offs, pl_offs, o_offs, row_valid,
-                                used_splits, stride_po_s, stride_pl_s, BLOCK_M, HEAD_DIM)
+                _merge_partials(
+                    part_o_ptr,
+                    part_lse_ptr,
+                    out_ptr,
+                    po_offs,
+                    pl_offs,
+                    o_offs,
+                    row_valid,
+                    used_splits,
+                    stride_po_s,
+                    stride_pl_s,
+                    BLOCK_M,
+                    HEAD_DIM,
+                )
                 tl.atomic_xchg(counter, 0)  # ready for the next layer (and the next CUDA-graph replay)
     else:
-        po_offs = split * stride_po_s + q_rows[:, None] * stride_po_t + head[:, None] * stride_po_h + offs_d[None, :]
+        po_offs = (
+            split * stride_po_s
+            + q_rows[:, None] * stride_po_t
+            + head[:, None] * stride_po_h
+            + offs_d[None, :]
+        )
         tl.store(part_o_ptr + po_offs, out, mask=row_valid[:, None])
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(part_lse_ptr + split * stride_pl_s + q_rows * stride_pl_t + head, lse, mask=row_valid)
@@ -354,10 +373,15 @@ def _merge_partials(
     total = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for s in range(0, num_splits):
-        lse = tl.load(part_lse_ptr + s * stride_pl_s + pl_offs, mask=row_valid, other=float("-inf"),
-                      cache_modifier=".cg")
-        part = tl.load(part_o_ptr + s * stride_po_s + po_offs, mask=row_valid[:, None], other=0.0,
-                       cache_modifier=".cg")
+        lse = tl.load(
+            part_lse_ptr + s * stride_pl_s + pl_offs,
+            mask=row_valid,
+            other=float("-inf"),
+            cache_modifier=".cg",
+        )
+        part = tl.load(
+            part_o_ptr + s * stride_po_s + po_offs, mask=row_valid[:, None], other=0.0, cache_modifier=".cg"
+        )
         m_new = tl.maximum(m, lse)
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_shift)
@@ -395,7 +419,9 @@ def _merge_splits_kernel(
     splits = tl.arange(0, SPLITS_POW2)
     split_ok = splits < num_splits
     offs_d = tl.arange(0, HEAD_DIM)
-    lse = tl.load(part_lse_ptr + splits * stride_pl_s + t * stride_pl_t + h, mask=split_ok, other=float("-inf"))
+    lse = tl.load(
+        part_lse_ptr + splits * stride_pl_s + t * stride_pl_t + h, mask=split_ok, other=float("-inf")
+    )
     lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     weight = tl.exp2(lse - lse_max)  # empty splits carry lse = -inf -> weight 0
@@ -517,10 +543,13 @@ class TritonAttentionPlan:
                 part_o = torch.empty(
                     (cfg.num_splits, tokens, num_q_heads, head_dim), dtype=torch.float32, device=device
                 )
-                part_lse = torch.empty((cfg.num_splits, tokens, num_q_heads), dtype=torch.float32, device=device)
+                part_lse = torch.empty(
+                    (cfg.num_splits, tokens, num_q_heads), dtype=torch.float32, device=device
+                )
             if cfg.num_splits > 1 and cfg.merge_in_kernel:
-                counters = torch.zeros(meta.batch_size * num_kv_heads * cfg.num_q_blocks, dtype=torch.int32,
-                                       device=device)
+                counters = torch.zeros(
+                    meta.batch_size * num_kv_heads * cfg.num_q_blocks, dtype=torch.int32, device=device
+                )
             hit = (cfg, part_o, part_lse, counters)
             self._cache[key] = hit
         return hit
@@ -537,7 +566,9 @@ class TritonAttentionBackend:
     None: in one-token steps on devices that support it (``device_info.pdl_for_step``).
     """
 
-    def __init__(self, num_kv_splits: int | None = None, max_kv_splits: int = 64, pdl: bool | None = None) -> None:
+    def __init__(
+        self, num_kv_splits: int | None = None, max_kv_splits: int = 64, pdl: bool | None = None
+    ) -> None:
         if num_kv_splits is not None and num_kv_splits < 1:
             raise ValueError("num_kv_splits must be >= 1")
         self.num_kv_splits = num_kv_splits

@@ -44,7 +44,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+            raise ValueError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
 
     @property
     def max_context(self) -> int:
@@ -60,10 +62,12 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+            raise ValueError(
+                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
@@ -119,7 +123,9 @@ def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:
             high_freq_factor=float(raw["high_freq_factor"]),
             original_max_position=int(raw["original_max_position_embeddings"]),
         )
-    raise ValueError(f"unsupported rope scaling {kind!r}; supported: linear, llama3 (and dynamic, exact here)")
+    raise ValueError(
+        f"unsupported rope scaling {kind!r}; supported: linear, llama3 (and dynamic, exact here)"
+    )
 
 
 def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
@@ -133,7 +139,9 @@ def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
         slides = "sliding_attention" in cfg["layer_types"]
     elif arch.startswith("Qwen"):
         layers = int(cfg["num_hidden_layers"])
-        slides = bool(cfg.get("use_sliding_window", False)) and int(cfg.get("max_window_layers") or 0) < layers
+        slides = (
+            bool(cfg.get("use_sliding_window", False)) and int(cfg.get("max_window_layers") or 0) < layers
+        )
     else:
         slides = True
     return int(window) if slides else None

@@ -13,7 +13,8 @@ backend, which can fuse it into its K/V write.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +55,9 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     low_wavelen = rs.original_max_position / rs.low_freq_factor
     high_wavelen = rs.original_max_position / rs.high_freq_factor
     wavelen = 2 * math.pi / inv
-    smooth = (rs.original_max_position / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+    smooth = (rs.original_max_position / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor
+    )
     scaled = torch.where(wavelen > low_wavelen, inv / rs.factor, inv)
     mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
     return torch.where(mid, (1 - smooth) * inv / rs.factor + smooth * inv, scaled).float()
@@ -81,7 +84,9 @@ class Attention(nn.Module):
         self.config = config
         self.backend = backend
         self.ops = ops
-        self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias
+        )
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
@@ -135,11 +140,15 @@ class DecoderLayer(nn.Module):
         plan: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         norm, attn = self.input_layernorm, self.self_attn
-        qkv, summed = self.ops.norm_linear(h, residual, norm.weight, norm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        qkv, summed = self.ops.norm_linear(
+            h, residual, norm.weight, norm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias
+        )
         residual = h if summed is None else summed
         h = attn(qkv, rope, layer_cache, plan)
         norm, mlp = self.post_attention_layernorm, self.mlp
-        gate_up, residual = self.ops.norm_linear(h, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight, None)
+        gate_up, residual = self.ops.norm_linear(
+            h, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight, None
+        )
         assert residual is not None
         return mlp(gate_up), residual
 
@@ -153,7 +162,11 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, backend, ops) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.rotary = RotaryEmbedding(config)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
 
     def forward(
         self,

@@ -15,9 +15,9 @@ import importlib.util
 import json
 import os
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -96,7 +96,9 @@ def _hf_folder_checkpoint(path: Path) -> Checkpoint:
             # Chat models list their end-of-turn tokens there (Llama-3's 128009, Qwen's 151643);
             # generation stops on any of them, as in transformers and vLLM.
             extra = token_ids(json.loads(generation.read_text()).get("eos_token_id"))
-            config = dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + extra)))
+            config = dataclasses.replace(
+                config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + extra))
+            )
     except (KeyError, ValueError, TypeError) as e:
         raise ModelLoadError(f"{cfg_file}: {e}") from e
     return Checkpoint(config, shards[0], shards, path, path.name)
@@ -156,7 +158,9 @@ def _convert_gguf(path: Path, folder: Path) -> None:
     except (ValueError, KeyError, TypeError) as e:
         raise ModelLoadError(f"{path}: {e}") from e
     try:
-        tensors = {name: torch.from_numpy(np.ascontiguousarray(t)) for name, t in _gguf_tensors(reader, hf_config)}
+        tensors = {
+            name: torch.from_numpy(np.ascontiguousarray(t)) for name, t in _gguf_tensors(reader, hf_config)
+        }
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}") from e
     if "lm_head.weight" not in tensors:
@@ -172,7 +176,9 @@ def _convert_gguf(path: Path, folder: Path) -> None:
     if not _is_json(folder / "tokenizer.json"):  # may be pre-seeded (e.g. carried to a GPU box)
         staging = folder / f"tokenizer{tag}"
         _save_gguf_tokenizer(path, staging)
-        for file in sorted(staging.iterdir(), key=lambda f: f.name == "tokenizer.json"):  # tokenizer.json last
+        for file in sorted(
+            staging.iterdir(), key=lambda f: f.name == "tokenizer.json"
+        ):  # tokenizer.json last
             file.replace(folder / file.name)
         staging.rmdir()
     (folder / "complete").write_text(str(path))
@@ -209,7 +215,9 @@ def _gguf_hf_config(reader: object, arch: str) -> dict[str, object]:
     hidden = int(get("embedding_length"))  # type: ignore[arg-type]
     tokens = _field(reader, "tokenizer.ggml.tokens")
     return {
-        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]],
+        "architectures": [
+            {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
+        ],
         "vocab_size": int(get("vocab_size", len(tokens) if tokens else 0)),  # type: ignore[arg-type]
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),  # type: ignore[arg-type]
@@ -231,8 +239,10 @@ def _gguf_rope_scaling(reader: object, arch: str) -> dict[str, object] | None:
     """RoPE scaling as llama.cpp records it; Llama-3.1-style frequencies (a ``rope_freqs`` tensor)
     are refused rather than ignored (the logits would be silently wrong)."""
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):  # type: ignore[attr-defined]
-        raise ValueError("GGUF RoPE frequency factors (rope_freqs, Llama 3.1+) are not supported; "
-                         "load the Hugging Face folder instead")
+        raise ValueError(
+            "GGUF RoPE frequency factors (rope_freqs, Llama 3.1+) are not supported; "
+            "load the Hugging Face folder instead"
+        )
     kind = _field(reader, f"{arch}.rope.scaling.type")
     if kind in (None, "none"):
         return None

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 Message = dict[str, str]
 
@@ -84,7 +85,7 @@ class IncrementalDetokenizer:
     pending: int = 0  # characters emitted past read_offset's text while a character is incomplete
 
     @classmethod
-    def after_prompt(cls, tokenizer: Tokenizer, prompt_len: int) -> "IncrementalDetokenizer":
+    def after_prompt(cls, tokenizer: Tokenizer, prompt_len: int) -> IncrementalDetokenizer:
         """For a completion of a ``prompt_len``-token prompt: the window starts a few prompt tokens
         back, as in vLLM, so the output decodes in context (a SentencePiece decoder strips the
         leading space of the first token it decodes: alone, " loads" would come out "loads")."""

@@ -139,9 +139,17 @@ class TorchSDPABackend:
         b = torch.repeat_interleave(torch.arange(meta.batch_size, device=meta.q_lens.device), meta.q_lens)
         within = torch.arange(int(meta.slot_mapping.shape[0]), device=b.device) - meta.q_start[b]
         mask = build_attention_mask(meta)[:, None, None]
-        bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
+        bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(
+            ~mask, float("-inf")
+        )
         first = contiguous_first_slot(meta)
-        return SDPAPlan(meta, bias, b * meta.max_q_len + within, first, None if first is not None else kv_slot_indices(meta))
+        return SDPAPlan(
+            meta,
+            bias,
+            b * meta.max_q_len + within,
+            first,
+            None if first is not None else kv_slot_indices(meta),
+        )
 
     def forward(
         self,

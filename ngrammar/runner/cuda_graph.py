@@ -51,8 +51,9 @@ from __future__ import annotations
 
 import inspect
 from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -184,7 +185,7 @@ class CUDAGraphRunner:
 
     def __init__(
         self,
-        runner: "ModelRunner",
+        runner: ModelRunner,
         widths: Iterable[int],
         max_batch_size: int,
         kv_len_bound: int,
@@ -255,7 +256,7 @@ class CUDAGraphRunner:
         self._pad_slots = self.dummy_page * self.page_size + self._arange % self.page_size
 
     # ----------------------------------------------------------- dispatch
-    def accepts(self, step: "StepInput") -> bool:
+    def accepts(self, step: StepInput) -> bool:
         """Whether ``step`` is uniform and fits a bucket (host-only checks)."""
         b = step.batch_size
         if not 0 < b <= self.max_batch_size:
@@ -274,7 +275,7 @@ class CUDAGraphRunner:
         return len(step.logits_rows) == n and step.logits_rows == list(range(n))
 
     @torch.inference_mode()
-    def forward(self, step: "StepInput") -> torch.Tensor:
+    def forward(self, step: StepInput) -> torch.Tensor:
         """Logits [B * W, V] float32 of an accepted step: a view valid until the next step."""
         b, w = step.batch_size, len(step.tokens[0])
         entry = self._entry(self._bucket_of[b], w)
@@ -396,7 +397,7 @@ class CUDAGraphRunner:
         )
 
     # ------------------------------------------------------------ staging
-    def _stage(self, step: "StepInput", bucket: int, width: int) -> int:
+    def _stage(self, step: StepInput, bucket: int, width: int) -> int:
         """Fill the host buffer with ``step`` plus padding and upload it; returns the step's largest
         kv length (host value, known without any device read)."""
         self._claim_host()

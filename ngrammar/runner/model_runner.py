@@ -7,8 +7,9 @@ logits on the device. All device->host reads of a step go through ``to_host`` (o
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -17,8 +18,8 @@ from ngrammar.model.config import ModelConfig
 from ngrammar.model.llama import LlamaForCausalLM
 from ngrammar.model.loader import Checkpoint, iter_weights
 from ngrammar.model.ops import default_ops
-from ngrammar.runner.transfer import to_device
 from ngrammar.runner.attention import AttentionBackend, AttentionMetadata, TorchSDPABackend
+from ngrammar.runner.transfer import to_device
 
 if TYPE_CHECKING:
     from ngrammar.runner.cuda_graph import CUDAGraphRunner
@@ -58,8 +59,14 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in table:
@@ -88,8 +95,9 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
 class PendingRead:
     """Host tensors that a started device->host copy fills; ``wait`` returns them once landed."""
 
-    def __init__(self, host: list[torch.Tensor], event: "torch.cuda.Event | None",
-                 hook: Callable[[], None] | None) -> None:
+    def __init__(
+        self, host: list[torch.Tensor], event: torch.cuda.Event | None, hook: Callable[[], None] | None
+    ) -> None:
         self._host = host
         self._event = event
         self._hook = hook  # ModelRunner.on_to_host: the test hook sees the read when it is waited on
@@ -152,7 +160,9 @@ class ModelRunner:
             table[b, : len(pages)] = pages
         ps = self.page_size
         slots = [
-            table[b, i // ps] * ps + i % ps for b in range(step.batch_size) for i in range(step.starts[b], kv_lens[b])
+            table[b, i // ps] * ps + i % ps
+            for b in range(step.batch_size)
+            for i in range(step.starts[b], kv_lens[b])
         ]
         tree = None if step.tree_mask is None else self._tensor(step.tree_mask, torch.bool)
         return AttentionMetadata(
@@ -196,7 +206,7 @@ class ModelRunner:
         """The step's one device->host read: copies into (pinned) host memory, waited on at once."""
         return self.to_host_async(*tensors).wait()
 
-    def to_host_async(self, *tensors: torch.Tensor) -> "PendingRead":
+    def to_host_async(self, *tensors: torch.Tensor) -> PendingRead:
         """Start the step's one device->host read (non-blocking copies into pinned memory, then an
         event); ``wait`` on the result blocks until the copies land (an event wait, not a device sync)."""
         if self.device.type != "cuda":
@@ -224,7 +234,9 @@ class ModelRunner:
 
 
 @torch.inference_mode()
-def compact_path_kv(kv_cache: torch.Tensor, slots: torch.Tensor, nodes: torch.Tensor, lens: torch.Tensor) -> None:
+def compact_path_kv(
+    kv_cache: torch.Tensor, slots: torch.Tensor, nodes: torch.Tensor, lens: torch.Tensor
+) -> None:
     """Move each request's accepted draft path to the slots right after its prefix, on the device.
 
     slots [B, W] int64: the KV slot of tree node i of request b in the last verify step (node i

@@ -7,8 +7,8 @@ loop, and CUDA graphs can capture it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -64,11 +64,17 @@ class SamplingTensors:
 
     @classmethod
     def build(
-        cls, params: Sequence[SamplingParams], seeds: Sequence[int], offsets: Sequence[int], device: torch.device
-    ) -> "SamplingTensors":
+        cls,
+        params: Sequence[SamplingParams],
+        seeds: Sequence[int],
+        offsets: Sequence[int],
+        device: torch.device,
+    ) -> SamplingTensors:
         # Two host->device copies (float and int parameters), not one per field.
         temps = [0.0 if p.greedy else p.temperature for p in params]  # (a tiny temperature is greedy)
-        floats = to_device([temps, [p.top_p for p in params], [p.min_p for p in params]], torch.float32, device)
+        floats = to_device(
+            [temps, [p.top_p for p in params], [p.min_p for p in params]], torch.float32, device
+        )
         ints = to_device([[p.top_k for p in params], list(seeds), list(offsets)], torch.int64, device)
         return cls(
             temperature=floats[0],
@@ -82,15 +88,22 @@ class SamplingTensors:
             needs_min_p=any(p.min_p > 0 for p in params),
         )
 
-    def repeat(self, times: int) -> "SamplingTensors":
+    def repeat(self, times: int) -> SamplingTensors:
         """Each row repeated ``times`` times (one per draft node of a verify step)."""
 
         def r(x: torch.Tensor) -> torch.Tensor:
             return x.repeat_interleave(times)
 
         return SamplingTensors(
-            r(self.temperature), r(self.top_p), r(self.top_k), r(self.min_p), r(self.seeds), r(self.offsets),
-            self.all_greedy, self.needs_sort, self.needs_min_p,
+            r(self.temperature),
+            r(self.top_p),
+            r(self.top_k),
+            r(self.min_p),
+            r(self.seeds),
+            r(self.offsets),
+            self.all_greedy,
+            self.needs_sort,
+            self.needs_min_p,
         )
 
 

@@ -7,14 +7,17 @@ grammar work that is meant to overlap it. Copies from pinned memory are truly as
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 
-def to_device(values: Sequence[int] | Sequence[float] | np.ndarray | torch.Tensor, dtype: torch.dtype,
-              device: torch.device) -> torch.Tensor:
+def to_device(
+    values: Sequence[int] | Sequence[float] | np.ndarray | torch.Tensor,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
     host = values if isinstance(values, torch.Tensor) else torch.as_tensor(np.asarray(values))
     host = host.to(dtype)
     if device.type != "cuda":

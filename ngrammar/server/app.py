@@ -16,8 +16,9 @@ import logging
 import math
 import secrets
 import time
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,6 +27,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ngrammar.args import engine_kwargs
 from ngrammar.engine.engine import LLMEngine
 from ngrammar.grammar import GrammarError, grammar_spec_from_request
 from ngrammar.llm import build_engine_config
@@ -75,9 +77,17 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL_ALIAS = "default"
 _DISCONNECT_CHECK_S = 0.1  # how often a waiting handler asks whether its client is still there
 _POLL_S = 0.5  # longest wait for engine progress before re-checking the client
-_ENDPOINTS = frozenset({
-    "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/generate", "/server_info", "/metrics",
-})
+_ENDPOINTS = frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/models",
+        "/health",
+        "/generate",
+        "/server_info",
+        "/metrics",
+    }
+)
 
 
 # ------------------------------------------------------------------ errors
@@ -116,8 +126,13 @@ def _as_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, (InvalidRequestError, GrammarError)):
         return APIError(400, str(exc))
     if isinstance(exc, QueueFull):
-        return APIError(503, str(exc), "server_overloaded", code="queue_full",
-                        headers={"Retry-After": str(exc.retry_after_s)})
+        return APIError(
+            503,
+            str(exc),
+            "server_overloaded",
+            code="queue_full",
+            headers={"Retry-After": str(exc.retry_after_s)},
+        )
     if isinstance(exc, EngineUnavailable):
         return APIError(503, str(exc), "service_unavailable", headers={"Retry-After": "5"})
     if isinstance(exc, EngineFailure):
@@ -228,8 +243,11 @@ def _finite_top(top: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
 
 def _chat_logprobs(tokenizer: Tokenizer, lps: Sequence[TokenLogprob]) -> ChatLogprobs:
     def entry(token_id: int, logprob: float) -> TopLogprob:
-        return TopLogprob(token=_token_text(tokenizer, token_id), logprob=logprob,
-                          bytes=list(tokenizer.token_bytes(token_id)))
+        return TopLogprob(
+            token=_token_text(tokenizer, token_id),
+            logprob=logprob,
+            bytes=list(tokenizer.token_bytes(token_id)),
+        )
 
     content = []
     for lp in lps:
@@ -257,7 +275,9 @@ class _TextOffsets:
         return offset
 
 
-def _completion_logprobs(tokenizer: Tokenizer, lps: Sequence[TokenLogprob], offsets: _TextOffsets) -> CompletionLogprobs:
+def _completion_logprobs(
+    tokenizer: Tokenizer, lps: Sequence[TokenLogprob], offsets: _TextOffsets
+) -> CompletionLogprobs:
     """OpenAI's legacy shape; ``offsets`` holds the bytes of the choice's tokens given before."""
     out = CompletionLogprobs()
     for lp in lps:
@@ -332,8 +352,8 @@ class _Cursor:
         """The unsent part of ``c`` (text delta, new logprobs, finish reason), or None if nothing."""
         if self.finished:
             return None
-        delta = c.text[self.text:] if len(c.text) > self.text else ""
-        lps = list((c.logprobs or [])[self.logprobs:])
+        delta = c.text[self.text :] if len(c.text) > self.text else ""
+        lps = list((c.logprobs or [])[self.logprobs :])
         finish = c.finish_reason
         if not delta and not lps and finish is None:
             return None
@@ -354,13 +374,16 @@ class _ChatStream:
         self.cursors: dict[int, _Cursor] = {}
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-        chunk = ChatCompletionChunk(id=self.rid, created=self.created, model=self.server.model_name,
-                                    choices=choices, usage=usage)
+        chunk = ChatCompletionChunk(
+            id=self.rid, created=self.created, model=self.server.model_name, choices=choices, usage=usage
+        )
         return _json(chunk, None if self.include_usage else {"usage"})  # usage: null until the last chunk
 
     def start(self, num_prompts: int) -> list[str]:
-        opening = [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
-                   for i in range(num_prompts * self.n)]
+        opening = [
+            ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
+            for i in range(num_prompts * self.n)
+        ]
         return [self._chunk(opening)]
 
     def update(self, group: RequestGroup) -> list[str]:
@@ -372,8 +395,14 @@ class _ChatStream:
             _raise_completion_error(c)
             delta, lps, finish = part
             logprobs = _chat_logprobs(self.server.tokenizer, lps) if self.want_logprobs and lps else None
-            choices.append(ChatChunkChoice(index=index, delta=ChatDelta(content=delta or None),
-                                           logprobs=logprobs, finish_reason=finish))
+            choices.append(
+                ChatChunkChoice(
+                    index=index,
+                    delta=ChatDelta(content=delta or None),
+                    logprobs=logprobs,
+                    finish_reason=finish,
+                )
+            )
         return [self._chunk(choices)] if choices else []
 
     def finish(self, group: RequestGroup) -> list[str]:
@@ -391,8 +420,9 @@ class _CompletionStream:
         self.cursors: dict[int, _Cursor] = {}
 
     def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> str:
-        chunk = CompletionResponse(id=self.rid, created=self.created, model=self.server.model_name,
-                                   choices=choices, usage=usage)
+        chunk = CompletionResponse(
+            id=self.rid, created=self.created, model=self.server.model_name, choices=choices, usage=usage
+        )
         return _json(chunk, None if self.include_usage else {"usage"})
 
     def start(self, num_prompts: int) -> list[str]:
@@ -476,7 +506,11 @@ def _tokenize(engine: LLMEngine, prompt: Any) -> list[int]:
 
 
 def _prepare(
-    engine: LLMEngine, prompts: Sequence[Any], kwargs: dict[str, Any], max_tokens: int | None, sent: str | None
+    engine: LLMEngine,
+    prompts: Sequence[Any],
+    kwargs: dict[str, Any],
+    max_tokens: int | None,
+    sent: str | None,
 ) -> tuple[list[list[int]], list[SamplingParams]]:
     """Tokenize, build and validate each prompt's params, and compile the grammar (cached for the
     engine).
@@ -503,8 +537,13 @@ def _prepare(
                 f"{engine.kv_capacity_tokens}); reduce the prompt or {sent}"
             )
         all_params.append(params)
-    spec = grammar_spec_from_request(all_params[0].json_schema, all_params[0].regex, all_params[0].ebnf,
-                                     all_params[0].json_object) if all_params else None
+    spec = (
+        grammar_spec_from_request(
+            all_params[0].json_schema, all_params[0].regex, all_params[0].ebnf, all_params[0].json_object
+        )
+        if all_params
+        else None
+    )
     if spec is not None:
         engine.grammar_backend.compile(spec)
     return ids, all_params
@@ -519,17 +558,27 @@ class _Server:
         self.metrics = metrics
         self.model_name = engine.model_name
         self.tokenizer = engine.tokenizer
-        self.tokenizer.vocab_bytes  # logprobs read it: built here (~0.1 s), not inside a response
+        _ = self.tokenizer.vocab_bytes  # logprobs read it: built here (~0.1 s), not inside a response
         self.started = time.time()
 
     def check_model(self, name: str | None) -> None:
         if name in (None, "", self.model_name, DEFAULT_MODEL_ALIAS):
             return
-        raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
-                       "invalid_request_error", param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+            "invalid_request_error",
+            param="model",
+            code="model_not_found",
+        )
 
     async def submit(
-        self, prompts: Sequence[Any], kwargs: dict[str, Any], max_tokens: int | None, sent: str | None, prefix: str
+        self,
+        prompts: Sequence[Any],
+        kwargs: dict[str, Any],
+        max_tokens: int | None,
+        sent: str | None,
+        prefix: str,
     ) -> RequestGroup:
         ids, params = await asyncio.to_thread(_prepare, self.engine, prompts, kwargs, max_tokens, sent)
         return self.loop.submit(ids, params, prefix)
@@ -557,8 +606,11 @@ class _Server:
             _raise_completion_error(c)
 
     def stream(self, request: Request, group: RequestGroup, renderer: _Renderer) -> StreamingResponse:
-        return StreamingResponse(self._events(request, group, renderer), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            self._events(request, group, renderer),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
     async def _events(self, request: Request, group: RequestGroup, renderer: _Renderer) -> AsyncIterator[str]:
         # Cancellation (the client went away) lands in ``finally`` too, which aborts the requests.
@@ -651,10 +703,18 @@ def _install_routes(app: FastAPI, s: _Server, api_key: str | None) -> None:
         s.check_model(body.model)
         messages = body.template_messages()
         sent = sent_field(body, ("max_completion_tokens", "max_tokens"))
-        group = await s.submit([messages], body.sampling_kwargs(), body.requested_max_tokens, sent, "chatcmpl")
+        group = await s.submit(
+            [messages], body.sampling_kwargs(), body.requested_max_tokens, sent, "chatcmpl"
+        )
         rid = group.request_ids[0]
-        return await _respond(s, request, group, body.stream, lambda: _ChatStream(s, rid, body),
-                              lambda: _chat_response(s, rid, body, group))
+        return await _respond(
+            s,
+            request,
+            group,
+            body.stream,
+            lambda: _ChatStream(s, rid, body),
+            lambda: _chat_response(s, rid, body, group),
+        )
 
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(request: Request, body: CompletionRequest) -> Response:
@@ -662,8 +722,14 @@ def _install_routes(app: FastAPI, s: _Server, api_key: str | None) -> None:
         sent = sent_field(body, ("max_tokens",))
         group = await s.submit(body.prompts(), body.sampling_kwargs(), body.max_tokens, sent, "cmpl")
         rid = group.request_ids[0]
-        return await _respond(s, request, group, body.stream, lambda: _CompletionStream(s, rid, body),
-                              lambda: _completion_response(s, rid, body, group))
+        return await _respond(
+            s,
+            request,
+            group,
+            body.stream,
+            lambda: _CompletionStream(s, rid, body),
+            lambda: _completion_response(s, rid, body, group),
+        )
 
     @app.post("/generate", dependencies=guarded)
     async def generate(request: Request, body: GenerateRequest) -> Response:
@@ -690,24 +756,39 @@ def _install_routes(app: FastAPI, s: _Server, api_key: str | None) -> None:
         return Response(s.metrics.render(), media_type=CONTENT_TYPE)
 
 
-def _chat_response(s: _Server, rid: str, body: ChatCompletionRequest, group: RequestGroup) -> ChatCompletionResponse:
+def _chat_response(
+    s: _Server, rid: str, body: ChatCompletionRequest, group: RequestGroup
+) -> ChatCompletionResponse:
     choices = []
     for index, c in _choices(group, body.n):
-        logprobs = _chat_logprobs(s.tokenizer, c.logprobs) if body.logprobs and c.logprobs is not None else None
-        choices.append(ChatChoice(index=index, message=AssistantMessage(content=c.text), logprobs=logprobs,
-                                  finish_reason=c.finish_reason))
+        logprobs = (
+            _chat_logprobs(s.tokenizer, c.logprobs) if body.logprobs and c.logprobs is not None else None
+        )
+        choices.append(
+            ChatChoice(
+                index=index,
+                message=AssistantMessage(content=c.text),
+                logprobs=logprobs,
+                finish_reason=c.finish_reason,
+            )
+        )
     return ChatCompletionResponse(id=rid, model=s.model_name, choices=choices, usage=_group_usage(group))
 
 
-def _completion_response(s: _Server, rid: str, body: CompletionRequest, group: RequestGroup) -> CompletionResponse:
+def _completion_response(
+    s: _Server, rid: str, body: CompletionRequest, group: RequestGroup
+) -> CompletionResponse:
     choices = []
     for index, c in _choices(group, body.n):
         logprobs = None
         if body.logprobs is not None and c.logprobs is not None:
             logprobs = _completion_logprobs(s.tokenizer, c.logprobs, _TextOffsets())
-        choices.append(CompletionChoice(index=index, text=c.text, logprobs=logprobs, finish_reason=c.finish_reason))
-    return CompletionResponse(id=rid, created=int(time.time()), model=s.model_name, choices=choices,
-                              usage=_group_usage(group))
+        choices.append(
+            CompletionChoice(index=index, text=c.text, logprobs=logprobs, finish_reason=c.finish_reason)
+        )
+    return CompletionResponse(
+        id=rid, created=int(time.time()), model=s.model_name, choices=choices, usage=_group_usage(group)
+    )
 
 
 # ------------------------------------------------------------------ public
@@ -721,8 +802,10 @@ def create_app(
     The engine loop thread starts with the app's lifespan and stops with it. ``app.state.server``
     exposes the engine, the loop (``.loop``, whose ``max_queue`` may be changed live) and metrics.
     """
-    llm_engine = engine if isinstance(engine, LLMEngine) else LLMEngine(build_engine_config(**dict(engine or {})))
-    llm_engine.grammar_backend  # build it now: handler threads must share one, not race to create it
+    llm_engine = (
+        engine if isinstance(engine, LLMEngine) else LLMEngine(build_engine_config(**dict(engine or {})))
+    )
+    _ = llm_engine.grammar_backend  # build it now: handler threads must share one, not race to create it
     metrics = ServerMetrics()
     server = _Server(llm_engine, AsyncEngine(llm_engine, max_queue, metrics), metrics)
 
@@ -745,8 +828,6 @@ def create_app(
 def serve(args: argparse.Namespace) -> int:
     """``ngrammar serve``: build the engine from the CLI flags and run uvicorn until interrupted."""
     import uvicorn
-
-    from ngrammar.cli import engine_kwargs
 
     app = create_app(engine_kwargs(args), api_key=args.api_key, max_queue=args.max_queue)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)

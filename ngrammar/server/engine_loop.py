@@ -22,8 +22,9 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence, Union
+from typing import TYPE_CHECKING
 
 from ngrammar.engine.engine import EngineStats, LLMEngine
 from ngrammar.outputs import RequestOutput
@@ -84,8 +85,8 @@ class _Wake:
     """Sent by ``stop`` so a blocked loop notices the stop flag at once."""
 
 
-_Command = Union[_Add, _Abort, _Wake]
-_Item = Union[RequestOutput, BaseException]
+_Command = _Add | _Abort | _Wake
+_Item = RequestOutput | BaseException
 
 
 class RequestGroup:
@@ -177,7 +178,9 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive()
 
     # ------------------------------------------------------ handler-side API
-    def submit(self, prompts: list[list[int]], params: Sequence[SamplingParams], prefix: str = "req") -> RequestGroup:
+    def submit(
+        self, prompts: list[list[int]], params: Sequence[SamplingParams], prefix: str = "req"
+    ) -> RequestGroup:
         """Queue one engine request per (already validated) prompt, with its params; raises
         QueueFull (try later), InvalidRequestError (a batch that can never fit) or EngineUnavailable."""
         if len(params) != len(prompts):
@@ -185,7 +188,9 @@ class AsyncEngine:
         if not self.alive:
             raise EngineUnavailable("the engine loop is not running")
         if len(prompts) > self.max_queue:
-            raise InvalidRequestError(f"a batch of {len(prompts)} prompts exceeds the server's queue of {self.max_queue}")
+            raise InvalidRequestError(
+                f"a batch of {len(prompts)} prompts exceeds the server's queue of {self.max_queue}"
+            )
         with self._lock:
             if self._inflight + len(prompts) > self.max_queue:
                 raise QueueFull(self.max_queue)

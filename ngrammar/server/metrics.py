@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 if TYPE_CHECKING:
     from ngrammar.outputs import RequestOutput
@@ -27,13 +34,20 @@ class ServerMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.http_requests = Counter(
-            "ngrammar_http_requests", "HTTP requests answered, by endpoint and status", ["endpoint", "status"],
+            "ngrammar_http_requests",
+            "HTTP requests answered, by endpoint and status",
+            ["endpoint", "status"],
             registry=r,
         )
         self.requests_finished = Counter(
-            "ngrammar_requests_finished", "Engine requests finished, by finish reason", ["finish_reason"], registry=r
+            "ngrammar_requests_finished",
+            "Engine requests finished, by finish reason",
+            ["finish_reason"],
+            registry=r,
         )
-        self.prompt_tokens = Counter("ngrammar_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.prompt_tokens = Counter(
+            "ngrammar_prompt_tokens", "Prompt tokens of admitted requests", registry=r
+        )
         self.generation_tokens = Counter("ngrammar_generation_tokens", "Tokens generated", registry=r)
         self.queue_depth = Gauge(
             "ngrammar_queue_depth", "Requests waiting for admission to the running batch", registry=r
@@ -44,15 +58,24 @@ class ServerMetrics:
         )
         self.kv_usage = Gauge("ngrammar_kv_cache_usage", "Fraction of KV cache pages in use", registry=r)
         self.accept_length = Histogram(
-            "ngrammar_spec_accept_length", "Mean tokens per verify step, per finished request",
-            buckets=_ACCEPT_BUCKETS, registry=r,
+            "ngrammar_spec_accept_length",
+            "Mean tokens per verify step, per finished request",
+            buckets=_ACCEPT_BUCKETS,
+            registry=r,
         )
-        self.step_time = Histogram("ngrammar_step_seconds", "Engine step time", buckets=_STEP_BUCKETS, registry=r)
+        self.step_time = Histogram(
+            "ngrammar_step_seconds", "Engine step time", buckets=_STEP_BUCKETS, registry=r
+        )
         self.ttft = Histogram(
-            "ngrammar_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
+            "ngrammar_time_to_first_token_seconds",
+            "Time to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.e2e_latency = Histogram(
-            "ngrammar_e2e_request_latency_seconds", "Request latency in the engine", buckets=_LATENCY_BUCKETS,
+            "ngrammar_e2e_request_latency_seconds",
+            "Request latency in the engine",
+            buckets=_LATENCY_BUCKETS,
             registry=r,
         )
 

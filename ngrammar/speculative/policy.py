@@ -43,7 +43,7 @@ the truth; the interval between re-tries keeps their cost under ``explore_overhe
 throughput (at least ``explore_every`` steps; ~100 steps for a batch of 32 on a GPU, where a verify
 step costs three plain ones). With overlap scheduling a verify step's cost includes the chain it
 breaks: its host work after its commit and what the plain step restarting the chain takes beyond a
-plain step's time. Shadow drafts (``ngrammar.spec.shadow``) teach acceptance at every match length
+plain step's time. Shadow drafts (``ngrammar.speculative.shadow``) teach acceptance at every match length
 and width from plain steps at no device cost (``observe_shadow``); while they keep coming, re-tries
 are skipped, except one per ``COST_REFRESH`` steps of a bucket to re-time its verify steps.
 """
@@ -53,8 +53,8 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Mapping, Sequence
 
 MAX_MATCH = 4  # match lengths are probed up to this (longer ones are bucketed with it)
 # The chance that a draft continues the accepted run, by match length 0..MAX_MATCH, before any is
@@ -97,7 +97,18 @@ def _run2(first: float, p: float, levels: float) -> float:
 # best rates), "no match" (every tree would be padding), "baseline" (plain, re-timed
 # while speculating), "exploit" (a width is expected to win), "explore" (re-trying a losing width),
 # "plain" (plain is expected to win), "empty" (no sequences).
-REASONS = ("fixed", "time", "wait", "hopeless", "no match", "baseline", "exploit", "explore", "plain", "empty")
+REASONS = (
+    "fixed",
+    "time",
+    "wait",
+    "hopeless",
+    "no match",
+    "baseline",
+    "exploit",
+    "explore",
+    "plain",
+    "empty",
+)
 
 Bucket = tuple[int, bool]  # (batch size rounded up to a power of two, whether a grammar constrains it)
 
@@ -194,7 +205,9 @@ class AdaptiveDraftPolicy:
     baseline_every: int = 8  # plain steps are re-measured this often while speculating
     margin: float = 1.15  # speculate only when expected this much faster than plain
     probe_share: float = 0.02  # probes that find nothing may cost at most this share of plain steps
-    probe_cost: dict[Bucket, float] = field(default_factory=dict)  # bucket -> host seconds per probe (``_probe_gap``)
+    probe_cost: dict[Bucket, float] = field(
+        default_factory=dict
+    )  # bucket -> host seconds per probe (``_probe_gap``)
     step_time: dict[tuple[Bucket, int], _Recent] = field(default_factory=dict)  # (bucket, width) -> s / step
     # (width, match length) -> the first draft's acceptance; match length -> the run's continuation
     first: dict[tuple[int, int], _Rate] = field(init=False)
@@ -207,13 +220,19 @@ class AdaptiveDraftPolicy:
     _last: dict[tuple[Bucket, int], int] = field(default_factory=dict)  # (bucket, width) -> step it last ran
     _probe_at: dict[Bucket, int] = field(default_factory=dict)  # bucket -> first step a probe may run again
     _explore_at: dict[Bucket, int] = field(default_factory=dict)  # bucket -> first step exploring may run
-    _verified: tuple[Bucket, int, int] | None = None  # the last step observed, if a verify: bucket, width, step
+    _verified: tuple[Bucket, int, int] | None = (
+        None  # the last step observed, if a verify: bucket, width, step
+    )
     _shadowed: int = 0  # shadow walks of the widest trees observed (``observe_shadow``)
-    _shadow_mark: dict[Bucket, int] = field(default_factory=dict)  # bucket -> _shadowed when it last skipped a re-try
+    _shadow_mark: dict[Bucket, int] = field(
+        default_factory=dict
+    )  # bucket -> _shadowed when it last skipped a re-try
     # Read several times per step, changed only by observe (which clears them):
     _costs: dict[Bucket, dict[int, float | None]] = field(default_factory=dict)  # step_cost results
     _best_p: tuple[float, float] | None = None  # the highest first-draft and continuation rates
-    _rates: dict[int, list[tuple[float, float]]] | None = None  # width -> match length -> (first, continuation)
+    _rates: dict[int, list[tuple[float, float]]] | None = (
+        None  # width -> match length -> (first, continuation)
+    )
     _depth_levels: dict[int, list[float]] | None = None  # width -> match length -> run levels (lazy)
     _gain_table: dict[int, list[tuple[float, float]]] | None = None  # width -> match length -> (f, gain)
 
@@ -280,8 +299,11 @@ class AdaptiveDraftPolicy:
             return 1, "wait"
         bar = self.margin * _rate(plain, 1, 0.0)  # a width must beat plain's tokens per second by the margin
         exploring = now >= self._explore_at.get(b, 0)
-        if (exploring and self._shadowed - self._shadow_mark.get(b, 0) >= SHADOW_ENOUGH
-                and now - max(self._last.get((b, w), -COST_REFRESH) for w in self.widths[1:]) < COST_REFRESH):
+        if (
+            exploring
+            and self._shadowed - self._shadow_mark.get(b, 0) >= SHADOW_ENOUGH
+            and now - max(self._last.get((b, w), -COST_REFRESH) for w in self.widths[1:]) < COST_REFRESH
+        ):
             # Shadow walks kept the acceptance estimates current since the bucket last skipped a
             # re-try, and a verify step timed the bucket lately: no re-try is needed.
             self._shadow_mark[b] = self._shadowed
@@ -310,7 +332,10 @@ class AdaptiveDraftPolicy:
             return best, "exploit"
         if exploring and max(lengths) >= 2:
             self.priced = dict(zip(seq_ids, zip(lengths, expected[best])))
-            return best, "explore"  # plain is winning: re-try speculation now and then, where there is a match
+            return (
+                best,
+                "explore",
+            )  # plain is winning: re-try speculation now and then, where there is a match
         self._probe_at[b] = now + self._probe_gap(b, len(seq_ids), plain, probed)
         if exploring:
             self._explore_at[b] = now + self.explore_every
@@ -329,7 +354,9 @@ class AdaptiveDraftPolicy:
         seconds = time.perf_counter() - since
         old = self.probe_cost.get(bucket)
         # Host time only spikes upwards (a page fault, a GC pause): follow a cheaper sample at once.
-        cost = self.probe_cost[bucket] = seconds if old is None or seconds < old else old + 0.2 * (seconds - old)
+        cost = self.probe_cost[bucket] = (
+            seconds if old is None or seconds < old else old + 0.2 * (seconds - old)
+        )
         need = cost / (self.probe_share * plain * batch_size / bucket[0])  # steps per probe at the share
         return max(bucket[0] // 4, math.ceil(need) if need > 1.0 else 0)
 
@@ -357,9 +384,15 @@ class AdaptiveDraftPolicy:
         plain = self.step_time.get((bucket, 1))
         if width == 1 or plain is None or len(plain.samples) < 2 or plain.value is None:
             return None
-        known = [b for (b, w), r in self.step_time.items()
-                 if w == width and b[1] == bucket[1] and b[0] > bucket[0] and len(r.samples) >= 2
-                 and (b, 1) in self.step_time]
+        known = [
+            b
+            for (b, w), r in self.step_time.items()
+            if w == width
+            and b[1] == bucket[1]
+            and b[0] > bucket[0]
+            and len(r.samples) >= 2
+            and (b, 1) in self.step_time
+        ]
         if not known:
             return None
         near = min(known, key=lambda b: b[0])
@@ -393,7 +426,10 @@ class AdaptiveDraftPolicy:
         return lengths, expected
 
     def _expected(
-        self, seq_ids: Sequence[str], lengths: Sequence[int], widths: Sequence[int] | None = None,
+        self,
+        seq_ids: Sequence[str],
+        lengths: Sequence[int],
+        widths: Sequence[int] | None = None,
         ahead: bool = False,
     ) -> dict[int, list[float]]:
         """width -> accepted drafts expected from one verify step of each sequence at its match
@@ -428,8 +464,10 @@ class AdaptiveDraftPolicy:
                 for column, gains in columns:
                     f_up, g_up = gains[up]
                     f_one, g_one = gains[1]
-                    column[i] = (hit * min(max(f_up + shift, 0.0), top) * g_up
-                                 + (1.0 - hit) * min(max(f_one + shift, 0.0), top) * g_one)
+                    column[i] = (
+                        hit * min(max(f_up + shift, 0.0), top) * g_up
+                        + (1.0 - hit) * min(max(f_one + shift, 0.0), top) * g_one
+                    )
                 continue
             if not n:
                 continue  # no match: a padding-only tree accepts nothing
@@ -478,7 +516,9 @@ class AdaptiveDraftPolicy:
         if levels is None:
             depth = self._depth
             levels = self._depth_levels[width] = [
-                float(width - 1) if (width, n) not in depth else min(width - 1.0, max(depth[(width, n)].value, 0.0))
+                float(width - 1)
+                if (width, n) not in depth
+                else min(width - 1.0, max(depth[(width, n)].value, 0.0))
                 for n in range(MAX_MATCH + 1)
             ]
         return levels
@@ -548,11 +588,19 @@ class AdaptiveDraftPolicy:
         if width == 1 or not drafts:
             return
         lengths = self._lengths
-        self._learn(width, [
-            (seq_id, lengths.get(seq_id, 0), accepted, seq_id in censored,
-             None if depths is None else depths.get(seq_id))
-            for seq_id, accepted in drafts.items()
-        ])
+        self._learn(
+            width,
+            [
+                (
+                    seq_id,
+                    lengths.get(seq_id, 0),
+                    accepted,
+                    seq_id in censored,
+                    None if depths is None else depths.get(seq_id),
+                )
+                for seq_id, accepted in drafts.items()
+            ],
+        )
         self._defer_retry(b, now + 1, width)
 
     def observe_vetoed(self, batch_size: int, width: int, constrained: bool, seq_ids: Sequence[str]) -> None:
@@ -608,7 +656,9 @@ class AdaptiveDraftPolicy:
                 c[1] += stopped
             if teach_bias:
                 trial = 1.0 if accepted else stopped  # of the first draft: what the bias is about
-                self.seq_bias.setdefault(seq_id, _SeqBias()).update(min(accepted, 1), before[n][0] * trial, trial)
+                self.seq_bias.setdefault(seq_id, _SeqBias()).update(
+                    min(accepted, 1), before[n][0] * trial, trial
+                )
         for n in range(1, MAX_MATCH + 1):
             c = counts[n]
             if c[0] or c[1]:
@@ -618,7 +668,11 @@ class AdaptiveDraftPolicy:
         self._best_p = self._rates = self._depth_levels = self._gain_table = None
 
     def _explore_gap(self, bucket: Bucket, width: int) -> int:
-        return self.explore_interval(bucket, width) if self.step_cost(bucket, 1) is not None else self.explore_every
+        return (
+            self.explore_interval(bucket, width)
+            if self.step_cost(bucket, 1) is not None
+            else self.explore_every
+        )
 
     def _charge_break(self, verified: tuple[Bucket, int, int], seconds: float, tail: float) -> float:
         """Charge a verify step for the chain it broke; returns the restarting plain step's time

@@ -23,9 +23,9 @@ use the same formulas so they agree on every mask, valid or not.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -49,9 +49,13 @@ class DraftTree:
     def __post_init__(self) -> None:
         d = self.draft_token_num
         if self.tokens.shape != (self.bs * d,) or self.tokens.dtype != np.int64:
-            raise ValueError(f"tokens must be int64 [{self.bs * d}], got {self.tokens.dtype} {self.tokens.shape}")
+            raise ValueError(
+                f"tokens must be int64 [{self.bs * d}], got {self.tokens.dtype} {self.tokens.shape}"
+            )
         if self.mask.shape != (self.bs, d, d) or self.mask.dtype != np.bool_:
-            raise ValueError(f"mask must be bool [{self.bs}, {d}, {d}], got {self.mask.dtype} {self.mask.shape}")
+            raise ValueError(
+                f"mask must be bool [{self.bs}, {d}, {d}], got {self.mask.dtype} {self.mask.shape}"
+            )
 
     @classmethod
     def from_parents(cls, tokens: np.ndarray, parents: np.ndarray) -> DraftTree:
@@ -130,7 +134,9 @@ class DraftTree:
             pad = width - len(row_tokens)
             tokens_out += row_tokens + [PAD_TOKEN] * pad
             parents_out.append(row_parents + [0] * pad)
-        return DraftTree.from_parents(np.array(tokens_out, dtype=np.int64), np.array(parents_out, dtype=np.int64))
+        return DraftTree.from_parents(
+            np.array(tokens_out, dtype=np.int64), np.array(parents_out, dtype=np.int64)
+        )
 
 
 def carry_to_kept(values: np.ndarray, keep: np.ndarray, width: int, fill: int | bool) -> np.ndarray:

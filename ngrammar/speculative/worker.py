@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,13 +25,19 @@ import torch
 from ngrammar.config import SpeculativeConfig
 from ngrammar.engine.sequence import Sequence
 from ngrammar.runner.model_runner import StepInput, move_kv_slots
+from ngrammar.runner.sampler import (
+    STREAM_FINAL_COIN,
+    STREAM_TREE_COIN,
+    SamplingTensors,
+    hash_uniform,
+    target_probs,
+)
 from ngrammar.runner.transfer import to_device
-from ngrammar.runner.sampler import STREAM_FINAL_COIN, STREAM_TREE_COIN, SamplingTensors, hash_uniform, target_probs
-from ngrammar.spec.corpus import NgramCorpus
-from ngrammar.spec.policy import MAX_MATCH, AdaptiveDraftPolicy, bucket_of
-from ngrammar.spec.shadow import ShadowDrafts
-from ngrammar.spec.tree import DraftTree, carry_to_kept, derive_tree_links
-from ngrammar.spec.verify import (
+from ngrammar.speculative.corpus import NgramCorpus
+from ngrammar.speculative.policy import MAX_MATCH, AdaptiveDraftPolicy, bucket_of
+from ngrammar.speculative.shadow import ShadowDrafts
+from ngrammar.speculative.tree import DraftTree, carry_to_kept, derive_tree_links
+from ngrammar.speculative.verify import (
     TreeAcceptResult,
     tree_speculative_sampling_target_only,
     unpack_accepted,
@@ -72,7 +79,7 @@ def _plain_step_seconds(policy: AdaptiveDraftPolicy, batch_size: int, constraine
 
 
 class NgramSpecWorker:
-    def __init__(self, config: SpeculativeConfig, engine: "LLMEngine") -> None:
+    def __init__(self, config: SpeculativeConfig, engine: LLMEngine) -> None:
         self.config = config
         self.engine = engine
         self.corpus = NgramCorpus(
@@ -200,9 +207,14 @@ class NgramSpecWorker:
             samples = shadows.resolve(seqs)
             stats.shadow_samples += len(samples)
             for width in shadows.widths:
-                self.policy.observe_shadow(width, [
-                    (s.seq_id, s.match_length, s.accepted, s.censored, s.depth) for s in samples if s.width == width
-                ])
+                self.policy.observe_shadow(
+                    width,
+                    [
+                        (s.seq_id, s.match_length, s.accepted, s.censored, s.depth)
+                        for s in samples
+                        if s.width == width
+                    ],
+                )
         stats.shadow_trees += shadows.draft(seqs, budget - (time.perf_counter() - t))
         stats.shadow_seconds += time.perf_counter() - t
 
@@ -262,8 +274,9 @@ class NgramSpecWorker:
 
     def observe_step(self, batch_size: int, width: int, seconds: float, restart: float | None = None) -> None:
         drafts = self.last_drafts if width > 1 else None
-        self.policy.observe(batch_size, width, seconds, drafts, self._constrained, self._censored,
-                            self._tree_depths, restart)
+        self.policy.observe(
+            batch_size, width, seconds, drafts, self._constrained, self._censored, self._tree_depths, restart
+        )
 
     # --------------------------------------------------------------- step
     def graph_acceptor(
@@ -350,7 +363,9 @@ class NgramSpecWorker:
         return width
 
     @staticmethod
-    def _as_drafted(drafted: DraftTree, keep: np.ndarray | None, depths: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    def _as_drafted(
+        drafted: DraftTree, keep: np.ndarray | None, depths: np.ndarray
+    ) -> tuple[np.ndarray, list[int]]:
         """What the policy learns from, of the trees as drafted (after the launch: host work that
         overlaps the forward): whether each verified node had children there ([B, D'] bool: a run
         ending at a childless node is censored, not a rejection; a trimmed tree would read a run the
@@ -444,7 +459,7 @@ class NgramSpecWorker:
     def _read_links_back(self, tree: DraftTree) -> None:
         """The pre-#32380 path, kept as a benchmark switch: links computed on the device and read
         back (a blocking device->host copy) before the verify launch."""
-        from ngrammar.spec.tree import reconstruct_indices_from_tree_mask
+        from ngrammar.speculative.tree import reconstruct_indices_from_tree_mask
 
         eng = self.engine
         mask = to_device(tree.mask, torch.bool, eng.device)
@@ -480,8 +495,9 @@ class NgramSpecWorker:
             return verify_tree_greedy_from_logits(candidates, mask, logits)
         bs = len(seqs)
         eng = self.engine
-        st = SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs],
-                                   [len(s.token_ids) for s in seqs], eng.device)
+        st = SamplingTensors.build(
+            [s.params for s in seqs], [s.seed for s in seqs], [len(s.token_ids) for s in seqs], eng.device
+        )
         probs = target_probs(logits, st.repeat(width)).view(bs, width, -1)
         coins = hash_uniform(st.seeds, st.offsets, width, STREAM_TREE_COIN)
         final = hash_uniform(st.seeds, st.offsets, 1, STREAM_FINAL_COIN)[:, 0]
@@ -490,8 +506,14 @@ class NgramSpecWorker:
             candidates, mask, probs, coins, final, c.threshold_single, c.threshold_acc
         )
 
-    def _commit(self, seqs: list[Sequence], tree: DraftTree, host: list[torch.Tensor], has_child: np.ndarray,
-                levels: list[int]) -> None:
+    def _commit(
+        self,
+        seqs: list[Sequence],
+        tree: DraftTree,
+        host: list[torch.Tensor],
+        has_child: np.ndarray,
+        levels: list[int],
+    ) -> None:
         """Append each sequence's accepted run. ``tree``: the verified trees; ``host``: the packed
         result (``TreeAcceptResult.packed``), then logprobs; for the policy, of the trees as drafted:
         ``has_child`` [B, D] (over the verified nodes) says whether a node had children, so a run
@@ -510,8 +532,11 @@ class NgramSpecWorker:
         for b, seq in enumerate(seqs):
             start = seq.num_cached
             # (Only a grammar that failed to settle finishes a sequence mid-step: it keeps nothing.)
-            kept = 0 if seq.is_finished else seq.append_tokens(tokens[b][: lens[b]],
-                                                                None if logprobs is None else logprobs[b])
+            kept = (
+                0
+                if seq.is_finished
+                else seq.append_tokens(tokens[b][: lens[b]], None if logprobs is None else logprobs[b])
+            )
             # KV of the root and the first kept-1 accepted drafts is kept (compact_accepted_kv put
             # it in place); the last kept token is the next root.
             seq.num_cached = start + max(kept, 1)

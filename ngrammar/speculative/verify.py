@@ -34,10 +34,15 @@ class TreeAcceptResult:
     accept_nodes: torch.Tensor  # [bs, D]: local node indices of the path, root first
     bonus: torch.Tensor  # [bs]: the token emitted after the last accepted node
 
-    def head(self, bs: int) -> "TreeAcceptResult":
+    def head(self, bs: int) -> TreeAcceptResult:
         """The first ``bs`` requests (drops CUDA-graph padding rows; flat rows stay valid)."""
-        return TreeAcceptResult(self.accept_index[:bs], self.accept_len[:bs], self.accept_tokens[:bs],
-                                self.accept_nodes[:bs], self.bonus[:bs])
+        return TreeAcceptResult(
+            self.accept_index[:bs],
+            self.accept_len[:bs],
+            self.accept_tokens[:bs],
+            self.accept_nodes[:bs],
+            self.bonus[:bs],
+        )
 
     def packed(self) -> torch.Tensor:
         """[bs, 2D + 1] int64: accept_tokens | accept_len | accept_nodes, what the host reads of a
@@ -180,9 +185,7 @@ def sample_from_probs(probs: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
     return torch.minimum(index, last_nonzero)
 
 
-def _child_probs(
-    target_probs: torch.Tensor, candidates: torch.Tensor, parent: torch.Tensor
-) -> torch.Tensor:
+def _child_probs(target_probs: torch.Tensor, candidates: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
     """[bs, D]: target_probs[b, parent[b,c], candidates[b,c]] (the root reads its own row)."""
     bs, d, v = target_probs.shape
     rows = torch.arange(bs, device=target_probs.device)[:, None] * d + parent.clamp(min=0)

@@ -21,11 +21,11 @@ re-times the verify steps).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Sequence as Seq
 
 from ngrammar.engine.sequence import Sequence
-from ngrammar.spec.corpus import NgramCorpus
+from ngrammar.speculative.corpus import NgramCorpus
 
 RETRY = 64  # calls without trees after which one member's are drafted anyway, re-measuring the cost
 
@@ -109,8 +109,11 @@ class ShadowDrafts:
                 if walked is None:
                     left.append(shadow)
                 else:
-                    out.append(ShadowSample(seq.seq_id, shadow.width, shadow.match_length, walked[0], walked[1],
-                                            shadow.depth))
+                    out.append(
+                        ShadowSample(
+                            seq.seq_id, shadow.width, shadow.match_length, walked[0], walked[1], shadow.depth
+                        )
+                    )
             if left:
                 pending[seq.seq_id] = left
             else:
@@ -148,8 +151,10 @@ class ShadowDrafts:
             trees, match_length = self.corpus.drafts(seq.seq_id, seq.token_ids, self.widths)
             if match_length == 0:
                 continue  # (cheap, and not measured: it would pull the cost of real trees down)
-            shadows = [_Shadow(width, len(seq.token_ids), match_length, *tree_kids(tokens, parents))
-                       for width, (tokens, parents) in zip(self.widths, trees)]
+            shadows = [
+                _Shadow(width, len(seq.token_ids), match_length, *tree_kids(tokens, parents))
+                for width, (tokens, parents) in zip(self.widths, trees)
+            ]
             self._measure(time.perf_counter() - start)
             cost = self.tree_cost or 0.0
             self._idle = 0
