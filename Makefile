@@ -1,10 +1,11 @@
 # `make demo`: set up .venv and generate with the embedded model. `make test`: run the suite.
+# `make lint`: ruff and mypy (CI runs it before the tests).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ngrammar-setup
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test lint bench clean
 
 setup: $(STAMP)
 
@@ -30,6 +31,12 @@ test: setup
 	NGRAMMAR_TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m gpu -p no:cacheprovider \
 		tests/test_fused_ops.py tests/test_fused_linear.py tests/test_triton_attention.py \
 		tests/test_tree_accept_kernel.py
+
+# ruff (lint + format check) over the tree, mypy over the package (configs in pyproject.toml).
+lint: setup
+	$(BIN)/ruff check ngrammar tests benchmarks
+	$(BIN)/ruff format --check ngrammar tests benchmarks
+	$(BIN)/mypy
 
 bench: setup
 	$(BIN)/python -m benchmarks

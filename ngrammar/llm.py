@@ -50,7 +50,7 @@ class LLM:
         if isinstance(prompts, str) or (
             isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
         ):
-            prompts = [prompts]  # type: ignore[list-item]
+            prompts = [prompts]  # type: ignore[list-item, assignment]
         return self._run(list(prompts), params, use_tqdm)  # type: ignore[arg-type]
 
     def chat(
@@ -60,7 +60,7 @@ class LLM:
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
         if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]  # type: ignore[list-item]
+            conversations = [conversations]  # type: ignore[list-item, assignment]
         return self._run(list(conversations), params, use_tqdm)  # type: ignore[arg-type]
 
     def _run(
@@ -69,8 +69,10 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool | None,
     ) -> list[RequestOutput]:
-        plist = (
-            list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        plist: list[SamplingParams] = (
+            list(params)  # type: ignore[arg-type]
+            if isinstance(params, (list, tuple))
+            else [params or SamplingParams()] * len(prompts)  # type: ignore[list-item]
         )
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")

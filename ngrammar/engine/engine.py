@@ -76,13 +76,16 @@ class _InFlight:
     restart: float | None = None
 
 
+StepKind = Literal["chain", "decode", "verify", "prefill", "idle"]
+
+
 @dataclass(frozen=True)
 class StepRecord:
     """One engine step, for ``LLMEngine.step_trace`` (where a benchmark's time goes, step by step)."""
 
     # "chain": a plain step launched before the previous one was read back; "decode": a plain one
     # launched from committed state
-    kind: Literal["chain", "decode", "verify", "prefill", "idle"]
+    kind: StepKind
     batch_size: int  # sequences in the step (prefill: chunks)
     width: int  # draft width (1: plain)
     start: float  # perf_counter() at the start of the engine step
@@ -261,7 +264,7 @@ class LLMEngine:
                 if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):  # type: ignore[union-attr]
                     raise InvalidRequestError(f"a chat message needs a string role and content, got {m!r}")
             return self.tokenizer.apply_chat_template(prompt)  # type: ignore[arg-type]
-        ids = [int(t) for t in prompt]  # type: ignore[union-attr]
+        ids = [int(t) for t in prompt]  # type: ignore[union-attr, arg-type]
         if any(not 0 <= t < self.model_config.vocab_size for t in ids):
             raise InvalidRequestError("prompt token ids must be in [0, vocab_size)")
         return ids
@@ -353,7 +356,8 @@ class LLMEngine:
         start = self._step_start = time.perf_counter()
         host, shadow = self._host_seconds(), self.stats.shadow_seconds
         if self._in_flight is not None and self._chain_decode():
-            kind, size, width = "chain", len(self._in_flight.seqs), 1
+            kind: StepKind = "chain"
+            size, width = len(self._in_flight.seqs), 1
         else:
             self._drain()
             kind, size, width = self._schedule_and_run()

@@ -80,7 +80,7 @@ def _greedy_tree_accept_kernel(
     bonus = tl.sum(tl.where(offs == node, pred, 0), axis=0)
     tokens = tl.where(offs == length - 1, bonus, tokens)
     tl.store(packed_ptr + out_row + offs, tokens, mask=valid)
-    tl.store(packed_ptr + out_row + W, length.to(tl.int64))
+    tl.store(packed_ptr + out_row + W, length.to(tl.int64))  # type: ignore[attr-defined]
     tl.store(packed_ptr + out_row + W + 1 + offs, nodes, mask=valid)
     tl.store(aux_ptr + out_row + offs, tl.where(nodes >= 0, nodes + row, -1), mask=valid)
     tl.store(aux_ptr + out_row + W, bonus)

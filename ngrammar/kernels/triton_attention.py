@@ -639,8 +639,8 @@ class TritonAttentionBackend:
         tree = plan.tree_mask_u8
         tree_arg = tree if tree is not None else meta.q_lens
         tree_strides = tree.stride() if tree is not None else (0, 0, 0)
-        po_strides = part_o.stride()[:3] if split else (0, 0, 0)
-        pl_strides = part_lse.stride()[:2] if split else (0, 0)
+        po_strides = part_o.stride()[:3] if part_o is not None else (0, 0, 0)
+        pl_strides = part_lse.stride()[:2] if part_lse is not None else (0, 0)
         grid = (cfg.num_q_blocks, meta.batch_size * num_kv_heads, cfg.num_splits)
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, out, part_o_arg, part_lse_arg, counters if counters is not None else meta.q_lens,

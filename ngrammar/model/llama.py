@@ -70,6 +70,8 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         t = torch.arange(config.max_position, dtype=torch.float32)
         freqs = torch.outer(t, rope_inverse_frequencies(config))  # [max_pos, d/2]
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 

@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -207,7 +208,7 @@ def _field(reader: object, key: str) -> object:
 
 
 def _gguf_hf_config(reader: object, arch: str) -> dict[str, object]:
-    def get(key: str, default: object = None) -> object:
+    def get(key: str, default: Any = None) -> Any:
         value = _field(reader, f"{arch}.{key}")
         return default if value is None else value
 
@@ -265,7 +266,7 @@ _GGUF_LAYER_NAMES = {
 _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def _gguf_tensors(reader: object, cfg: dict[str, object]) -> Iterator[tuple[str, np.ndarray]]:
+def _gguf_tensors(reader: object, cfg: dict[str, Any]) -> Iterator[tuple[str, np.ndarray]]:
     from gguf.quants import dequantize
 
     heads, kv_heads = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])  # type: ignore[arg-type]

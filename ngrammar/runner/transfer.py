@@ -14,7 +14,7 @@ import torch
 
 
 def to_device(
-    values: Sequence[int] | Sequence[float] | np.ndarray | torch.Tensor,
+    values: Sequence[int] | Sequence[float] | Sequence[Sequence[float]] | np.ndarray | torch.Tensor,
     dtype: torch.dtype,
     device: torch.device,
 ) -> torch.Tensor:

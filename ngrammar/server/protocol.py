@@ -398,7 +398,7 @@ class GenerateRequest(BaseModel):
         if self.text is not None:
             return list(self.text) if isinstance(self.text, list) else [self.text]
         ids = self.input_ids or []
-        return list(ids) if self.is_batch else [ids]  # type: ignore[list-item]
+        return list(ids) if self.is_batch else [ids]  # type: ignore[list-item, arg-type]
 
 
 class GenerateMetaInfo(BaseModel):

@@ -109,7 +109,9 @@ class NgramCorpus:
     def ngrams(self) -> Iterator[tuple[tuple[int, ...], int]]:
         """Every n-gram in the trie with its count, depth first (for debugging and tests)."""
         trie = self._trie
-        stack = [((token,), child) for token, child in trie.kid_items(ROOT)]
+        stack: list[tuple[tuple[int, ...], int]] = [
+            ((token,), child) for token, child in trie.kid_items(ROOT)
+        ]
         while stack:
             ngram, node = stack.pop()
             yield ngram, trie.count[node]

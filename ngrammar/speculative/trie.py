@@ -12,6 +12,7 @@ import heapq
 from array import array
 from collections.abc import Sequence
 from itertools import chain, count
+from typing import Any
 
 import numpy as np
 
@@ -29,7 +30,8 @@ ABSENT = 1
 NO_CHILDREN: dict[int, int] = {}
 # A node's children: NO_CHILDREN (a leaf), the id of its only child, or a dict token -> child,
 # least recently touched first (the root always has its own dict). See Trie.
-Kids = dict[int, int] | int
+# dict[int, int] | int, told apart by ``__class__ is int`` on the hot paths (which mypy cannot narrow).
+Kids = Any
 
 
 class Trie:
