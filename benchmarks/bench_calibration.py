@@ -12,7 +12,7 @@ from typing import Any
 
 from benchmarks.common import chat, load_workload, print_table
 from ngrammar import LLM, SamplingParams
-from ngrammar.speculative.policy import MAX_MATCH
+from ngrammar.speculative.policy import MAX_MATCH, AdaptiveDraftPolicy
 
 
 def run_calibration(
@@ -24,7 +24,9 @@ def run_calibration(
     """Each grounded prompt alone (batch 1), stepped by hand so that every verify step's expectation
     (``AdaptiveDraftPolicy.priced``) meets its outcome (``NgramSpecWorker`` last accepted drafts)."""
     eng, worker = spec.engine, spec.engine.spec
-    assert worker is not None and worker.policy.adaptive, "calibration needs an adaptive NGRAM engine"
+    assert worker is not None and isinstance(worker.policy, AdaptiveDraftPolicy), (
+        "calibration needs the adaptive policy"
+    )
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     work = [w for c in categories for w in [x for x in load_workload() if x.category == c][:per_category]]
     pairs: list[tuple[int, float, int]] = []  # match length, expected, accepted

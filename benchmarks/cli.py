@@ -10,7 +10,7 @@ from typing import Any
 from benchmarks.common import machine
 from ngrammar.args import add_engine_args, engine_kwargs
 
-SUITES = ("engine", "spec", "grammar", "serve", "profile", "host", "calibration", "drafts")
+SUITES = ("engine", "spec", "policy", "grammar", "serve", "profile", "host", "calibration", "drafts")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,6 +69,14 @@ def run_benchmark(args: argparse.Namespace) -> int:
             args.max_tokens or 64,
             args.repeats or 1,
         )
+    elif suite == "policy":
+        from benchmarks.bench_policy import POLICIES, run_policy_benchmark
+
+        engines = {"plain": _llm(args, False)}
+        for name in POLICIES:
+            args.spec_policy = name
+            engines[name] = _llm(args, True)
+        result = run_policy_benchmark(engines, _sizes(args, (1, 8)), args.max_tokens or 64, args.repeats or 3)
     elif suite == "grammar":
         from benchmarks.bench_grammar import run_grammar_benchmark
 

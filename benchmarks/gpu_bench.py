@@ -359,7 +359,7 @@ def bench_links_equal_work(
 ) -> dict[str, Any]:
     """Host-derived tree links against the readback switch on the same work (``links_equal_work``)
     with the policy off: every decode step verifies at D = 16."""
-    spec = LLM(**_engine_kwargs(model, True), speculative="ngram", num_draft_tokens=16, spec_adaptive=False)
+    spec = LLM(**_engine_kwargs(model, True), speculative="ngram", num_draft_tokens=16, spec_policy="fixed")
     return {
         f"b{bs}": links_equal_work(spec, extraction_prompts(bs), max_tokens, repeats) for bs in batch_sizes
     }
@@ -373,7 +373,7 @@ def links_equal_work(spec: LLM, prompts: list[Any], max_tokens: int, repeats: in
     verify and plain steps round differently, so the two ``_grammar_variants`` rows emit
     different text."""
     worker = spec.engine.spec
-    assert worker is not None and not spec.engine.config.speculative.adaptive
+    assert worker is not None and spec.engine.config.speculative.policy == "fixed"
     params = SamplingParams(max_tokens=max_tokens, temperature=0, json_schema=RECORD_SCHEMA)
     # Tree trimming would call off or narrow steps (padding, drafts the schema forbids): off, so
     # that every decode step verifies a D-node tree on both sides.
@@ -393,7 +393,7 @@ def bench_acceptor(batch_sizes: list[int], width: int = 16, vocab: int = 49152) 
     µs per replay and whether results and the moved KV agree."""
     from ngrammar.kernels.tree_accept import greedy_tree_accept
     from ngrammar.runner.model_runner import compact_path_kv, move_kv_slots
-    from ngrammar.speculative.verify import verify_tree_greedy_from_logits
+    from ngrammar.speculative.verify import TreeAcceptResult, verify_tree_greedy_from_logits
 
     def ops(
         pool: torch.Tensor, cands: torch.Tensor, mask: torch.Tensor, logits: torch.Tensor, slots: torch.Tensor
@@ -408,7 +408,7 @@ def bench_acceptor(batch_sizes: list[int], width: int = 16, vocab: int = 49152) 
         out = greedy_tree_accept(cands, mask, logits.argmax(-1).view(cands.shape), slots)
         assert out.kv_src is not None
         move_kv_slots(pool, slots, out.kv_src)
-        return out.result, out.packed
+        return TreeAcceptResult.of(out), out.packed
 
     res: dict[str, Any] = {}
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -464,7 +464,7 @@ def bench_acceptor_engine(
         _engine_kwargs(model, True),
         speculative="ngram",
         num_draft_tokens=16,
-        spec_adaptive=False,
+        spec_policy="fixed",
         spec_trim_trees=False,
     )  # every step verifies 16 nodes
     llms = {True: LLM(**kw), False: LLM(**kw, spec_accept_kernel=False)}
@@ -505,7 +505,7 @@ def bench_trim_trees(
     between runs), with the draft policy on (the default engine) and off (every decode step
     verifies), per workload (two grammars, the four spec categories) and batch size."""
     kw = dict(_engine_kwargs(model, True), speculative="ngram", num_draft_tokens=16)
-    engines = {"policy": LLM(**kw), "fixed": LLM(**kw, spec_adaptive=False)}
+    engines = {"policy": LLM(**kw), "fixed": LLM(**kw, spec_policy="fixed")}
     base = dict(max_tokens=max_tokens, temperature=0)
     workloads = {
         "json_schema": (extraction_prompts, SamplingParams(**base, json_schema=RECORD_SCHEMA)),

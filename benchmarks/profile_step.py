@@ -275,7 +275,7 @@ def main() -> int:
         device=args.device,
         speculative="ngram",
         num_draft_tokens=16,
-        spec_adaptive=not args.fixed_width,
+        spec_policy="fixed" if args.fixed_width else "adaptive",
         spec_trim_trees=not args.fixed_width,
     )
     sizes = [int(x) for x in args.batch_sizes.split(",")]

@@ -16,7 +16,8 @@ SPECULATIVE_ARGS = {
     "ngram_capacity": "capacity",
     "spec_threshold_single": "threshold_single",
     "spec_threshold_acc": "threshold_acc",
-    "spec_adaptive": "adaptive",
+    "spec_policy": "policy",
+    "spec_threshold_match": "threshold_match",
     "ngram_index_prompt": "index_prompt",
     "spec_accept_kernel": "accept_kernel",
     "spec_trim_trees": "trim_trees",
@@ -41,7 +42,13 @@ class SpeculativeConfig:
     capacity: int = _opt(1_000_000, "n-gram trie nodes")
     threshold_single: float = _opt(1.0, "1.0 (with threshold_acc 1.0) = lossless target sampling")
     threshold_acc: float = 1.0
-    adaptive: bool = _opt(True, "shrink D or decode plainly when speculation would not pay")
+    policy: str = _opt(
+        "adaptive",
+        "draft width per step: adaptive (measured costs and learned acceptance), threshold "
+        "(D when a match of threshold_match tokens exists, else plain) or fixed (always D)",
+        ["adaptive", "threshold", "fixed"],
+    )
+    threshold_match: int = _opt(2, "the threshold policy's shortest match worth a verify step")
     index_prompt: bool = _opt(True, "prompts feed the corpus at admission (prompt copying)")
     # CUDA-graph greedy verify steps accept with the one-launch Triton kernel (kernels/tree_accept.py);
     # False: with the torch ops of verify_tree_greedy (an A/B switch; CPU always uses the torch ops).
@@ -62,6 +69,10 @@ class SpeculativeConfig:
             raise ValueError("ngram_max_trie_depth must be >= 2")
         if self.capacity < 1:
             raise ValueError("ngram_capacity must be positive")
+        if self.policy not in ("adaptive", "threshold", "fixed"):
+            raise ValueError(f"spec_policy must be adaptive, threshold or fixed, got {self.policy!r}")
+        if self.threshold_match < 1:
+            raise ValueError(f"spec_threshold_match must be >= 1, got {self.threshold_match}")
         if not (0 < self.threshold_acc <= 1 and 0 <= self.threshold_single <= 1):
             raise ValueError("thresholds must be in (0, 1]")
 

@@ -37,7 +37,7 @@ def spec_llm():  # type: ignore[no-untyped-def]
         kv_cache_tokens=16384,
         speculative="ngram",
         num_draft_tokens=8,
-        spec_adaptive=False,
+        spec_policy="fixed",
     )
 
 

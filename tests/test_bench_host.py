@@ -34,7 +34,7 @@ def test_phase_timer_times_engine_phases_and_restores_them(tmp_path: Path) -> No
         overlap_schedule=True,
         speculative="ngram",
         num_draft_tokens=4,
-        spec_adaptive=False,
+        spec_policy="fixed",
     )
     original = LLMEngine.__dict__["step"]
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)

@@ -64,17 +64,20 @@ def test_speculative_flags_reach_the_engine_config() -> None:
             "ngram",
             "--num-draft-tokens",
             "16",
-            "--no-spec-adaptive",
+            "--spec-policy",
+            "fixed",
             "--no-spec-accept-kernel",
             "--no-spec-trim-trees",
         ]
     )
     spec = build_engine_config(**engine_kwargs(args)).speculative
-    assert spec is not None and spec.num_draft_tokens == 16 and not spec.adaptive and not spec.accept_kernel
+    assert (
+        spec is not None and spec.num_draft_tokens == 16 and spec.policy == "fixed" and not spec.accept_kernel
+    )
     assert not spec.trim_trees
     args = build_parser().parse_args(["generate", "hi", "--speculative", "ngram"])
     spec = build_engine_config(**engine_kwargs(args)).speculative
-    assert spec is not None and spec.adaptive and spec.accept_kernel and spec.trim_trees
+    assert spec is not None and spec.policy == "adaptive" and spec.accept_kernel and spec.trim_trees
 
 
 def test_jsonl_rows_are_checked_and_take_every_sampling_field(

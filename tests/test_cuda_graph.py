@@ -58,7 +58,7 @@ def static_spec_llm() -> Iterator[LLM]:
             kv_cache_tokens=SMALL_POOL,
             speculative="ngram",
             num_draft_tokens=8,
-            spec_adaptive=False,
+            spec_policy="fixed",
         )
     )
     yield llm
@@ -326,7 +326,7 @@ def test_cuda_graph_capture_replay_matches_eager() -> None:
     kw = dict(device="cuda", dtype="float32", kv_cache_tokens=16384, cuda_graph_max_bs=8)
     eager = LLM(**kw, cuda_graph=False)  # type: ignore[arg-type]
     graphed = LLM(**kw)  # type: ignore[arg-type]
-    spec = LLM(**kw, speculative="ngram", num_draft_tokens=8, spec_adaptive=False)  # type: ignore[arg-type]
+    spec = LLM(**kw, speculative="ngram", num_draft_tokens=8, spec_policy="fixed")  # type: ignore[arg-type]
     assert eager.engine.runner.graphs is None
     graphs = _graphs(graphed)
     assert graphs.capture and graphs.prepared == [(b, 1) for b in graphs.buckets]  # captured at start-up
@@ -378,7 +378,7 @@ def test_kernel_acceptor_and_torch_acceptor_give_the_same_tokens() -> None:
         cuda_graph_max_bs=8,
         speculative="ngram",
         num_draft_tokens=16,
-        spec_adaptive=False,
+        spec_policy="fixed",
     )
     fused = LLM(**kw)  # type: ignore[arg-type]
     ops = LLM(**kw, spec_accept_kernel=False)  # type: ignore[arg-type]

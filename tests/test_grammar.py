@@ -33,7 +33,7 @@ from ngrammar.grammar.tree_mask import (
     native_traverse_available,
 )
 from ngrammar.model.tokenizer import Tokenizer
-from ngrammar.speculative.tree import links_from_parents
+from tests.tree_oracles import links_from_parents
 
 VOCAB = 49152
 EOS = 2

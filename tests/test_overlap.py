@@ -16,7 +16,8 @@ from device_events import device_events
 
 from ngrammar import LLM, SamplingParams
 from ngrammar.outputs import RequestOutput
-from ngrammar.speculative.policy import MAX_MATCH, AdaptiveDraftPolicy, _SeqBias, bucket_of
+from ngrammar.speculative.acceptance import SeqBias
+from ngrammar.speculative.policy import MAX_MATCH, AdaptiveDraftPolicy, bucket_of
 
 PROMPTS = [
     "The capital of France is",
@@ -323,18 +324,20 @@ def test_ahead_a_member_is_priced_by_what_the_token_in_flight_may_make_of_its_ma
     first-draft rate of length n, else the member is priced at length 1; from n = 0 it reaches
     length 1 at most. Values are the policy's own for observed lengths, the member's bias included."""
     policy = _timed_policy(0.01, 0.016)
-    policy.seq_bias["a"] = _SeqBias(hits=3.0, predicted=2.0, trials=6.0)  # copies a little better than most
-    shift = policy.seq_bias["a"].value
+    policy.acceptance.seq_bias["a"] = SeqBias(
+        hits=3.0, predicted=2.0, trials=6.0
+    )  # copies a little better than most
+    shift = policy.acceptance.seq_bias["a"].value
     assert shift > 0
 
     def observed(n: int) -> float:
-        return policy._expected(["a"], [n], (8,))[8][0]
+        return policy.acceptance.expected(["a"], [n], (8,))[8][0]
 
-    assert policy._expected(["a"], [0], (8,), ahead=True)[8][0] == pytest.approx(observed(1))
+    assert policy.acceptance.expected(["a"], [0], (8,), ahead=True)[8][0] == pytest.approx(observed(1))
     for n in range(1, MAX_MATCH + 1):
-        hit = min(policy.first[(policy.widths[-1], n)].p + shift, 0.97)
+        hit = min(policy.acceptance.first[(policy.widths[-1], n)].p + shift, 0.97)
         up = min(n + 1, MAX_MATCH)
-        got = policy._expected(["a"], [n], (8,), ahead=True)[8][0]
+        got = policy.acceptance.expected(["a"], [n], (8,), ahead=True)[8][0]
         assert got == pytest.approx(hit * observed(up) + (1 - hit) * observed(1))
         assert got < observed(up) or n == MAX_MATCH and hit == 0.97  # below the bound it replaces
 

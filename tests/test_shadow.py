@@ -11,10 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ngrammar.speculative.corpus import NgramCorpus
-from ngrammar.speculative.policy import COST_REFRESH, AdaptiveDraftPolicy, bucket_of
+from ngrammar.speculative.policy import AdaptiveDraftPolicy, bucket_of
+from ngrammar.speculative.policy_params import AdaptiveParams
 from ngrammar.speculative.shadow import RETRY, ShadowDrafts, tree_kids, walk_tree
 from ngrammar.speculative.tree import DraftTree
 from ngrammar.speculative.verify import verify_tree_greedy
+
+COST_REFRESH = AdaptiveParams().cost_refresh
 
 
 @st.composite
@@ -159,7 +162,7 @@ def test_an_engine_with_nothing_to_pick_drafts_no_shadows() -> None:
     tokens = [5, 6, 7, 8] * 6
     for kw, trees in (
         ({"num_draft_tokens": 1}, 0),
-        ({"num_draft_tokens": 4, "spec_adaptive": False}, 0),
+        ({"num_draft_tokens": 4, "spec_policy": "fixed"}, 0),
         ({"num_draft_tokens": 4}, 1),
     ):
         llm = LLM(device="cpu", dtype="float32", kv_cache_tokens=1024, speculative="ngram", **kw)
@@ -187,7 +190,7 @@ def test_each_width_learns_its_own_first_draft_rate() -> None:
     for _ in range(20):
         policy.observe_shadow(16, [("s", 1, 1, False, 1)])  # a wide first level catches the token
         policy.observe_shadow(4, [("s", 1, 0, False, 1)])  # a narrow one misses it
-    assert policy.first[(16, 1)].p > 0.9 and policy.first[(4, 1)].p < 0.1
+    assert policy.acceptance.first[(16, 1)].p > 0.9 and policy.acceptance.first[(4, 1)].p < 0.1
     assert policy.expected_drafts("s", 1, 4) < 0.2 < 0.8 < policy.expected_drafts("s", 1, 16)
 
 

@@ -47,7 +47,7 @@ def test_greedy_speculation_is_lossless(plain_outputs: list[list[int]], width: i
         speculative="ngram",
         num_draft_tokens=width,
         ngram_match_type=match_type,
-        spec_adaptive=False,
+        spec_policy="fixed",
     )
     outs = spec.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == plain_outputs
@@ -172,7 +172,7 @@ def test_a_real_end_of_text_draft_with_children_verifies_like_any_draft(llm: LLM
         kv_cache_tokens=2048,
         speculative="ngram",
         num_draft_tokens=8,
-        spec_adaptive=False,
+        spec_policy="fixed",
         ngram_max_trie_depth=4,
     )  # short windows: the tree is trimmed
     assert short.generate(prompt, params)[0].token_ids == llm.generate(prompt, params)[0].token_ids
@@ -192,7 +192,7 @@ def test_speculation_stops_at_the_end_of_the_context_as_plain_decoding_does(llm:
         max_model_len=64,
         speculative="ngram",
         num_draft_tokens=8,
-        spec_adaptive=False,
+        spec_policy="fixed",
     )
     out = spec.generate([ids], params)[0]
     room = 64 - len(ids)
@@ -215,7 +215,7 @@ def test_speculation_does_not_fail_a_request_that_plain_decoding_has_room_for(ll
         page_size=16,
         speculative="ngram",
         num_draft_tokens=16,
-        spec_adaptive=False,
+        spec_policy="fixed",
     )
     out = small.generate(prompt, params)[0]
     assert out.finish_reason == "length" and out.token_ids == llm.generate(prompt, params)[0].token_ids
@@ -371,21 +371,21 @@ def test_the_step_restarting_the_chain_charges_the_break_to_the_verify_step() ->
         policy.observe(8, 1, 0.0015, restart=0.0003)
     assert policy.step_cost(b, 16) == pytest.approx(0.0028)
     # The restarting steps were recorded at a plain step's cost: their excess is the verify's.
-    assert list(policy.step_time[(b, 1)].samples)[-2:] == [pytest.approx(0.001)] * 2
+    assert list(policy.costs.step_time[(b, 1)].samples)[-2:] == [pytest.approx(0.001)] * 2
     # The next exploration waits (2.8 - 1) / 0.02 = 90 steps after the verify step (step 5), not 50.
     assert policy._explore_at[b] == 5 + 1 + 90
     policy.observe(8, 1, 0.005)  # not restarting a chain: a plain sample, nothing charged
-    assert policy.step_time[(b, 16)].samples[-1] == pytest.approx(0.0028)
-    assert policy.step_time[(b, 1)].samples[-1] == pytest.approx(0.005)
+    assert policy.costs.step_time[(b, 16)].samples[-1] == pytest.approx(0.0028)
+    assert policy.costs.step_time[(b, 1)].samples[-1] == pytest.approx(0.005)
     policy.observe(8, 16, 0.002, drafts={"a": 0})
     policy.observe(8, 1, 0.001, restart=1.0)  # a long tail: at most the verify's own time
-    assert policy.step_time[(b, 16)].samples[-1] == pytest.approx(0.004)
+    assert policy.costs.step_time[(b, 16)].samples[-1] == pytest.approx(0.004)
     policy.observe(8, 16, 0.002, drafts={"a": 0})
     policy.observe(16, 1, 0.005, restart=0.001)  # the batch changed bucket: nothing to charge
-    assert policy.step_time[(b, 16)].samples[-1] == pytest.approx(0.002)
+    assert policy.costs.step_time[(b, 16)].samples[-1] == pytest.approx(0.002)
     policy.observe(6, 16, 0.0015, drafts={"a": 0})  # 6 of a bucket of 8: times scale by 8 / 6
     policy.observe(6, 1, 0.00075, restart=0.0003)
-    assert policy.step_time[(b, 16)].samples[-1] == pytest.approx((0.0015 + 0.0003) * 8 / 6)
+    assert policy.costs.step_time[(b, 16)].samples[-1] == pytest.approx((0.0015 + 0.0003) * 8 / 6)
 
 
 def test_a_draining_batch_speculates_for_its_critical_members_only() -> None:
@@ -437,7 +437,7 @@ def test_acceptance_is_learned_per_match_length_and_biased_per_request() -> None
     code = _run_policy(policy, ["code"], spec_time=0.06, spec_accept=5.0, steps=40, match_length=4)
     assert code[0] > 1 and sum(w > 1 for w in code) >= 0.8 * len(code)
     policy.forget(["story", "code"])
-    assert not policy.seq_bias
+    assert not policy.acceptance.seq_bias
 
 
 def test_each_request_keeps_its_own_bias_at_the_same_match_length() -> None:
@@ -486,8 +486,8 @@ def test_all_or_nothing_runs_are_priced_by_a_first_draft_rate() -> None:
     for i in range(40):
         policy._lengths["s"] = 4
         policy.observe(1, 16, 0.05, {"s": 15 if i % 2 else 0})
-    assert policy.first[(16, 4)].p == pytest.approx(0.5, abs=0.05)
-    policy.seq_bias.clear()
+    assert policy.acceptance.first[(16, 4)].p == pytest.approx(0.5, abs=0.05)
+    policy.acceptance.seq_bias.clear()
     assert 5.5 < policy.expected_drafts("s", 4, 16) < 8.0
 
 
@@ -499,9 +499,9 @@ def test_a_sequence_bias_shifts_the_first_draft_rate_only() -> None:
     for _ in range(3):
         policy._lengths["s"] = 4
         policy.observe(1, 16, 0.05, {"s": 2})  # first drafts accepted beyond the prior's 0.8
-    bias = policy.seq_bias["s"].value
+    bias = policy.acceptance.seq_bias["s"].value
     assert bias > 0
-    first, p = policy.first[(16, 4)].p, policy.cont[4].p
+    first, p = policy.acceptance.first[(16, 4)].p, policy.acceptance.cont[4].p
     levels = policy._levels(16)[4]
     f = min(first + bias, 0.97)
     assert policy.expected_drafts("s", 4, 16) == pytest.approx(
@@ -538,26 +538,34 @@ def test_expected_drafts_equal_the_two_rate_run_formula(
     """``_expected`` prices each member from precomputed (rate, gain) tables with the clamp inlined;
     it must equal the two-rate run ``_run2(clamp(f + bias), clamp(p), levels)`` written out, and,
     ``ahead``, its mix of the member's match continuing (length n + 1) or not (length 1)."""
-    from ngrammar.speculative.policy import MAX_MATCH, PRIOR_CONTINUE, _clamp, _run2
+    from ngrammar.speculative.acceptance import run_length2 as _run2
+    from ngrammar.speculative.policy import MAX_MATCH
+    from ngrammar.speculative.policy_params import AdaptiveParams
 
+    PRIOR_CONTINUE = AdaptiveParams().prior_continue
     policy = AdaptiveDraftPolicy(max_width=16)
+    _clamp = policy.acceptance.clamp
     ids = [f"s{i}" for i in range(len(lengths))]
 
     def rates(width: int, n: int) -> tuple[float, float, float]:  # f, p, levels from the learned state itself
-        f = policy.first[(width, n)].p if (width, n) in policy.first else PRIOR_CONTINUE[n]
-        depth = policy._depth.get((width, n))
+        f = (
+            policy.acceptance.first[(width, n)].p
+            if (width, n) in policy.acceptance.first
+            else PRIOR_CONTINUE[n]
+        )
+        depth = policy.acceptance._depth.get((width, n))
         levels = width - 1.0 if depth is None else min(width - 1.0, max(depth.value, 0.0))
-        return f, policy.cont[n].p, levels
+        return f, policy.acceptance.cont[n].p, levels
 
     def run(width: int, n: int, shift: float) -> float:
         f, p, levels = rates(width, n)
         return _run2(_clamp(f + shift), _clamp(p), levels)
 
     def check() -> None:
-        got = policy._expected(ids, lengths, ahead=ahead)
+        got = policy.acceptance.expected(ids, lengths, ahead=ahead)
         for w in policy.widths[1:]:
             for i, (seq, n) in enumerate(zip(ids, lengths)):
-                shift = policy.seq_bias[seq].value if seq in policy.seq_bias else 0.0
+                shift = policy.acceptance.seq_bias[seq].value if seq in policy.acceptance.seq_bias else 0.0
                 if ahead:
                     hit = _clamp(rates(16, min(n, MAX_MATCH))[0] + shift) if n else 0.0
                     want = hit * run(w, min(n + 1, MAX_MATCH), shift) + (1 - hit) * run(w, 1, shift)
@@ -590,7 +598,7 @@ def test_plain_steps_index_the_output_so_a_repetition_is_matched() -> None:
         dtype="float32",
         kv_cache_tokens=2048,
         speculative="ngram",
-        spec_adaptive=False,
+        spec_policy="fixed",
         num_draft_tokens=1,
         ngram_index_prompt=False,
     )
@@ -608,7 +616,7 @@ def test_plain_steps_skip_indexing_where_it_would_cost_a_share_of_the_step() -> 
         dtype="float32",
         kv_cache_tokens=2048,
         speculative="ngram",
-        spec_adaptive=False,
+        spec_policy="fixed",
         num_draft_tokens=1,
     )
     worker = spec.engine.spec

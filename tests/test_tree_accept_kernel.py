@@ -34,7 +34,7 @@ def _random_trees(rng: np.random.Generator, bs: int, d: int, vocab: int) -> tupl
 
 def _same(got: GreedyAccept, want: TreeAcceptResult) -> None:
     for name in ("accept_index", "accept_len", "accept_tokens", "accept_nodes", "bonus"):
-        assert torch.equal(getattr(got.result, name).cpu(), getattr(want, name)), name
+        assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), name
     assert torch.equal(got.packed.cpu(), want.packed())
 
 

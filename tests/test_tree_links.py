@@ -192,7 +192,6 @@ def test_draft_tree_helpers() -> None:
     assert tree.parents().tolist() == parents.tolist()
     assert tree.depths().tolist() == [[0, 1, 1, 2], [0, 1, 2, 3]]
     assert tree.tokens_2d().tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert tree.flat_mask().shape == (32,)
 
 
 def test_draft_tree_rejects_bad_shapes() -> None:

@@ -196,7 +196,7 @@ class LLMEngine:
         widths = [1]
         if self.spec is not None:
             policy = self.spec.policy
-            narrower = policy.adaptive or self.spec.config.trim_trees
+            narrower = policy.learns or self.spec.config.trim_trees
             widths = policy.widths if narrower else [1, policy.max_width]
         graphs = CUDAGraphRunner(
             self.runner,

@@ -22,15 +22,18 @@ import torch
 import triton
 import triton.language as tl
 
-from ngrammar.speculative.verify import TreeAcceptResult
-
 
 @dataclass(frozen=True)
 class GreedyAccept:
-    """What ``greedy_tree_accept`` returns; every tensor int64 on the kernel's device."""
+    """What ``greedy_tree_accept`` returns; every tensor int64 on the kernel's device, -1 marks
+    padding (the fields of ``speculative.verify.TreeAcceptResult``, plus the packed row and moves)."""
 
-    result: TreeAcceptResult
-    packed: torch.Tensor  # [bs, 2D + 1]: equal to result.packed(), written by the kernel itself
+    accept_index: torch.Tensor  # [bs, D]: flat rows b*D+node of the accepted path, root first
+    accept_len: torch.Tensor  # [bs]: accepted drafts + 1 = tokens emitted this step (1..D)
+    accept_tokens: torch.Tensor  # [bs, D]: accepted draft tokens in path order, then the bonus
+    accept_nodes: torch.Tensor  # [bs, D]: local node indices of the path, root first
+    bonus: torch.Tensor  # [bs]: the token emitted after the last accepted node
+    packed: torch.Tensor  # [bs, 2D + 1]: tokens | len | nodes (``TreeAcceptResult.packed``)
     kv_src: torch.Tensor | None  # [bs, D]: the slot whose KV belongs at slots[b, j] (None without slots)
 
 
@@ -121,5 +124,7 @@ def greedy_tree_accept(
         predict.to(torch.int64).contiguous(), slot_rows, packed, aux,
         W=d, BLOCK_W=max(2, triton.next_power_of_2(d)), HAS_SLOTS=slots is not None,
     )  # fmt: skip
-    result = TreeAcceptResult(aux[:, :d], packed[:, d], packed[:, :d], packed[:, d + 1 :], aux[:, d])
-    return GreedyAccept(result, packed, None if slots is None else aux[:, d + 1 :])
+    kv_src = None if slots is None else aux[:, d + 1 :]
+    return GreedyAccept(
+        aux[:, :d], packed[:, d], packed[:, :d], packed[:, d + 1 :], aux[:, d], packed, kv_src
+    )

@@ -23,7 +23,6 @@ use the same formulas so they agree on every mask, valid or not.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -70,10 +69,6 @@ class DraftTree:
     def tokens_2d(self) -> np.ndarray:
         """[bs, D] view of the node tokens."""
         return self.tokens.reshape(self.bs, self.draft_token_num)
-
-    def flat_mask(self) -> np.ndarray:
-        """[bs*D*D] view of the mask, the layout the device kernels take."""
-        return self.mask.reshape(-1)
 
     def depths(self) -> np.ndarray:
         """[bs, D] int64: number of strict ancestors of each node."""
@@ -298,11 +293,3 @@ def reconstruct_indices_from_tree_mask(
     positions = (seq_lens.to(device=device, dtype=torch.int64)[:, None] + depth).reshape(-1)
     retrive_index = torch.arange(bs * d, device=device, dtype=torch.int64).reshape(bs, d)
     return positions, retrive_index, next_token, next_sibling
-
-
-def links_from_parents(parents: Sequence[int]) -> tuple[list[int], list[int]]:
-    """(next_token, next_sibling) lists of one tree given by parent indices (parent < child)."""
-    table = np.asarray(parents, dtype=np.int64).reshape(1, -1).copy()
-    table[0, 0] = -1
-    next_token, next_sibling = derive_tree_links(mask_from_parents(table), 1, table.shape[1])
-    return next_token[0].tolist(), next_sibling[0].tolist()

@@ -17,6 +17,7 @@ whose shape depends on data: the functions run unchanged on CPU and CUDA and ins
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,6 +34,11 @@ class TreeAcceptResult:
     accept_tokens: torch.Tensor  # [bs, D]: accepted draft tokens in path order, then the bonus
     accept_nodes: torch.Tensor  # [bs, D]: local node indices of the path, root first
     bonus: torch.Tensor  # [bs]: the token emitted after the last accepted node
+
+    @classmethod
+    def of(cls, fused: Any) -> TreeAcceptResult:
+        """The result fields of the fused kernel's ``GreedyAccept``."""
+        return cls(fused.accept_index, fused.accept_len, fused.accept_tokens, fused.accept_nodes, fused.bonus)
 
     def head(self, bs: int) -> TreeAcceptResult:
         """The first ``bs`` requests (drops CUDA-graph padding rows; flat rows stay valid)."""

@@ -34,7 +34,7 @@ from ngrammar.runner.sampler import (
 )
 from ngrammar.runner.transfer import to_device
 from ngrammar.speculative.corpus import NgramCorpus
-from ngrammar.speculative.policy import MAX_MATCH, AdaptiveDraftPolicy, bucket_of
+from ngrammar.speculative.policy import MAX_MATCH, make_policy
 from ngrammar.speculative.shadow import ShadowDrafts
 from ngrammar.speculative.tree import DraftTree, carry_to_kept, derive_tree_links
 from ngrammar.speculative.verify import (
@@ -70,14 +70,6 @@ CUDA_GRAMMAR_CHECK_DEPTH = 1
 SHADOW_SHARE = 0.005
 
 
-def _plain_step_seconds(policy: AdaptiveDraftPolicy, batch_size: int, constrained: bool) -> float | None:
-    """A plain step's measured time at this batch size (the policy times per batch-size bucket,
-    normalized to the bucket's size), or None while untimed."""
-    bucket = bucket_of(batch_size, constrained)
-    plain = policy.step_cost(bucket, 1)
-    return None if plain is None else plain * batch_size / bucket[0]
-
-
 class NgramSpecWorker:
     def __init__(self, config: SpeculativeConfig, engine: LLMEngine) -> None:
         self.config = config
@@ -90,7 +82,7 @@ class NgramSpecWorker:
             match_type=config.match_type,
             capacity=config.capacity,
         )
-        self.policy = AdaptiveDraftPolicy(config.num_draft_tokens, config.adaptive)
+        self.policy = make_policy(config)
         self.shadows = ShadowDrafts(self.corpus, self.policy.widths[1:])
         self.readback_links = False  # benchmark switch: the old path that reads links back first
         self.sync_debug = False  # GPU check: drafting -> verify launch runs under sync debug "error"
@@ -169,7 +161,7 @@ class NgramSpecWorker:
         indexing off for good (a batch that never verifies would never re-measure it); one,
         because a whole batch's catch-up is what the rule keeps off a host-bound step. What the
         indexing leaves of the idle time goes to shadow drafts (``_shadow_step``)."""
-        plain = _plain_step_seconds(self.policy, len(seqs), self._constrained)
+        plain = self.policy.costs.plain_seconds(len(seqs), self._constrained)
         cost = self._index_cost
         idle = 0.0 if plain is None else self._idle_seconds(plain)
         allowed = None if plain is None else max(PLAIN_INDEX_SHARE * plain, idle)
@@ -194,7 +186,7 @@ class NgramSpecWorker:
         the decided ones would have accepted, and draft new ones in ``budget`` seconds
         (``ShadowDrafts``). Only an adaptive policy with a draft width to pick learns; a fixed
         width, or D = 1, needs nothing."""
-        if not self.policy.adaptive or not self.shadows.widths:
+        if not self.policy.learns or not self.shadows.widths:
             return
         c = self.config
         if c.threshold_single < 1.0 or c.threshold_acc < 1.0:
@@ -244,7 +236,7 @@ class NgramSpecWorker:
         budget would only lose n-grams."""
         if self.engine.device.type != "cuda":
             return None
-        return _plain_step_seconds(self.policy, batch_size, self._constrained)
+        return self.policy.costs.plain_seconds(batch_size, self._constrained)
 
     def on_finish(self, seqs: list[Sequence]) -> None:
         ids = [s.seq_id for s in seqs]
@@ -256,11 +248,8 @@ class NgramSpecWorker:
     def choose_width(self, seqs: list[Sequence], ahead: bool = False) -> int:
         """The next decode step's width. ``ahead``: one token per sequence is still in flight (overlap
         scheduling): the match lengths are those of the committed tokens, and the policy prices
-        what the token in flight may make of them (``AdaptiveDraftPolicy._expected``). Until
-        session 9 each length was taken at its bound, one longer, which broke chains for verify
-        steps the committed token then called off. (Session 7's run L, keeping unmatched sequences
-        at 0 and the rest at the bound, measured grounded batch-1 cells lower on a slower host; the
-        A/B of the present rule is in BENCHMARKS.md, session 9.)"""
+        what the token in flight may make of them (``AcceptanceModel.expected``); pricing each length
+        at its bound, one longer, broke chains for verify steps the committed token then called off."""
         self._constrained = any(s.grammar is not None for s in seqs)
         draining = not self.engine.scheduler.waiting
         corpus, grow = self.corpus, int(ahead)
@@ -299,7 +288,7 @@ class NgramSpecWorker:
             fused = greedy_tree_accept(candidates, mask, logits.argmax(dim=-1).view(bs, width), slots)
             assert fused.kv_src is not None
             move_kv_slots(self.engine.runner.kv_cache, slots, fused.kv_src)
-            return fused.result, fused.packed
+            return TreeAcceptResult.of(fused), fused.packed
         result = verify_tree_greedy_from_logits(candidates, mask, logits)
         self.engine.runner.compact_accepted_kv(slots, result.accept_nodes, result.accept_len)
         return result, result.packed()

@@ -1,0 +1,114 @@
+"""Measured decode-step costs per (batch-size bucket, grammar or not, draft width).
+
+A step's cost is a property of the hardware and the batch: the lower median of the last few step
+times per (bucket, width), a median because one slow step (a first launch, a page fault, a busy
+host) must not decide for many steps. Times are normalized to the bucket's size (step time grows
+about linearly with the batch inside a bucket). An untimed width borrows the verify / plain ratio
+of the nearest larger bucket timed at both.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+Bucket = tuple[int, bool]  # (batch size rounded up to a power of two, whether a grammar constrains it)
+
+
+def bucket_of(batch_size: int, constrained: bool) -> Bucket:
+    # A constrained verify step also builds a grammar bitmask for every tree node on the host, so
+    # it costs more than an unconstrained one of the same shape: timed apart.
+    return 1 << max(batch_size - 1, 0).bit_length(), constrained
+
+
+@dataclass
+class Recent:
+    """The lower median of the last ``size`` samples: robust to isolated slow steps."""
+
+    size: int = 5
+    samples: deque[float] = field(default_factory=deque)
+    value: float | None = None  # kept current by update: it is read several times per step
+
+    def update(self, x: float) -> None:
+        self.samples.append(x)
+        if len(self.samples) > self.size:
+            self.samples.popleft()
+        self.refresh()
+
+    def refresh(self) -> None:
+        ordered = sorted(self.samples)
+        self.value = ordered[(len(ordered) - 1) // 2]
+
+
+class StepCosts:
+    """Seconds per step per (bucket, width), normalized to the bucket's size."""
+
+    def __init__(self, widths: Sequence[int]) -> None:
+        self.widths = list(widths)  # 1 and the draft widths a policy may pick
+        self.step_time: dict[tuple[Bucket, int], Recent] = {}
+        self._costs: dict[Bucket, dict[int, float | None]] = {}  # ``bucket_costs``, until the next record
+
+    def record(self, bucket: Bucket, width: int, seconds: float) -> None:
+        """One step's time, already normalized to the bucket's size."""
+        self.step_time.setdefault((bucket, width), Recent()).update(seconds)
+        self._costs.clear()
+
+    def add_to_last(self, bucket: Bucket, width: int, extra: float) -> bool:
+        """Add ``extra`` seconds to the last sample of (bucket, width); False if it has none."""
+        rec = self.step_time.get((bucket, width))
+        if rec is None or not rec.samples:
+            return False
+        rec.samples[-1] += extra
+        rec.refresh()
+        self._costs.clear()
+        return True
+
+    def last(self, bucket: Bucket, width: int) -> float | None:
+        rec = self.step_time.get((bucket, width))
+        return rec.samples[-1] if rec is not None and rec.samples else None
+
+    def cost(self, bucket: Bucket, width: int) -> float | None:
+        """Seconds per step at this bucket and width (normalized to the bucket size): measured
+        (twice at least), else estimated from its plain cost and the verify / plain cost ratio of
+        the nearest larger bucket measured at both, else None (to be measured). A batch that
+        drains passes through every smaller bucket; timing verify steps afresh in each would cost
+        several wasted verify steps per bucket. Only larger buckets lend their ratio: it grows
+        with the batch (host drafting on a GPU, compute on a CPU), so theirs over-estimates."""
+        costs = self.bucket_costs(bucket)
+        return costs[width] if width in costs else self._estimate(bucket, width)
+
+    def plain_seconds(self, batch_size: int, constrained: bool) -> float | None:
+        """A plain step's measured time at this batch size (not normalized), or None while untimed."""
+        bucket = bucket_of(batch_size, constrained)
+        plain = self.cost(bucket, 1)
+        return None if plain is None else plain * batch_size / bucket[0]
+
+    def bucket_costs(self, bucket: Bucket) -> dict[int, float | None]:
+        """width -> ``cost`` for every width a policy may pick (cached until the next record)."""
+        costs = self._costs.get(bucket)
+        if costs is None:
+            costs = self._costs[bucket] = {w: self._estimate(bucket, w) for w in self.widths}
+        return costs
+
+    def _estimate(self, bucket: Bucket, width: int) -> float | None:
+        rec = self.step_time.get((bucket, width))
+        if rec is not None and len(rec.samples) >= 2:
+            return rec.value
+        plain = self.step_time.get((bucket, 1))
+        if width == 1 or plain is None or len(plain.samples) < 2 or plain.value is None:
+            return None
+        known = [
+            b
+            for (b, w), r in self.step_time.items()
+            if w == width
+            and b[1] == bucket[1]
+            and b[0] > bucket[0]
+            and len(r.samples) >= 2
+            and (b, 1) in self.step_time
+        ]
+        if not known:
+            return None
+        near = min(known, key=lambda b: b[0])
+        verify, base = self.step_time[(near, width)].value, self.step_time[(near, 1)].value
+        return None if verify is None or not base else plain.value * verify / base
