@@ -59,11 +59,8 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
 
     Plain tensor ops (three kernels), so it runs on any device; the bitmask must be on the logits'
     device. The bitmask must cover every logits column: a column without a bit would escape the
-    grammar. (On CUDA, xgrammar's one-launch Triton kernel was tried instead, session 13: in the one
-    engine run that measured it, every constrained figure at batch 32 on the H200 was about halved,
-    e.g. plain + json_object 15,449 tok/s against 26,047-29,378 with these ops in four other runs.
-    Not proven to be the kernel's doing: one figure of another run with these ops fell as far, and
-    on equal work at batch 1 and 8 the kernel measured 1.024 / 0.950 against 0.935 / 0.983.)
+    grammar. (xgrammar's one-launch Triton kernel was tried on CUDA and not adopted: see
+    benchmarks/results/LOG.md.)
     """
     rows, vocab = logits.shape
     if bitmask.shape[0] != rows or bitmask.shape[1] * BITS < vocab:
@@ -129,8 +126,8 @@ def grammar_valid_nodes(
     ``max_depth``: only nodes up to this depth are checked; a deeper node is reported valid when
     its ancestor at that depth is (not known to be forbidden). Only ``accept_token`` / ``rollback``
     calls: about a microsecond each for the benchmark's JSON schema on the CPU box, and several
-    times that for some states (a whole 16-node tree per member before each launch made constrained
-    batch-32 verify steps ~7 ms longer on the H200 host). ``parents`` [D] with parent < child; the
+    times that for some states (a whole 16-node tree per member before each launch makes large constrained
+    verify steps markedly longer on a GPU host). ``parents`` [D] with parent < child; the
     matcher ends as it started."""
     d = len(tokens)
     valid = [False] * d

@@ -51,9 +51,7 @@ def pdl_for_step(device: torch.device, tokens: int) -> bool:
     """Whether a step of ``tokens`` packed tokens launches its Triton kernels with PDL by default.
 
     One-token steps only. For SmolLM2 every projection is then a fused Triton kernel, so a layer is
-    a chain of six Triton kernels, each overlapping the next: on the H200 batch-1 decode went from
-    1,265-1,455 to 1,546-1,835 tok/s. In bigger steps cuBLAS sits between them, and with PDL the
-    engine measured 1.3-2.2% slower at batch 8 and 32 (BENCHMARKS.md, session 8). One-token steps
-    of models whose weights are too big for the fused kernel also have cuBLAS in between; they were
-    measured only as whole random-weight steps (Llama-3-8B shape: 4.55 -> 4.48 ms with PDL)."""
+    a chain of six Triton kernels, each overlapping the next (batch-1 decode is faster with it). In
+    bigger steps cuBLAS sits between them, and with PDL the engine measured slower at batch 8 and 32
+    (the measurements: benchmarks/results/LOG.md)."""
     return tokens == 1 and pdl_supported(device)

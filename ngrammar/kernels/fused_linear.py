@@ -2,7 +2,7 @@
 
 Why: at batch 1 every kernel of a small model's decoder layer is bound by launch latency, not by
 bytes (SmolLM2's largest weight is 3.5 MB, under a microsecond of HBM time on an H200, yet each
-kernel costs 1.5-4 µs inside a CUDA graph). Folding the residual add + RMSNorm into the projection
+kernel costs microseconds of launch latency even inside a CUDA graph). Folding the residual add + RMSNorm into the projection
 that consumes it (q/k/v, gate/up) and SiLU·mul into the down projection takes three of the layer's
 kernels away. Every program recomputes its rows' norm from the whole input row (hidden-size elements
 per row, read from L2), which costs far less than a launch.
@@ -24,8 +24,7 @@ CUDA cores: with no tensor-core tile minimum, column blocks are 4 rows of W wide
 step's grid covers the SMs several times over.
 
 Where it pays (H200, bf16, ``python -m benchmarks.gpu_bench --parts kernels``): one token and weights
-of a few MB, where each projection is 1-3 µs faster than the elementwise kernel + cuBLAS pair it
-replaces. Two tokens are mixed (three of SmolLM2's four projections faster, gate/up slower); with
+of a few MB, where each projection is faster than the elementwise kernel + cuBLAS pair it replaces. Two tokens are mixed (three of SmolLM2's four projections faster, gate/up slower); with
 4-16 tokens, or with an 8B model's weights, cuBLAS wins. ``use_fused_linear`` serves one-token
 steps only, which is what the engine was measured with.
 """

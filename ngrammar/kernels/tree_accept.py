@@ -1,9 +1,8 @@
 """Greedy tree acceptance in one Triton launch: what CUDA-graph verify steps accept with.
 
 Why: ``ngrammar.speculative.verify.verify_tree_greedy`` is vectorized over [bs, D, D] boolean tensors so it
-runs anywhere without a host read, but on a GPU that is ~100 small kernels. On the H200 the greedy
-acceptor graph (argmax, acceptance, KV compaction, packing) replayed in 0.29 ms at batch 1, against
-1.02 ms for the D = 16 verify forward itself (BENCHMARKS.md, session 14). Here one program per
+runs anywhere without a host read, but on a GPU that is ~100 small kernels, a large share of a
+small model's verify step. Here one program per
 request walks its tree sequentially, which at D <= 64 nodes costs next to nothing, and writes what
 the rest of the step needs in the layouts it needs: the packed row the host reads and the source
 slot of every KV move, so the acceptor graph is the argmax, this kernel and one gather/scatter.

@@ -500,8 +500,8 @@ def choose_launch_config(
         num_warps = 2 if kv_len_bound >= 1024 * num_splits else 4
     else:
         num_warps = 8 if block_m * head_dim >= 128 * 128 else 4
-    # Decode steps only: at batch 1 the kernel took 3.6 µs against 4.0 + 1.9 µs with the merge kernel
-    # (kernel tables, BENCHMARKS.md session 7); verify blocks were not measured with it.
+    # Decode steps only: merging in the kernel beats a separate merge kernel there; verify blocks
+    # were not measured with it.
     merge_in_kernel = max_q_len == 1
     return LaunchConfig(block_m, block_n, num_q_blocks, num_splits, num_warps, num_stages, merge_in_kernel)
 

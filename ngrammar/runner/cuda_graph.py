@@ -31,9 +31,8 @@ With an ``acceptor`` (the NGRAM worker's greedy tree acceptance), every verify w
 second, small graph per bucket: ``acceptor(ids [bucket, W], tree mask [bucket, W, W], logits
 [bucket * W, V], slots [bucket, W])`` over the same static buffers, replayed after the host has
 masked the logits in place with the grammar (``accept``). It turns the ~45 tiny acceptance kernels,
-the KV compaction after them and the packing of what the host reads into one launch (on the H200
-the ~10 eager compaction kernels took ~0.47 ms of host time per batch-1 verify step, session 13,
-though mostly while the forward still ran).
+the KV compaction after them and the packing of what the host reads into one launch (eagerly, the
+compaction kernels alone cost a large share of a batch-1 verify step's host time).
 
 Host maxima and the attention plan
 ----------------------------------

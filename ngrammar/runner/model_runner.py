@@ -78,9 +78,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def column_major_weights(model: torch.nn.Module) -> None:
     """Store every 2-D weight (the projections, the embedding that is also the LM head)
     column-major: logically still [N, K], in memory [K, N], so the CPU GEMM in ``F.linear`` reads it
-    without a transpose. On the 2-core dev box (session 13) a forward took 0.84-0.88x the time at
-    1-8 tokens and 0.93x at 16 (4 interleaved rounds, 400 cached tokens), and plain decoding ran
-    1.03x faster at batch 1 and 1.16x at batch 8 (paired, 4 rounds). The GEMM may sum in another
+    without a transpose (measurably faster forwards on the CPU). The GEMM may sum in another
     order: logits agree up to fp32 rounding. CUDA keeps row-major weights: the fused Triton
     kernels read rows."""
     for param in model.parameters():
@@ -253,10 +251,8 @@ def compact_path_kv(
     those are written more than once, in no set order; nothing reads the dummy page.
 
     One gather and one scatter over every layer's K and V at once: the pool viewed as
-    [layers * 2, slots, row] indexed on its middle dimension. (Against ``index_select`` /
-    ``index_copy_`` on dim 2 of [layers, 2, slots, heads, d], the H200's greedy acceptor graph
-    replayed in 0.293 instead of 0.309 ms at batch 1 and 0.406 instead of 0.440 ms at batch 32,
-    session 14.)"""
+    [layers * 2, slots, row] indexed on its middle dimension (faster than ``index_select`` /
+    ``index_copy_`` on dim 2 of [layers, 2, slots, heads, d])."""
     dst = slots[:, : nodes.shape[1]]
     j = torch.arange(dst.shape[1], device=slots.device)
     on_path = (j >= 1) & (j < lens[:, None])

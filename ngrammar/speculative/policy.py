@@ -336,9 +336,8 @@ class AdaptiveDraftPolicy:
         would take more than ``probe_share`` of plain decoding's time. ``plain``: the bucket's plain
         step cost (normalized to the bucket's size; always timed by then: ``_decide`` probes only
         once every width has a cost). A probe is host Python over every member
-        (match lengths, then pricing each at every width: 51-92 µs per probing call at batch 8 on
-        the 2-core CPU box, session 13), and where the host has little idle time it lengthens the
-        step. Probe costs are kept per bucket: they grow with the batch."""
+        (match lengths, then pricing each at every width), and where the host has little idle
+        time it lengthens the step. Probe costs are kept per bucket: they grow with the batch."""
         seconds = time.perf_counter() - since
         old = self.probe_cost.get(bucket)
         # Host time only spikes upwards (a page fault, a GC pause): follow a cheaper sample at once.
@@ -394,8 +393,8 @@ class AdaptiveDraftPolicy:
         about the same whoever is in it, so only its critical members count, and the step is
         worth the least any of them gains. Speculating for copying members while a member that
         matches little still has as far to go only makes every step dearer: that member finishes
-        later, and the batch with it (on the H200 at batch 8, fixed-length code edits ran at
-        0.91x plain with the remaining-weighted mean)."""
+        later, and the batch with it (a remaining-weighted mean made fixed-length code edits slower
+        than plain)."""
         if critical is None:
             return sum(expected) / len(expected)
         return min(expected[i] for i in critical)
@@ -495,8 +494,7 @@ class AdaptiveDraftPolicy:
         step that restarts the chain run while the device idles. That tail, and what the
         restarting step (``seconds``, normalized) took beyond a plain step, are added to the
         verify step's time sample, and the next exploration moves out to match. Uncharged,
-        explorations ran more often than their budget allows: on the H200 at batch 8, one per
-        64-token run, each costing the run 3-7% (session 11). The charge is at most the verify
+        explorations run more often than their budget allows. The charge is at most the verify
         step's own time, and the restarting step is recorded at a plain step's cost (its excess is
         the verify's, not plain decoding's). Only the engine's overlap path passes a tail: without
         overlap nothing is broken, and on a CPU, where step times vary by tens of ms, a charge that

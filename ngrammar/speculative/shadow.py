@@ -10,8 +10,8 @@ the host during a plain step and walked against the tokens that follow is a samp
 step's acceptance that costs the device nothing.
 
 The draft policy otherwise learns acceptance only from verify steps, so while plain decoding wins
-it has to verify now and then to keep its estimates from getting stuck ("explore"): on the H200
-at batch 8 and 32 those verify steps on open-ended text cost a 64-token run 3-16% (session 11).
+it has to verify now and then to keep its estimates from getting stuck ("explore"), and at larger
+batches those verify steps on open-ended text are expensive.
 ``ShadowDrafts`` drafts trees (one per draft width) for a few members of a plain batch in the
 host's spare time and hands each resolved walk to ``AdaptiveDraftPolicy.observe_shadow``, which
 then skips its explorations while such samples keep coming (but for one now and then that
