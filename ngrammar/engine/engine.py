@@ -27,11 +27,11 @@ from ngrammar.engine.block_manager import BlockManager, PageAllocator
 from ngrammar.engine.scheduler import Scheduler
 from ngrammar.engine.sequence import Sequence
 from ngrammar.model.config import ModelConfig
-from ngrammar.model.loader import resolve_checkpoint
+from ngrammar.model.loader import Checkpoint, resolve_checkpoint
 from ngrammar.model.tokenizer import Message, Tokenizer
 from ngrammar.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from ngrammar.runner.attention import AttentionBackend, TorchSDPABackend
-from ngrammar.runner.cuda_graph import CUDAGraphRunner, graph_capturable
+from ngrammar.runner.cuda_graph import graph_capturable
 from ngrammar.runner.model_runner import (
     ModelRunner,
     PendingRead,
@@ -47,6 +47,17 @@ from ngrammar.sampling_params import InvalidRequestError, SamplingParams
 if TYPE_CHECKING:
     from ngrammar.grammar import GrammarBackend
     from ngrammar.speculative.worker import NgramSpecWorker
+
+
+def attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """The backend ``EngineConfig.attention_backend`` names ("auto": Triton on CUDA, SDPA elsewhere)."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "sdpa"
+    if name == "triton":
+        from ngrammar.kernels.triton_attention import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    return TorchSDPABackend()
 
 
 @dataclass
@@ -139,12 +150,14 @@ class LLMEngine:
         self.model_name = checkpoint.name
         self.tokenizer = Tokenizer(checkpoint.tokenizer_dir, checkpoint.config.eos_token_ids)
         self.max_model_len = self._context_length(config.max_model_len, checkpoint.config)
+        if config.tensor_parallel_size > 1:  # before any process starts or weight is read
+            from ngrammar.distributed.parallel import check_tensor_parallel
+
+            check_tensor_parallel(checkpoint.config, config.tensor_parallel_size, self.device, config.nnodes)
         num_pages = self._num_pages()
         # The pool gets one page past the allocator's range (page ``num_pages``): no sequence ever
         # owns it, so CUDA-graph padding rows write their K/V there.
-        self.runner = ModelRunner(
-            checkpoint, self.device, self.dtype, num_pages + 1, config.page_size, self._backend()
-        )
+        self.runner = self._runner(checkpoint, num_pages + 1)
         self.blocks = BlockManager(PageAllocator(num_pages, config.page_size))
         self.scheduler = Scheduler(self.blocks, config.max_running_requests, config.max_prefill_tokens)
         self.requests: dict[str, Request] = {}
@@ -175,15 +188,23 @@ class LLMEngine:
             self.enable_cuda_graphs(capture=True)
 
     # ----------------------------------------------------------------- set-up
-    def _backend(self) -> AttentionBackend:
-        name = self.config.attention_backend
-        if name == "auto":
-            name = "triton" if self.device.type == "cuda" else "sdpa"
-        if name == "triton":
-            from ngrammar.kernels.triton_attention import TritonAttentionBackend
+    def _runner(self, checkpoint: Checkpoint, num_pages: int) -> ModelRunner:
+        """This process's runner; with ``tensor_parallel_size`` > 1, rank 0's, which starts the other
+        ranks and sends them every step (``ngrammar.distributed``)."""
+        if self.config.tensor_parallel_size == 1:
+            return ModelRunner(
+                checkpoint, self.device, self.dtype, num_pages, self.config.page_size, self._backend()
+            )
+        from ngrammar.distributed.driver import start_tensor_parallel
 
-            return TritonAttentionBackend()
-        return TorchSDPABackend()
+        return start_tensor_parallel(self.config, checkpoint, self.device, self.dtype, num_pages)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (idempotent; also done at interpreter exit)."""
+        self.runner.close()
+
+    def _backend(self) -> AttentionBackend:
+        return attention_backend(self.config.attention_backend, self.device)
 
     def enable_cuda_graphs(self, capture: bool = True) -> None:
         """Serve uniform decode / verify steps from static buffers, replaying captured CUDA graphs.
@@ -198,18 +219,17 @@ class LLMEngine:
             policy = self.spec.policy
             narrower = policy.learns or self.spec.config.trim_trees
             widths = policy.widths if narrower else [1, policy.max_width]
-        graphs = CUDAGraphRunner(
-            self.runner,
+        # With tensor parallelism the greedy acceptor stays eager: each rank moves its own KV shard
+        # (``distributed.driver.DriverRunner.compact_accepted_kv``), which a rank-0-only graph would not.
+        one_rank = self.config.tensor_parallel_size == 1
+        self.runner.attach_graphs(
             widths,
             max_batch_size=min(self.config.cuda_graph_max_bs, self.config.max_running_requests),
             kv_len_bound=self.max_model_len + max(widths),
             dummy_page=self.blocks.allocator.num_pages,
             capture=capture,
-            acceptor=None if self.spec is None else self.spec.graph_acceptor,
+            acceptor=self.spec.graph_acceptor if self.spec is not None and one_rank else None,
         )
-        if capture:
-            graphs.capture_all()
-        self.runner.graphs = graphs
 
     @staticmethod
     def _context_length(requested: int | None, model: ModelConfig) -> int:
@@ -234,7 +254,8 @@ class LLMEngine:
         if tokens is None:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
-                tokens = int(free * c.gpu_memory_utilization) // kv_bytes_per_token(
+                # each rank's pool holds its share of the KV heads
+                tokens = int(free * c.gpu_memory_utilization * c.tensor_parallel_size) // kv_bytes_per_token(
                     self.model_config, self.dtype
                 )
             else:
