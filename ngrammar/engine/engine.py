@@ -49,6 +49,39 @@ if TYPE_CHECKING:
     from ngrammar.speculative.worker import NgramSpecWorker
 
 
+def tokenize_prompt(
+    tokenizer: Tokenizer, vocab_size: int, prompt: str | list[int] | Seq[Message]
+) -> list[int]:
+    """A prompt's token ids: text (encoded), chat messages (templated) or ids (range-checked)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("prompt is empty")
+        return tokenizer.encode_prompt(prompt)
+    if prompt and all(isinstance(m, dict) for m in prompt):
+        for m in prompt:  # (a message the template cannot render failed inside jinja)
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):  # type: ignore[union-attr]
+                raise InvalidRequestError(f"a chat message needs a string role and content, got {m!r}")
+        return tokenizer.apply_chat_template(prompt)  # type: ignore[arg-type]
+    ids = [int(t) for t in prompt]  # type: ignore[union-attr]
+    if any(not 0 <= t < vocab_size for t in ids):
+        raise InvalidRequestError("prompt token ids must be in [0, vocab_size)")
+    return ids
+
+
+def validate_prompt(prompt_ids: list[int], max_model_len: int, kv_capacity_tokens: int) -> None:
+    """A prompt must be non-empty, leave room for one output in the context and fit the KV pool."""
+    if not prompt_ids:
+        raise InvalidRequestError("prompt is empty")
+    if len(prompt_ids) >= max_model_len:
+        raise InvalidRequestError(
+            f"prompt is {len(prompt_ids)} tokens; the model's context is {max_model_len} tokens"
+        )
+    if len(prompt_ids) + 1 > kv_capacity_tokens:
+        raise InvalidRequestError(
+            f"prompt is {len(prompt_ids)} tokens; the KV cache holds {kv_capacity_tokens} tokens"
+        )
+
+
 def attention_backend(name: str, device: torch.device) -> AttentionBackend:
     """The backend ``EngineConfig.attention_backend`` names ("auto": Triton on CUDA, SDPA elsewhere)."""
     if name == "auto":
@@ -276,35 +309,14 @@ class LLMEngine:
 
     # ------------------------------------------------------------- requests
     def tokenize(self, prompt: str | list[int] | Seq[Message]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty")
-            return self.tokenizer.encode_prompt(prompt)
-        if prompt and all(isinstance(m, dict) for m in prompt):
-            for m in prompt:  # (a message the template cannot render failed inside jinja)
-                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):  # type: ignore[union-attr]
-                    raise InvalidRequestError(f"a chat message needs a string role and content, got {m!r}")
-            return self.tokenizer.apply_chat_template(prompt)  # type: ignore[arg-type]
-        ids = [int(t) for t in prompt]  # type: ignore[union-attr, arg-type]
-        if any(not 0 <= t < self.model_config.vocab_size for t in ids):
-            raise InvalidRequestError("prompt token ids must be in [0, vocab_size)")
-        return ids
+        return tokenize_prompt(self.tokenizer, self.model_config.vocab_size, prompt)
 
     @property
     def kv_capacity_tokens(self) -> int:
         return self.blocks.allocator.num_pages * self.blocks.page_size
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_ids:
-            raise InvalidRequestError("prompt is empty")
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt is {len(prompt_ids)} tokens; the model's context is {self.max_model_len} tokens"
-            )
-        if len(prompt_ids) + 1 > self.kv_capacity_tokens:
-            raise InvalidRequestError(
-                f"prompt is {len(prompt_ids)} tokens; the KV cache holds {self.kv_capacity_tokens} tokens"
-            )
+        validate_prompt(prompt_ids, self.max_model_len, self.kv_capacity_tokens)
 
     def add_request(
         self,

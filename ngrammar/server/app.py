@@ -802,12 +802,18 @@ def create_app(
     The engine loop thread starts with the app's lifespan and stops with it. ``app.state.server``
     exposes the engine, the loop (``.loop``, whose ``max_queue`` may be changed live) and metrics.
     """
-    llm_engine = (
-        engine if isinstance(engine, LLMEngine) else LLMEngine(build_engine_config(**dict(engine or {})))
-    )
-    _ = llm_engine.grammar_backend  # build it now: handler threads must share one, not race to create it
     metrics = ServerMetrics()
-    server = _Server(llm_engine, AsyncEngine(llm_engine, max_queue, metrics), metrics)
+    config = None if isinstance(engine, LLMEngine) else build_engine_config(**dict(engine or {}))
+    if config is not None and (config.data_parallel_size > 1 or config.tensor_parallel_size > 1):
+        # Replica processes behind a router with AsyncEngine's interface (ngrammar/distributed/)
+        from ngrammar.distributed.router import start_replicas
+
+        front, router = start_replicas(config, max_queue, metrics)
+        server = _Server(front, router, metrics)  # type: ignore[arg-type]
+    else:
+        llm_engine = engine if isinstance(engine, LLMEngine) else LLMEngine(config)  # type: ignore[arg-type]
+        _ = llm_engine.grammar_backend  # build it now: handler threads must share one, not race to create it
+        server = _Server(llm_engine, AsyncEngine(llm_engine, max_queue, metrics), metrics)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
