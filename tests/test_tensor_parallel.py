@@ -13,6 +13,7 @@ import json
 import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -218,3 +219,52 @@ def test_a_killed_rank_ends_the_engine_with_a_message(tiny_folder: Path, tmp_pat
     assert time.monotonic() - t0 < 60
     assert proc.returncode != 0
     assert "tensor-parallel rank 1" in err, err[-2000:]
+
+
+def test_two_nodes_rendezvous_at_dist_init_addr(tiny_folder: Path) -> None:
+    """``--nnodes 2``: node 1 (here a second process on this machine) runs only its ranks."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    common = [
+        "--model",
+        str(tiny_folder),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--tp",
+        "2",
+        "--nnodes",
+        "2",
+    ]
+    node1 = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ngrammar.cli",
+            "generate",
+            *common,
+            "--node-rank",
+            "1",
+            "--dist-init-addr",
+            addr,
+        ],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        kw = dict(model=str(tiny_folder), device="cpu", dtype="float32", kv_cache_tokens=1024)
+        two = LLM(**kw, tensor_parallel_size=2, nnodes=2, dist_init_addr=addr)  # type: ignore[arg-type]
+        try:
+            params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+            got = two.generate([list(range(100, 120))], params)[0].outputs[0].token_ids
+        finally:
+            two.engine.close()
+        assert node1.wait(timeout=60) == 0  # its rank stopped with rank 0
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+    one = LLM(**kw)  # type: ignore[arg-type]
+    assert got == one.generate([list(range(100, 120))], params)[0].outputs[0].token_ids

@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 
 from ngrammar.config import EngineConfig
 from ngrammar.distributed.channel import StepChannel, tensor_spec
-from ngrammar.distributed.parallel import MULTICAST_OFF_ENV, TensorParallel
+from ngrammar.distributed.parallel import MULTICAST_OFF_ENV, TensorParallel, check_tensor_parallel
 from ngrammar.distributed.ranks import RankSpec, connect_store, init_group, rank_main
 from ngrammar.model.loader import Checkpoint
 from ngrammar.runner.attention import AttentionBackend
@@ -45,7 +45,8 @@ class RankFailure(RuntimeError):
 class RankProcesses:
     """This node's rank processes, and the watchdog that ends the engine if one dies."""
 
-    def __init__(self, procs: dict[int, BaseProcess]) -> None:
+    def __init__(self, threads: int, procs: dict[int, BaseProcess]) -> None:
+        self.threads = threads  # rank 0's CPU threads before the ranks took their shares (restored at stop)
         self.procs = procs
         self.closing = threading.Event()
         self._watchdog: threading.Thread | None = None
@@ -85,6 +86,7 @@ class RankProcesses:
             if p.is_alive():
                 p.terminate()
                 p.join(1.0)
+        torch.set_num_threads(self.threads)
 
 
 class DriverRunner(ModelRunner):
@@ -186,8 +188,12 @@ def start_tensor_parallel(
         threads=max(1, (os.cpu_count() or 1) // per_node) if device.type == "cpu" else 0,
         parent_pid=os.getpid(),
     )
+    threads = torch.get_num_threads()
+    if device.type == "cpu":  # rank 0 too takes only its share of the cores (OpenMP threads spin)
+        torch.set_num_threads(base.threads)
     store = connect_store(base, is_master=True)
-    ranks = RankProcesses(_spawn(base, range(1, per_node), device, device.index or 0, per_node))
+    store.set("num_pages", str(num_pages))  # ranks on other nodes cannot size the pool themselves
+    ranks = RankProcesses(threads, _spawn(base, range(1, per_node), device, device.index or 0, per_node))
     try:
         _wait_for(store, "joined", size - 1, ranks, config.dist_timeout_s, "join")
         tp, channel = init_group(base, device, store)
@@ -213,15 +219,18 @@ def start_tensor_parallel(
     return runner
 
 
-def run_node(config: EngineConfig, checkpoint: Checkpoint, device: torch.device, num_pages: int) -> int:
-    """Node ``node_rank`` > 0 of a multi-node engine: run its ranks until rank 0 stops them.
+def run_node(config: EngineConfig) -> int:
+    """Node ``node_rank`` > 0 of a multi-node engine (same flags as node 0, plus ``--node-rank``):
+    run this node's ranks until rank 0 stops them; returns the worst exit code."""
+    from ngrammar.model.loader import resolve_checkpoint
+    from ngrammar.runner.model_runner import resolve_device, resolve_dtype
 
-    ``num_pages`` must equal rank 0's (pass ``kv_cache_tokens`` on every node)."""
     os.environ.update(MULTICAST_OFF_ENV)
+    device = resolve_device(config.device)
+    checkpoint = resolve_checkpoint(config.model)
     size, per_node = config.tensor_parallel_size, config.tensor_parallel_size // config.nnodes
+    check_tensor_parallel(checkpoint.config, size, device, config.nnodes)
     host, port = _address(config.dist_init_addr)
-    from ngrammar.runner.model_runner import resolve_dtype
-
     base = RankSpec(
         rank=0,
         size=size,
@@ -230,18 +239,18 @@ def run_node(config: EngineConfig, checkpoint: Checkpoint, device: torch.device,
         checkpoint=checkpoint,
         device=str(device),
         dtype=str(resolve_dtype(config.dtype, device)).removeprefix("torch."),
-        num_pages=num_pages,
+        num_pages=0,  # rank 0's, read from the store
         page_size=config.page_size,
         attention_backend=_backend_name(config.attention_backend, device),
         timeout_s=config.dist_timeout_s,
-        threads=0,
+        threads=max(1, (os.cpu_count() or 1) // per_node) if device.type == "cpu" else 0,
         parent_pid=os.getpid(),
     )
     first = config.node_rank * per_node
     procs = _spawn(base, range(first, first + per_node), device, 0, per_node)
     for p in procs.values():
         p.join()
-    return max((p.exitcode or 0) for p in procs.values())
+    return max(abs(p.exitcode or 0) for p in procs.values())
 
 
 def _spawn(

@@ -36,7 +36,7 @@ class RankSpec:
     checkpoint: Checkpoint
     device: str  # "cpu" or "cuda:N"
     dtype: str  # torch dtype name, e.g. "float32"
-    num_pages: int
+    num_pages: int  # 0: rank 0's, read from the store (another node)
     page_size: int
     attention_backend: str  # "sdpa" or "triton"
     timeout_s: float
@@ -102,7 +102,7 @@ def _serve(spec: RankSpec) -> None:
         spec.checkpoint,
         device,
         resolve_dtype(spec.dtype, device),
-        spec.num_pages,
+        spec.num_pages or int(store.get("num_pages")),
         spec.page_size,
         attention_backend(spec.attention_backend, device),
         tp,

@@ -64,7 +64,12 @@ def replica_main(index: int, config: EngineConfig, conn: Connection) -> None:
     try:
         from ngrammar.engine.engine import LLMEngine
 
-        engine = LLMEngine(replica_config(config, index))
+        own = replica_config(config, index)
+        if not own.device.startswith("cuda"):  # the replicas share the cores rather than oversubscribe them
+            import torch
+
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.data_parallel_size))
+        engine = LLMEngine(own)
     except BaseException as e:  # noqa: BLE001 - reported to the server, which refuses to start
         traceback.print_exc()
         conn.send(("failed", f"{type(e).__name__}: {e}"))

@@ -96,6 +96,7 @@ class Replica:
         self.send_lock = threading.Lock()
         self.requests: dict[str, RequestGroup] = {}  # in flight there; guarded by the router's lock
         self.load: ReplicaLoad | None = None
+        self.routed = 0  # requests sent to it so far
         self.alive = True
         self.error: str | None = None  # why it stopped serving
 
@@ -184,6 +185,7 @@ class ReplicaRouter:
                     raise EngineUnavailable("no data-parallel replica is running")
                 replica = min(live, key=lambda r: (len(r.requests), r.index))
                 replica.requests[request_id] = group
+                replica.routed += 1
                 routed.append(replica)
         for replica, request_id, prompt_ids, p in zip(routed, ids, prompts, params):
             try:
