@@ -35,7 +35,8 @@ class StepChannel:
         """The other ranks: the next command (blocks until rank 0 sends one)."""
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0, group=self.cpu_group)
-        return box[0]  # type: ignore[no-any-return]
+        command: tuple[Any, ...] = box[0]
+        return command
 
     def send_tensor(self, t: torch.Tensor) -> None:
         dist.broadcast(t.contiguous(), src=0, group=self.device_group)

@@ -62,7 +62,7 @@ def tokenize_prompt(
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):  # type: ignore[union-attr]
                 raise InvalidRequestError(f"a chat message needs a string role and content, got {m!r}")
         return tokenizer.apply_chat_template(prompt)  # type: ignore[arg-type]
-    ids = [int(t) for t in prompt]  # type: ignore[union-attr]
+    ids = [int(t) for t in prompt]  # type: ignore[arg-type]
     if any(not 0 <= t < vocab_size for t in ids):
         raise InvalidRequestError("prompt token ids must be in [0, vocab_size)")
     return ids
