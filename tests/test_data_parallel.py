@@ -96,14 +96,12 @@ def test_metrics_and_server_info_sum_the_replicas(dp2: LiveServer, oai: openai.O
 def test_a_killed_replica_fails_only_its_requests(dp2: LiveServer, oai: openai.OpenAI, llm: LLM) -> None:
     """Last in the module: it leaves one replica."""
     router = dp2.router
-    t0 = time.monotonic()
-    want = llm.generate(PROMPTS, SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))
-    print("offline", time.monotonic() - t0)
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
 
     def run(prompt: str) -> str | Exception:
         try:
             r = oai.completions.create(
-                model="default", prompt=prompt, max_tokens=48, temperature=0, extra_body={"ignore_eos": True}
+                model="default", prompt=prompt, max_tokens=32, temperature=0, extra_body={"ignore_eos": True}
             )
             return r.choices[0].text
         except openai.APIError as e:
@@ -116,15 +114,14 @@ def test_a_killed_replica_fails_only_its_requests(dp2: LiveServer, oai: openai.O
         while not (victim.load is not None and victim.load.stats.decode_tokens > 0 and victim.requests):
             assert time.monotonic() < deadline, "replica 1 never started decoding"
             time.sleep(0.02)
-        print("kill at", time.monotonic() - t0)
         os.kill(victim.process.pid, signal.SIGKILL)
         results = [f.result(timeout=300) for f in futures]
-        print("results at", time.monotonic() - t0, results)
     failed = [r for r in results if isinstance(r, Exception)]
-    served = [(r, w.outputs[0].text) for r, w in zip(results, want) if not isinstance(r, Exception)]
+    served = [(p, r) for p, r in zip(PROMPTS, results) if not isinstance(r, Exception)]
     assert failed and served
     assert all("data-parallel replica 1" in str(e) for e in failed), failed
-    assert all(got == exp for got, exp in served)
+    want = llm.generate([p for p, _ in served], params)
+    assert [r for _, r in served] == [w.outputs[0].text for w in want]
     assert not victim.alive and router.replicas[0].alive
     assert (
         complete(oai, PROMPTS[0], 12)
