@@ -47,7 +47,7 @@ def tp3() -> Iterator[LLM]:
         tensor_parallel_size=3,
         speculative="ngram",
         num_draft_tokens=4,
-        spec_adaptive=False,
+        spec_policy="fixed",
         overlap_schedule=True,
     )
     yield llm
@@ -161,7 +161,7 @@ def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_tiny_hf_folder_at_tp2_on_the_static_graph_path(tiny_folder: Path) -> None:
     kw = dict(model=str(tiny_folder), device="cpu", dtype="float32", kv_cache_tokens=1024)
     # every decode step verifies a tree as drafted (a random model rarely repeats what the corpus saw)
-    spec = dict(speculative="ngram", num_draft_tokens=4, spec_adaptive=False, spec_trim_trees=False)
+    spec = dict(speculative="ngram", num_draft_tokens=4, spec_policy="fixed", spec_trim_trees=False)
     one = LLM(**kw, **spec)  # type: ignore[arg-type]
     two = LLM(**kw, **spec, tensor_parallel_size=2)  # type: ignore[arg-type]
     try:
