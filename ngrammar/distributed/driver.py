@@ -29,7 +29,12 @@ import torch.multiprocessing as mp
 
 from ngrammar.config import EngineConfig
 from ngrammar.distributed.channel import StepChannel, tensor_spec
-from ngrammar.distributed.parallel import MULTICAST_OFF_ENV, TensorParallel, check_tensor_parallel
+from ngrammar.distributed.parallel import (
+    MULTICAST_OFF_ENV,
+    ParallelConfigError,
+    TensorParallel,
+    check_tensor_parallel,
+)
 from ngrammar.distributed.ranks import RankSpec, connect_store, init_group, rank_main
 from ngrammar.model.loader import Checkpoint
 from ngrammar.runner.attention import AttentionBackend
@@ -169,6 +174,11 @@ def start_tensor_parallel(
     not join within ``dist_timeout_s``; nothing is left running then."""
     from ngrammar.engine.engine import attention_backend
 
+    if dist.is_initialized():  # torch.distributed has one default group per process
+        raise ParallelConfigError(
+            "this process already runs a tensor-parallel engine (or another torch.distributed group); "
+            "close it first (LLM.engine.close())"
+        )
     os.environ.update(MULTICAST_OFF_ENV)  # inherited by every process spawned below
     size = config.tensor_parallel_size
     per_node = size // config.nnodes
