@@ -92,7 +92,10 @@ class EngineConfig:
     attention_backend: str = _opt("auto", "attention kernels", ["auto", "sdpa", "triton"])
     speculative: SpeculativeConfig | None = None
     seed: int = _opt(0, "seeds requests that bring none", flag="engine_seed")
-    grammar_cache_size: int = 256
+    grammar_cache_size: int = _opt(256, "compiled grammars cached (also bounded by grammar_cache_mb)")
+    grammar_cache_mb: int = _opt(
+        1024, "memory of the compiled grammars cached, MiB (as xgrammar measures it)"
+    )
     cuda_graph: bool = _opt(True, "replay captured CUDA graphs for decode / verify steps (off: run eagerly)")
     cuda_graph_max_bs: int = _opt(64, "largest batch-size bucket captured; bigger batches run eagerly")
     # Launch a plain decode step before the previous one is read back, so the host's work overlaps
@@ -124,5 +127,7 @@ class EngineConfig:
             raise ValueError(
                 f"max_model_len must be at least 2 (a prompt token and an output), got {self.max_model_len}"
             )
+        if self.grammar_cache_size < 1 or self.grammar_cache_mb < 1:
+            raise ValueError("grammar_cache_size and grammar_cache_mb must be positive")
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be positive, got {self.cuda_graph_max_bs}")

@@ -249,7 +249,10 @@ class LLMEngine:
             from ngrammar.grammar import GrammarBackend
 
             self._grammar = GrammarBackend(
-                self.tokenizer, self.model_config.vocab_size, self.config.grammar_cache_size
+                self.tokenizer,
+                self.model_config.vocab_size,
+                self.config.grammar_cache_size,
+                cache_max_bytes=self.config.grammar_cache_mb << 20,
             )
         return self._grammar
 
