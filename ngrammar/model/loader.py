@@ -14,6 +14,8 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
+import shutil
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -134,6 +136,7 @@ def _file_sha256(path: Path) -> str:
 def _gguf_checkpoint(path: Path) -> Checkpoint:
     digest = _file_sha256(path)
     folder = cache_root() / f"gguf-{digest[:32]}"
+    remove_stale_temp_files(folder)
     weights = folder / "model.safetensors"
     if not (folder / "complete").exists():
         _convert_gguf(path, folder)
@@ -183,6 +186,38 @@ def _convert_gguf(path: Path, folder: Path) -> None:
             file.replace(folder / file.name)
         staging.rmdir()
     (folder / "complete").write_text(str(path))
+
+
+_TEMP_TAG = re.compile(r"\.tmp-(\d+)-[0-9a-f]{8}$")  # the tag ``_convert_gguf`` gives its temp files
+
+
+def remove_stale_temp_files(folder: Path) -> list[Path]:
+    """Delete the temp files and folders a killed conversion left in ``folder`` (one can be the whole
+    weights file: hundreds of MB); returns them. A temp file of a process still running is its
+    conversion in progress, and stays."""
+    removed: list[Path] = []
+    if not folder.is_dir():
+        return removed
+    for entry in folder.iterdir():
+        match = _TEMP_TAG.search(entry.name)
+        if match is None or _process_alive(int(match.group(1))):
+            continue
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        removed.append(entry)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def _write_atomically(target: Path, text: str, tag: str) -> None:

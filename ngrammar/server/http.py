@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from ngrammar.server.config import ServerConfig
 
 OPEN_PATHS = frozenset({"/health"})  # reachable without the API key
+_REFUSED_CLOSE_S = 0.5
 
 
 def error_body(message: str, type_: str, code: str | None = None) -> bytes:
@@ -132,17 +133,23 @@ class GuardedH11Protocol(H11Protocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_timer: asyncio.TimerHandle | None = None
+        self._refused = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if len(self.connections) > self.max_connections:
+            self._refused = True
             message = f"the server holds its limit of {self.max_connections} connections; retry later"
             transport.write(_raw_response(503, "Service Unavailable", message, "server_overloaded"))
-            transport.close()
+            # Closed a moment later, reading (and dropping) what arrives meanwhile: closing a socket
+            # with unread input resets it, and the client could lose the answer.
+            self.loop.call_later(_REFUSED_CLOSE_S, transport.close)
             return
         self._arm_header_timer()
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
         super().data_received(data)
         self._arm_header_timer()
 
