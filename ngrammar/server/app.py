@@ -661,7 +661,7 @@ class _Server:
             if compiling is not None:
                 compiling.cancel()  # only a compilation still queued stops; a running one is cached
             raise
-        if spec is None:
+        if spec is None or compiled is None:
             return self.loop.submit(ids, params, prefix)
         # Pinned until each prompt's engine request was added: the engine looks the grammar up
         # again then, and must find it whatever other compilations evicted meanwhile.
