@@ -270,8 +270,11 @@ def main() -> int:
         try:
             for k in wanted:
                 SERVER[k](server.url)
-                r = httpx.get(server.url + "/health", timeout=60)
-                _say(k, "health afterwards", str(r.status_code))
+                try:
+                    status = str(httpx.get(server.url + "/health", timeout=60).status_code)
+                except httpx.HTTPError as e:
+                    status = type(e).__name__
+                _say(k, "health afterwards", status)
         finally:
             server.stop()
     return 0
