@@ -44,7 +44,7 @@ class Server:
         self.proc = subprocess.Popen(
             cmd, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
         )
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 900
         while time.monotonic() < deadline:
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
