@@ -264,7 +264,7 @@ def main() -> int:
         r4_cache_bytes(root)
     if "T" in only:
         r9_temp_file(root)
-    wanted = [k for k in SERVER if k in only]
+    wanted = [k for k in only if k in SERVER]  # in the order given
     if wanted:
         server = Server(root, args.server_args.split())
         try:
