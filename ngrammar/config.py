@@ -103,6 +103,12 @@ class EngineConfig:
     overlap_schedule: bool | None = _opt(
         None, "launch each plain step before reading the last back (auto: CUDA)"
     )
+    # Leave an NGRAM verify step in flight: the next engine step commits it first thing, so the
+    # outputs and the corpus' drafts for the likely outcome run while the device verifies.
+    # None: with overlap_schedule (CUDA).
+    pipeline_verify: bool | None = _opt(
+        None, "commit each verify step in the next engine step, drafting ahead meanwhile (auto: overlap)"
+    )
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

@@ -297,8 +297,8 @@ def test_a_decision_ahead_sees_the_committed_match_lengths(spec_llm: LLM) -> Non
 
     worker.policy.choose = record  # type: ignore[method-assign]
     try:
-        worker.choose_width([seq, longer])
-        worker.choose_width([seq, longer], ahead=True)
+        worker.choose_width([seq, longer], draining=False)
+        worker.choose_width([seq, longer], draining=False, ahead=True)
     finally:
         del worker.policy.choose  # the class's method again
         eng.abort(rid)
@@ -359,9 +359,11 @@ def test_a_committed_length_one_does_not_drain_the_chain_when_only_its_bound_wou
     try:
         assert [worker.corpus.match_length(s.token_ids, 4) for s in (at_one, at_two)] == [1, 2]
         worker.policy = _timed_policy(0.01, 0.016)
-        assert worker.choose_width([at_two]) > 1  # the bound's case, observed: speculation pays
+        assert (
+            worker.choose_width([at_two], draining=False) > 1
+        )  # the bound's case, observed: speculation pays
         worker.policy = _timed_policy(0.01, 0.016)
-        assert worker.choose_width([at_one], ahead=True) == 1
+        assert worker.choose_width([at_one], draining=False, ahead=True) == 1
     finally:
         worker.policy = policy
         eng.abort(one)
@@ -423,12 +425,12 @@ def test_the_plain_step_restarting_the_chain_carries_the_verify_steps_tail() -> 
     eng = spec.engine
     assert eng.spec is not None
     widths = [4]  # the first decode step verifies, every later one is plain
-    eng.spec.choose_width = lambda seqs, ahead=False: widths.pop() if widths else 1  # type: ignore[method-assign]
+    eng.spec.choose_width = lambda seqs, draining, ahead=False: widths.pop() if widths else 1  # type: ignore[method-assign]
     observed: list[tuple[int, float, float | None]] = []
     observe = eng.spec.observe_step
-    eng.spec.observe_step = lambda bs, width, seconds, restart=None: (  # type: ignore[method-assign]
+    eng.spec.observe_step = lambda bs, width, seconds, restart=None, result=None: (  # type: ignore[method-assign]
         observed.append((width, seconds, restart)),
-        observe(bs, width, seconds, restart),
+        observe(bs, width, seconds, restart, result),
     )
     collect = eng._collect_outputs
     kinds: list[str] = []

@@ -772,12 +772,10 @@ def test_the_catch_up_budget_is_a_plain_step_at_the_batch_size_and_only_on_cuda(
     policy = AdaptiveDraftPolicy(max_width=16)
     for _ in range(2):
         policy.observe(6, 1, 0.003)  # 3 ms for 6 sequences: 4 ms per step of the bucket of 8
-    stub = SimpleNamespace(
-        engine=SimpleNamespace(device=torch.device("cuda")), policy=policy, _constrained=False
-    )
+    stub = SimpleNamespace(device=torch.device("cuda"), policy=policy, _constrained=False)
     assert NgramSpecWorker._index_budget(stub, 5) == pytest.approx(0.0025)  # type: ignore[arg-type]
     assert NgramSpecWorker._index_budget(stub, 16) is None  # type: ignore[arg-type]  # bucket not timed
-    stub.engine.device = torch.device("cpu")
+    stub.device = torch.device("cpu")
     assert NgramSpecWorker._index_budget(stub, 5) is None  # type: ignore[arg-type]
 
 
