@@ -32,7 +32,7 @@ SCHEMA = {
     "additionalProperties": False,
 }
 KW: dict[str, Any] = dict(
-    device="cpu", dtype="float32", speculative="ngram", num_draft_tokens=8, spec_adaptive=False
+    device="cpu", dtype="float32", speculative="ngram", num_draft_tokens=8, spec_policy="fixed"
 )
 
 
@@ -188,3 +188,23 @@ def test_the_next_trees_are_drafted_between_a_launch_and_its_read(pipe_llm: LLM,
     with device_events(spec_llm.engine.runner) as events:
         spec_llm.generate(PROMPTS[0], params)
     assert events == ["forward", "read"] * (len(events) // 2)  # step by step: nothing drafted ahead
+
+
+def test_at_parity_with_plain_the_policy_verifies_whenever_a_draft_exists() -> None:
+    """A pipelined verify step can cost about a plain step: then each member with a draft is worth
+    a verify step, however rarely its drafts are accepted; without a draft it is not."""
+    from ngrammar.speculative.policy import AdaptiveDraftPolicy
+
+    def run(verify_cost: float, length: int) -> list[tuple[int, str]]:
+        policy, out = AdaptiveDraftPolicy(8), []
+        for _ in range(60):  # drafts are never accepted
+            w = policy.choose(["a"], lambda: [length])
+            policy.observe(1, w, 0.010 if w == 1 else verify_cost, None if w == 1 else {"a": 0})
+            out.append((w, policy.reason))
+        return out[-30:]
+
+    at_par = run(0.0102, 1)
+    assert sum(w > 1 for w, _ in at_par) >= 24 and "parity" in {r for _, r in at_par}
+    assert all(w > 1 or r == "baseline" for w, r in at_par)  # plain only to re-time plain
+    assert all(w == 1 for w, _ in run(0.0102, 0))  # no draft: plain
+    assert sum(w > 1 for w, _ in run(0.013, 1)) <= 6  # 1.3 plain steps for rejected drafts: plain

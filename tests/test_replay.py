@@ -19,7 +19,7 @@ PROMPTS = [
     f"Copy:\n{CODE}\nNow copy it again:\n",
 ]
 SPEC: dict[str, Any] = dict(
-    device="cpu", dtype="float32", kv_cache_tokens=8192, speculative="ngram", spec_adaptive=False
+    device="cpu", dtype="float32", kv_cache_tokens=8192, speculative="ngram", spec_policy="fixed"
 )
 
 
