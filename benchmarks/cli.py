@@ -1,4 +1,4 @@
-"""``python -m benchmarks [engine|spec|grammar|serve|profile|host|calibration|drafts]``: build the engines once and run a suite."""
+"""``python -m benchmarks [engine|spec|grammar|serve|profile|host|verify-host|calibration|drafts]``: build the engines once and run a suite."""
 
 from __future__ import annotations
 
@@ -10,7 +10,18 @@ from typing import Any
 from benchmarks.common import machine
 from ngrammar.args import add_engine_args, engine_kwargs
 
-SUITES = ("engine", "spec", "policy", "grammar", "serve", "profile", "host", "calibration", "drafts")
+SUITES = (
+    "engine",
+    "spec",
+    "policy",
+    "grammar",
+    "serve",
+    "profile",
+    "host",
+    "verify-host",
+    "calibration",
+    "drafts",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,6 +108,10 @@ def run_benchmark(args: argparse.Namespace) -> int:
         from benchmarks.bench_host import run_host_benchmark
 
         result = run_host_benchmark(_sizes(args, (1, 8)), args.max_tokens or 128)
+    elif suite == "verify-host":
+        from benchmarks.bench_host import run_verify_host_benchmark
+
+        result = run_verify_host_benchmark(_sizes(args, (1, 4)), args.max_tokens or 64)
     elif suite == "profile":
         from pathlib import Path
 
