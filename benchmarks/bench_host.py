@@ -165,7 +165,7 @@ def run_verify_host_benchmark(batch_sizes: tuple[int, ...] = (1, 4), max_tokens:
         kv_cache_tokens=32768,
         speculative="ngram",
         num_draft_tokens=8,
-        spec_adaptive=False,
+        spec_policy="fixed",
     )
     res: dict[str, Any] = {}
     rows = []

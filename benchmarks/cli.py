@@ -1,4 +1,4 @@
-"""``python -m benchmarks [engine|spec|grammar|serve|profile|host|verify-host|calibration|drafts]``: build the engines once and run a suite."""
+"""``python -m benchmarks [engine|spec|policy|grammar|serve|profile|host|verify-host|calibration|drafts]``: build the engines once and run a suite."""
 
 from __future__ import annotations
 
