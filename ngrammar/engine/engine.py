@@ -433,7 +433,7 @@ class LLMEngine:
         step = StepInput(
             tokens, positions, [s.num_cached for s, _ in chunks], [s.pages for s, _ in chunks], rows or [0]
         )
-        logits = self.timed_forward(step)
+        logits = timed_forward(self.runner, step, self.stats)
         for seq, n in chunks:
             seq.num_cached += n
         self.stats.prefill_tokens += sum(n for _, n in chunks)
@@ -463,7 +463,7 @@ class LLMEngine:
             list(range(len(seqs))),
             input_ids=input_ids,
         )
-        logits = self.timed_forward(step)
+        logits = timed_forward(self.runner, step, self.stats)
         for seq in seqs:
             seq.num_cached += 1
         return logits
@@ -562,9 +562,6 @@ class LLMEngine:
         self.stats.decode_tokens += self._commit(flight)
         self._observe(len(flight.seqs), 1, flight.launched, flight.restart)
 
-    def timed_forward(self, step: StepInput) -> torch.Tensor:
-        return timed_forward(self.runner, step, self.stats)
-
     def _sample_and_commit(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Grammar-mask, sample, read back once, and append one token per sequence."""
         self._commit(self._sample(seqs, logits))
@@ -574,7 +571,7 @@ class LLMEngine:
         if self.replay is not None:  # row i is sequence i's last token, at position num_cached - 1
             replay = self.replay
             replay.apply(logits, [replay.targets(s.prompt_token_ids, [s.num_cached - 1])[0] for s in seqs])
-        self.apply_grammar_rows(seqs, logits)
+        self.grammar_rows.apply_plain(seqs, logits)
         if all(s.params.greedy for s in seqs):
             tokens = logits.argmax(dim=-1)  # no per-row parameters to copy in
         else:
@@ -632,14 +629,6 @@ class LLMEngine:
                 seq.spec_draft_tokens += verify.width - 1
                 self.blocks.trim(seq, seq.num_cached)  # the KV move is queued already
         return appended
-
-    def settle_grammars(self, seqs: list[Sequence]) -> None:
-        """``GrammarRows.settle``."""
-        self.grammar_rows.settle(seqs)
-
-    def apply_grammar_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        """``GrammarRows.apply_plain``: row i of ``logits`` masked by sequence i's grammar."""
-        self.grammar_rows.apply_plain(seqs, logits)
 
     # --------------------------------------------------------------- outputs
     def _retire(self) -> None:
