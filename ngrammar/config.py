@@ -89,6 +89,9 @@ class EngineConfig:
     max_running_requests: int = 64
     max_prefill_tokens: int = _opt(2048, "prefill tokens per step; longer prompts are prefilled in chunks")
     max_model_len: int | None = _opt(None, "context length (default: the model's)")
+    prefix_cache: bool = _opt(True, "share the KV pages of common prompt prefixes across requests")
+    mixed_steps: bool = _opt(True, "prefill chunks ride along with running requests' decode steps")
+    mixed_step_tokens: int = _opt(256, "token budget of a mixed step (decode tokens + prefill chunks)")
     attention_backend: str = _opt("auto", "attention kernels", ["auto", "sdpa", "triton"])
     speculative: SpeculativeConfig | None = None
     seed: int = _opt(0, "seeds requests that bring none", flag="engine_seed")
@@ -108,6 +111,8 @@ class EngineConfig:
             raise ValueError("max_running_requests must be positive")
         if self.max_prefill_tokens < self.page_size:
             raise ValueError("max_prefill_tokens must be at least one page")
+        if self.mixed_step_tokens < self.page_size:
+            raise ValueError("mixed_step_tokens must be at least one page")
         if self.attention_backend not in ("auto", "sdpa", "triton"):
             raise ValueError(
                 f"attention_backend must be auto, sdpa or triton, got {self.attention_backend!r}"
