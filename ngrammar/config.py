@@ -86,7 +86,7 @@ class EngineConfig:
     kv_cache_tokens: int | None = _opt(None, "KV pool size in tokens (default: from memory)")
     gpu_memory_utilization: float = _opt(0.5, "share of free GPU memory for the KV pool")
     cpu_kv_cache_tokens: int = _opt(65536, "KV pool size in tokens on a CPU")
-    max_running_requests: int = 64
+    max_running_requests: int = _opt(256, "largest running batch (sequences decoding together)")
     max_prefill_tokens: int = _opt(2048, "prefill tokens per step; longer prompts are prefilled in chunks")
     max_model_len: int | None = _opt(None, "context length (default: the model's)")
     prefix_cache: bool = _opt(True, "share the KV pages of common prompt prefixes across requests")
@@ -97,7 +97,7 @@ class EngineConfig:
     seed: int = _opt(0, "seeds requests that bring none", flag="engine_seed")
     grammar_cache_size: int = 256
     cuda_graph: bool = _opt(True, "replay captured CUDA graphs for decode / verify steps (off: run eagerly)")
-    cuda_graph_max_bs: int = _opt(64, "largest batch-size bucket captured; bigger batches run eagerly")
+    cuda_graph_max_bs: int = _opt(256, "largest batch-size bucket captured; bigger batches run eagerly")
     # Launch a plain decode step before the previous one is read back, so the host's work overlaps
     # the device. None: on for CUDA; on a CPU the forward is synchronous and there is nothing to hide.
     overlap_schedule: bool | None = _opt(

@@ -75,6 +75,9 @@ class Scheduler:
         return done
 
     def schedule(self, decode_width: Callable[[list[Sequence]], int]) -> ScheduledBatch:
+        if self.blocks.prefix_cache:  # what the last step computed is findable before anyone looks
+            for seq in self.running:
+                self.blocks.register_full_pages(seq)
         if self.mixed_step_tokens is not None and any(not s.is_prefilling for s in self.running):
             return self._schedule_mixed(decode_width)
         batch = self._schedule_prefill(self.max_prefill_tokens)
@@ -112,11 +115,13 @@ class Scheduler:
                 if chunk:
                     batch.prefill.append((seq, chunk))
                     budget -= chunk
+        # Sequences prefilling now: few, so a waiting sequence is checked against them alone.
+        prefilling = [s for s in self.running if s.is_prefilling] if self.blocks.prefix_cache else []
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[i]
             hit = self.blocks.match(seq)
-            if self._deferred(seq, len(hit)):
+            if self._deferred(seq, len(hit), prefilling):
                 i += 1  # it shares that page once computed; later requests may go first
                 continue
             first = self._admit(seq, hit, budget)
@@ -132,6 +137,8 @@ class Scheduler:
             if first:  # 0: a preempted sequence whose whole context was still cached decodes next
                 batch.prefill.append((seq, first))
                 budget -= first
+                if seq.is_prefilling and self.blocks.prefix_cache:
+                    prefilling.append(seq)
         return batch
 
     def _admit(self, seq: Sequence, hit: list[int], budget: int) -> int | None:
@@ -147,20 +154,19 @@ class Scheduler:
         self.blocks.count_hit(seq, len(hit))
         return chunk
 
-    def _deferred(self, seq: Sequence, hit_pages: int) -> bool:
-        """Whether another running sequence is prefilling the page ``seq`` would compute next (the
-        same tokens from the first on): ``seq`` waits and shares it rather than compute it too."""
-        if not self.blocks.prefix_cache:
+    def _deferred(self, seq: Sequence, hit_pages: int, prefilling: list[Sequence]) -> bool:
+        """Whether a running sequence of ``prefilling`` has yet to compute the page ``seq`` would
+        compute next (the same tokens from the first on): ``seq`` waits and shares it rather than
+        compute it too."""
+        if not prefilling:
             return False
         end = (hit_pages + 1) * self.blocks.page_size
         if end > len(seq.token_ids) - 1:  # no further full page it could share (``match``'s limit)
             return False
         head = seq.token_ids[:end]
         return any(
-            other.is_prefilling
-            and other.num_cached < end <= len(other.token_ids)
-            and other.token_ids[:end] == head
-            for other in self.running
+            other.num_cached < end <= len(other.token_ids) and other.token_ids[:end] == head
+            for other in prefilling
         )
 
     def can_admit(self) -> bool:
