@@ -20,7 +20,7 @@ SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "requi
 @pytest.fixture(scope="module")
 def ref() -> LLM:
     """The same model without a prefix cache or mixed steps."""
-    return LLM(device="cpu", dtype="float32", kv_cache_tokens=8192, prefix_cache=False, mixed_steps=False)
+    return LLM(device="cpu", dtype="float32", kv_cache_tokens=4096, prefix_cache=False, mixed_steps=False)
 
 
 def _tokens(outs: list[RequestOutput]) -> list[list[list[int]]]:
@@ -72,6 +72,33 @@ def test_ngram_and_grammars_match_no_cache(spec_llm: LLM, ref: LLM) -> None:
     _check_pool(spec_llm)
 
 
+def test_ngram_and_grammars_with_arrivals_mid_flight(spec_llm: LLM, ref: LLM) -> None:
+    """Requests join NGRAM / grammar-constrained requests mid-flight (their prefill rides along the
+    others' plain steps); every output is still plain greedy decoding's."""
+    eng = spec_llm.engine
+    prompts = [f"{SYSTEM}\nQuestion: {q}\nAnswer in JSON:" for q in QUESTIONS]
+    params = [
+        SamplingParams(max_tokens=14, temperature=0, json_schema=SCHEMA),
+        SamplingParams(max_tokens=14, temperature=0, ignore_eos=True),
+    ]
+    mixed = eng.stats.mixed_steps
+    ids: list[str] = []
+    done: dict[str, list[int]] = {}
+    for k in range(300):
+        if k in (0, 2, 4, 6):
+            i = len(ids)
+            ids.append(eng.add_request(prompts[i], params[i % 2]))
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        if len(ids) == 4 and not eng.has_unfinished():
+            break
+    assert eng.stats.mixed_steps > mixed
+    expected = ref.generate(prompts, [params[i % 2] for i in range(4)])
+    assert [done[i] for i in ids] == [list(o.outputs[0].token_ids) for o in expected]
+    _check_pool(spec_llm)
+
+
 def test_arrivals_and_aborts_mid_flight(llm: LLM, ref: LLM) -> None:
     """Requests sharing a prefix join while others decode (mixed steps) and leave by abort; the
     survivors' outputs are unchanged and every reference is released exactly."""
@@ -109,7 +136,7 @@ def test_arrivals_and_aborts_mid_flight(llm: LLM, ref: LLM) -> None:
 def test_mixed_steps_match_separate_steps(ref: LLM) -> None:
     """Decode streams keep going while a long prompt prefills in chunks riding along their steps;
     every greedy token is what separate prefill and decode steps give."""
-    mixed = LLM(device="cpu", dtype="float32", kv_cache_tokens=8192, prefix_cache=False, mixed_step_tokens=48)
+    mixed = LLM(device="cpu", dtype="float32", kv_cache_tokens=4096, prefix_cache=False, mixed_step_tokens=48)
     streams = [f"Count slowly from {i} to one hundred:" for i in (1, 20, 40)]
     long_prompt = " ".join([SYSTEM] * 4)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
