@@ -91,7 +91,12 @@ class EngineConfig:
     max_model_len: int | None = _opt(None, "context length (default: the model's)")
     prefix_cache: bool = _opt(True, "share the KV pages of common prompt prefixes across requests")
     mixed_steps: bool = _opt(True, "prefill chunks ride along with running requests' decode steps")
-    mixed_step_tokens: int = _opt(256, "token budget of a mixed step (decode tokens + prefill chunks)")
+    # A prefill chunk costs a decode step's time at about this many tokens: 512 on a GPU; on a CPU a
+    # forward's cost grows with its tokens from the first, and 64 keeps a mixed step near 2 plain ones.
+    mixed_step_tokens: int | None = _opt(
+        None,
+        "token budget of a mixed step, decode tokens + prefill chunks (default: 512 on CUDA, 64 on a CPU)",
+    )
     attention_backend: str = _opt("auto", "attention kernels", ["auto", "sdpa", "triton"])
     speculative: SpeculativeConfig | None = None
     seed: int = _opt(0, "seeds requests that bring none", flag="engine_seed")
@@ -111,7 +116,7 @@ class EngineConfig:
             raise ValueError("max_running_requests must be positive")
         if self.max_prefill_tokens < self.page_size:
             raise ValueError("max_prefill_tokens must be at least one page")
-        if self.mixed_step_tokens < self.page_size:
+        if self.mixed_step_tokens is not None and self.mixed_step_tokens < self.page_size:
             raise ValueError("mixed_step_tokens must be at least one page")
         if self.attention_backend not in ("auto", "sdpa", "triton"):
             raise ValueError(

@@ -160,7 +160,7 @@ class LLMEngine:
             self.blocks,
             config.max_running_requests,
             config.max_prefill_tokens,
-            config.mixed_step_tokens if config.mixed_steps else None,
+            self._mixed_step_tokens(),
         )
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
@@ -225,6 +225,15 @@ class LLMEngine:
         if capture:
             graphs.capture_all()
         self.runner.graphs = graphs
+
+    def _mixed_step_tokens(self) -> int | None:
+        """The token budget of a mixed step (None: no mixed steps)."""
+        c = self.config
+        if not c.mixed_steps:
+            return None
+        if c.mixed_step_tokens is not None:
+            return c.mixed_step_tokens
+        return 512 if self.device.type == "cuda" else 64
 
     @staticmethod
     def _context_length(requested: int | None, model: ModelConfig) -> int:
