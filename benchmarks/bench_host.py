@@ -96,7 +96,9 @@ def run_host_benchmark(batch_sizes: tuple[int, ...] = (1, 8), max_tokens: int = 
                 model=str(folder),
                 device="cpu",
                 dtype="float32",
-                kv_cache_tokens=16384,
+                # room for every sequence's prompt and output: host cost, not preemption, is measured
+                kv_cache_tokens=max(16384, 1024 * max(batch_sizes)),
+                max_running_requests=max(batch_sizes),
                 overlap_schedule=overlap,
             )
             for bs in batch_sizes:

@@ -86,9 +86,17 @@ class EngineConfig:
     kv_cache_tokens: int | None = _opt(None, "KV pool size in tokens (default: from memory)")
     gpu_memory_utilization: float = _opt(0.5, "share of free GPU memory for the KV pool")
     cpu_kv_cache_tokens: int = _opt(65536, "KV pool size in tokens on a CPU")
-    max_running_requests: int = 64
+    max_running_requests: int = _opt(256, "largest running batch (sequences decoding together)")
     max_prefill_tokens: int = _opt(2048, "prefill tokens per step; longer prompts are prefilled in chunks")
     max_model_len: int | None = _opt(None, "context length (default: the model's)")
+    prefix_cache: bool = _opt(True, "share the KV pages of common prompt prefixes across requests")
+    mixed_steps: bool = _opt(True, "prefill chunks ride along with running requests' decode steps")
+    # A prefill chunk costs a decode step's time at about this many tokens: 512 on a GPU; on a CPU a
+    # forward's cost grows with its tokens from the first, and 64 keeps a mixed step near 2 plain ones.
+    mixed_step_tokens: int | None = _opt(
+        None,
+        "token budget of a mixed step, decode tokens + prefill chunks (default: 512 on CUDA, 64 on a CPU)",
+    )
     attention_backend: str = _opt("auto", "attention kernels", ["auto", "sdpa", "triton"])
     speculative: SpeculativeConfig | None = None
     seed: int = _opt(0, "seeds requests that bring none", flag="engine_seed")
@@ -97,7 +105,7 @@ class EngineConfig:
         1024, "memory of the compiled grammars cached, MiB (as xgrammar measures it)"
     )
     cuda_graph: bool = _opt(True, "replay captured CUDA graphs for decode / verify steps (off: run eagerly)")
-    cuda_graph_max_bs: int = _opt(64, "largest batch-size bucket captured; bigger batches run eagerly")
+    cuda_graph_max_bs: int = _opt(256, "largest batch-size bucket captured; bigger batches run eagerly")
     # Launch a plain decode step before the previous one is read back, so the host's work overlaps
     # the device. None: on for CUDA; on a CPU the forward is synchronous and there is nothing to hide.
     overlap_schedule: bool | None = _opt(
@@ -117,6 +125,8 @@ class EngineConfig:
             raise ValueError("max_running_requests must be positive")
         if self.max_prefill_tokens < self.page_size:
             raise ValueError("max_prefill_tokens must be at least one page")
+        if self.mixed_step_tokens is not None and self.mixed_step_tokens < self.page_size:
+            raise ValueError("mixed_step_tokens must be at least one page")
         if self.attention_backend not in ("auto", "sdpa", "triton"):
             raise ValueError(
                 f"attention_backend must be auto, sdpa or triton, got {self.attention_backend!r}"

@@ -164,8 +164,9 @@ def test_a_member_leaving_lets_a_waiting_request_in_at_once() -> None:
         PROMPTS[:3], [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 8, 4)]
     )
     # The first member's last token is in flight at the third decode step: the next engine step
-    # drains and admits the third request instead of launching a step for the second alone.
-    assert [r.kind for r in trace[:5]] == ["prefill", "decode", "chain", "prefill", "decode"]
+    # drains and admits the third request instead of launching a step for the second alone (its
+    # prefill rides along the second's decode: a mixed step).
+    assert [r.kind for r in trace[:5]] == ["prefill", "decode", "chain", "mixed", "decode"]
 
 
 def test_a_full_batch_keeps_chaining_while_requests_wait(llm: LLM) -> None:

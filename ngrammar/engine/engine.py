@@ -18,7 +18,7 @@ import random
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -98,8 +98,13 @@ class LLMEngine:
         self.runner = ModelRunner(
             checkpoint, self.device, self.dtype, num_pages + 1, config.page_size, self._backend()
         )
-        self.blocks = BlockManager(PageAllocator(num_pages, config.page_size))
-        self.scheduler = Scheduler(self.blocks, config.max_running_requests, config.max_prefill_tokens)
+        self.blocks = BlockManager(PageAllocator(num_pages, config.page_size), config.prefix_cache)
+        self.scheduler = Scheduler(
+            self.blocks,
+            config.max_running_requests,
+            config.max_prefill_tokens,
+            self._mixed_step_tokens(),
+        )
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._rng = random.Random(config.seed)
@@ -172,6 +177,15 @@ class LLMEngine:
         if capture:
             graphs.capture_all()
         self.runner.graphs = graphs
+
+    def _mixed_step_tokens(self) -> int | None:
+        """The token budget of a mixed step (None: no mixed steps)."""
+        c = self.config
+        if not c.mixed_steps:
+            return None
+        if c.mixed_step_tokens is not None:
+            return c.mixed_step_tokens
+        return 512 if self.device.type == "cuda" else 64
 
     @staticmethod
     def _context_length(requested: int | None, model: ModelConfig) -> int:
@@ -377,11 +391,13 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.observe_step(batch_size, width, seconds, restart, result)
 
-    def _schedule_and_run(self) -> tuple[Literal["decode", "verify", "prefill", "idle"], int, int]:
+    def _schedule_and_run(self) -> tuple[StepKind, int, int]:
         """Schedule and run one step from committed state; returns its kind, size and width
         (``StepRecord``)."""
         self._retire()  # aborted sequences must not be scheduled again
         batch = self.scheduler.schedule(self._decode_width)
+        self.stats.prefix_cache_query_tokens = self.blocks.query_tokens
+        self.stats.prefix_cache_hit_tokens = self.blocks.hit_tokens
         if self._policy_drained and batch.decode and batch.width == 1:
             self.stats.false_drains += 1
         self._policy_drained = False
@@ -391,8 +407,10 @@ class LLMEngine:
         if batch.failed and self.spec is not None:
             self.spec.on_finish(batch.failed)  # not in running any more: _retire will not see them
         if batch.prefill:
-            self._run_prefill(batch.prefill)
+            self._run_prefill(batch.prefill, batch.decode)
             self._last_commit = time.perf_counter()
+            if batch.decode:
+                return "mixed", len(batch.decode) + len(batch.prefill), 1
             return "prefill", len(batch.prefill), 1
         if not batch.decode:
             return "idle", 0, 1
@@ -419,9 +437,16 @@ class LLMEngine:
             return 1
         return width
 
-    def _run_prefill(self, chunks: list[tuple[Sequence, int]]) -> None:
-        tokens, positions, rows, sampled = [], [], [], []
-        offset = 0
+    def _run_prefill(self, chunks: list[tuple[Sequence, int]], decode: Seq[Sequence] = ()) -> None:
+        """A prefill step, or with ``decode`` a mixed step: one forward whose first rows are the
+        decode sequences' plain step (one token each) and the rest the prefill chunks; a token is
+        sampled for every decode sequence and every sequence whose prompt the step completes. Not
+        timed for the draft policy: it is not a plain step."""
+        tokens = [[s.token_ids[-1]] for s in decode]
+        positions = [[s.num_cached] for s in decode]
+        rows = list(range(len(decode)))
+        sampled = list(decode)
+        offset = len(decode)
         for seq, n in chunks:
             lo = seq.num_cached
             tokens.append(seq.token_ids[lo : lo + n])
@@ -430,15 +455,25 @@ class LLMEngine:
             if lo + n == len(seq.token_ids):  # the final chunk of a new sequence: sample its first token
                 rows.append(offset - 1)
                 sampled.append(seq)
+        members = [*decode, *(s for s, _ in chunks)]
         step = StepInput(
-            tokens, positions, [s.num_cached for s, _ in chunks], [s.pages for s, _ in chunks], rows or [0]
+            tokens, positions, [s.num_cached for s in members], [s.pages for s in members], rows or [0]
         )
         logits = timed_forward(self.runner, step, self.stats)
+        for seq in decode:
+            seq.num_cached += 1
         for seq, n in chunks:
             seq.num_cached += n
         self.stats.prefill_tokens += sum(n for _, n in chunks)
-        if sampled:
-            self._sample_and_commit(sampled, logits[: len(sampled)])
+        if not sampled:
+            return
+        flight = self._sample(sampled, logits[: len(sampled)])
+        if decode:
+            self.stats.mixed_steps += 1
+            if self.spec is not None:
+                self.spec.index_plain_step(list(decode), self.read_wait)
+        self.stats.decode_tokens += sum(not s.is_finished for s in decode)  # (what the commit appends)
+        self._commit(flight)
 
     def _run_decode(self, seqs: list[Sequence], restart: float | None) -> None:
         """A plain step from committed state. ``restart`` (overlap): it is the first after a verify

@@ -10,7 +10,7 @@ import torch
 
 from ngrammar.runner.model_runner import ModelRunner, StepInput
 
-StepKind = Literal["chain", "decode", "verify", "prefill", "idle"]
+StepKind = Literal["chain", "decode", "verify", "prefill", "mixed", "idle"]
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,8 @@ class StepRecord:
     """One engine step, for ``LLMEngine.step_trace`` (where a benchmark's time goes, step by step)."""
 
     # "chain": a plain step launched before the previous one was read back; "decode": a plain one
-    # launched from committed state
+    # launched from committed state; "mixed": decode tokens of running sequences and prefill chunks
+    # in one forward
     kind: StepKind
     batch_size: int  # sequences in the step (prefill: chunks)
     width: int  # draft width (1: plain)
@@ -39,6 +40,7 @@ class EngineStats:
     false_drains: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    mixed_steps: int = 0  # steps that decoded running sequences and prefilled others in one forward
     verify_steps: int = 0  # sequence-steps verified with a draft tree
     verify_emitted: int = 0  # tokens those verify steps emitted, bonus included
     spec_steps: int = 0  # batched verify steps
@@ -65,6 +67,14 @@ class EngineStats:
     step_seconds: float = 0.0
     last_step_seconds: float = 0.0
     finished_requests: int = 0
+    # Prefix cache: prompt tokens of first admissions looked up, and of those found cached.
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        q = self.prefix_cache_query_tokens
+        return self.prefix_cache_hit_tokens / q if q else 0.0
 
     @property
     def avg_spec_accept_length(self) -> float:

@@ -158,6 +158,37 @@ def causal_prefix(meta: AttentionMetadata) -> int | None:
     return int((meta.kv_lens - meta.q_lens).max())
 
 
+@dataclass(frozen=True)
+class SplitSDPAPlan:
+    """A step mixing one-token rows (decode) with longer ones (prefill chunks), attended as two
+    groups so the decode rows are not padded to the longest chunk: ``groups`` holds each group's
+    packed token rows [T_g] int64 and its own plan. K/V are written once, for all rows."""
+
+    meta: AttentionMetadata
+    groups: list[tuple[torch.Tensor, SDPAPlan]]
+
+
+def _select_requests(
+    meta: AttentionMetadata, idx: list[int], q_lens: list[int], kv_lens: list[int]
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """The metadata of requests ``idx`` alone (host tensors) and their packed token rows."""
+    starts = meta.q_start.tolist()
+    rows = torch.tensor([t for b in idx for t in range(starts[b], starts[b] + q_lens[b])], dtype=torch.int64)
+    sel = torch.tensor(idx, dtype=torch.int64)
+    sub_q = meta.q_lens[sel]
+    sub = AttentionMetadata(
+        slot_mapping=meta.slot_mapping[rows],
+        page_table=meta.page_table[sel],
+        kv_lens=meta.kv_lens[sel],
+        q_lens=sub_q,
+        q_start=torch.cat([sub_q.new_zeros(1), sub_q.cumsum(0)]),
+        max_q_len=max(q_lens[b] for b in idx),
+        max_kv_len=max(kv_lens[b] for b in idx),
+        page_size=meta.page_size,
+    )
+    return sub, rows
+
+
 class TorchSDPABackend:
     """Gathers each request's K/V into a padded batch and runs scaled dot-product attention per layer.
 
@@ -166,7 +197,21 @@ class TorchSDPABackend:
     (``causal_tiles``), so prefill costs what attention's own quadratic term costs and no more.
     """
 
-    def plan(self, meta: AttentionMetadata) -> SDPAPlan:
+    def plan(self, meta: AttentionMetadata) -> SDPAPlan | SplitSDPAPlan:
+        if meta.max_q_len > 1 and meta.tree_mask is None and meta.q_lens.device.type == "cpu":
+            q_lens = meta.q_lens.tolist()
+            single = [b for b, q in enumerate(q_lens) if q == 1]
+            if single and len(single) < len(q_lens):  # a mixed step (host metadata: reading it is free)
+                kv_lens = meta.kv_lens.tolist()
+                multi = [b for b, q in enumerate(q_lens) if q > 1]
+                groups = []
+                for idx in (single, multi):
+                    sub, rows = _select_requests(meta, idx, q_lens, kv_lens)
+                    groups.append((rows, self._plan(sub)))
+                return SplitSDPAPlan(meta, groups)
+        return self._plan(meta)
+
+    def _plan(self, meta: AttentionMetadata) -> SDPAPlan:
         b = torch.repeat_interleave(torch.arange(meta.batch_size, device=meta.q_lens.device), meta.q_lens)
         within = torch.arange(int(meta.slot_mapping.shape[0]), device=b.device) - meta.q_start[b]
         mask = build_attention_mask(meta)[:, None, None]
@@ -189,14 +234,24 @@ class TorchSDPABackend:
         k: torch.Tensor,
         v: torch.Tensor,
         layer_cache: torch.Tensor,
-        plan: SDPAPlan,
+        plan: SDPAPlan | SplitSDPAPlan,
         scale: float,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        meta = plan.meta
         if rope is not None:
             q, k = rotate_half(q, *rope), rotate_half(k, *rope)
-        write_kv(layer_cache, meta.slot_mapping, k, v)
+        write_kv(layer_cache, plan.meta.slot_mapping, k, v)
+        if isinstance(plan, SDPAPlan):
+            return self._attend(q, layer_cache, plan, scale)
+        out = torch.empty_like(q)
+        for rows, sub in plan.groups:
+            out[rows] = self._attend(q[rows], layer_cache, sub, scale)
+        return out
+
+    @staticmethod
+    def _attend(q: torch.Tensor, layer_cache: torch.Tensor, plan: SDPAPlan, scale: float) -> torch.Tensor:
+        """Attention of the queries ``q`` [T, Hq, d] over the pool (their K/V already written)."""
+        meta = plan.meta
         _, pages, page_size, hkv, d = layer_cache.shape
         flat = layer_cache.view(2, pages * page_size, hkv, d)
         if plan.kv_slots is None:  # a view, no copy: [2, 1, Lk, Hkv, d]

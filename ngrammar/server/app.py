@@ -67,6 +67,7 @@ from ngrammar.server.protocol import (
     GenerateResponse,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     TopLogprob,
     Usage,
     sent_field,
@@ -300,7 +301,13 @@ def _choices(group: RequestGroup, n: int) -> Iterator[tuple[int, CompletionOutpu
 def _usage(outputs: Sequence[RequestOutput]) -> Usage:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = sum(int(o.metrics.get("cached_tokens", 0)) for o in outputs)
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
 
 
 def _group_usage(group: RequestGroup) -> Usage:
@@ -770,6 +777,13 @@ class _Server:
             "kv_page_size": self.engine.blocks.page_size,
             "kv_usage": snap.kv_usage,
             "avg_spec_accept_length": snap.stats.avg_spec_accept_length,
+            "prefix_cache": {
+                "enabled": self.engine.config.prefix_cache,
+                "hit_tokens": snap.stats.prefix_cache_hit_tokens,
+                "query_tokens": snap.stats.prefix_cache_query_tokens,
+                "hit_rate": snap.stats.prefix_cache_hit_rate,
+                "cached_pages": snap.kv_pages_cached,
+            },
             "stats": stats,
             "config": _jsonable(dataclasses.asdict(self.engine.config)),
         }

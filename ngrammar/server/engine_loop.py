@@ -67,8 +67,9 @@ class EngineSnapshot:
     num_running: int  # sequences in the running batch
     num_waiting: int  # sequences queued in the scheduler plus engine requests not handed to it yet
     num_inflight: int  # sequences (prompts x n) admitted by ``submit`` and not finished
-    kv_pages_free: int
+    kv_pages_free: int  # (cached prefix pages nobody reads count as free: evicted on demand)
     kv_pages_total: int
+    kv_pages_cached: int
     kv_usage: float
     stats: EngineStats
     taken_at: float
@@ -395,6 +396,7 @@ class AsyncEngine:
             num_inflight=self._inflight,
             kv_pages_free=pool.num_free,
             kv_pages_total=pool.num_pages,
+            kv_pages_cached=pool.num_cached,
             kv_usage=e.kv_usage(),
             stats=dataclasses.replace(e.stats),
             taken_at=time.time(),

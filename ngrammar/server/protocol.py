@@ -130,10 +130,15 @@ class StreamOptions(_StrictModel):
     include_usage: bool = False
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 def sent_field(body: BaseModel, names: tuple[str, ...]) -> str | None:
