@@ -128,7 +128,8 @@ class KernelTable:
 
     @staticmethod
     def fixed(kernel: str) -> KernelTable:
-        return KernelTable((1,), ((kernel,),))
+        """``kernel`` at every width (fp32 for a weight without that form: the LM head has no codes)."""
+        return KernelTable((1,), ((kernel, "fp32"),))
 
     def describe(self) -> str:
         return ", ".join(f"<={w}: {o[0]}" for w, o in zip(self.widths, self.order))
@@ -286,6 +287,14 @@ def pack_weights(
         forms = {k: build_form(k, dense, q4) for k in wanted}
         out[name] = PackedWeight(forms, table, (dense.shape[0], dense.shape[1]))
     return out
+
+
+def set_kernel_table(model: LlamaForCausalLM, table: KernelTable) -> None:
+    """Run every packed weight of ``model`` by ``table`` (each must hold the forms it names)."""
+    weights = [m.weight for m in model.projections().values()] + [model.packed_head]
+    for w in weights:
+        if isinstance(w, PackedWeight):
+            w.table = table
 
 
 def apply_quantization(
