@@ -128,8 +128,9 @@ class KernelTable:
 
     @staticmethod
     def fixed(kernel: str) -> KernelTable:
-        """``kernel`` at every width (fp32 for a weight without that form: the LM head has no codes)."""
-        return KernelTable((1,), ((kernel, "fp32"),))
+        """``kernel`` at every width (a weight without that form, as the LM head without codes, runs
+        the first dense form it has)."""
+        return KernelTable((1,), ((kernel, "fp16", "bf16", "fp32"),))
 
     def describe(self) -> str:
         return ", ".join(f"<={w}: {o[0]}" for w, o in zip(self.widths, self.order))
@@ -320,13 +321,17 @@ def apply_quantization(
         return None
     elif missing:
         notice(f"{len(missing)} of {len(linears)} projections have no 4-bit weights and run unquantized")
-    dense = {n: codes[n].dequantize() if n in codes else linears[n].weight.detach().float() for n in linears}
+
+    def dense(n: str) -> torch.Tensor:  # [N, K] float32: the values every kernel computes with
+        return codes[n].dequantize() if n in codes else linears[n].weight.detach().float()
+
     first = [n for n in linears if n.startswith("layers.0.")]
-    sample = [(dense[n], codes.get(n)) for n in first]
+    sample = [(dense(n), codes.get(n)) for n in first]
     table = measure_kernels(sample, dtype, candidate_kernels(all(q is not None for _, q in sample)))
-    packed = pack_weights(((n, dense[n], codes.get(n)) for n in linears), table)
-    for n, module in linears.items():
+    del sample
+    for n, module in linears.items():  # one weight at a time: no second copy of the model in memory
+        packed = pack_weights([(n, dense(n), codes.get(n))], table)[n]
         del module.weight  # the dense parameter goes; the module keeps its bias
-        module.weight = packed[n]  # type: ignore[assignment]
+        module.weight = packed  # type: ignore[assignment]
     model.packed_head = pack_weights([("head", model.head_weight().detach().float(), None)], table)["head"]
     return table
