@@ -85,7 +85,7 @@ def transformers_runs(prompts: list[Any], max_tokens: int, repeats: int) -> dict
         ("transformers prompt lookup", {"prompt_lookup_num_tokens": 10}),
     ):
 
-        def run(msgs: list[dict[str, str]], extra: dict[str, Any] = extra) -> int:
+        def run(msgs: list[dict[str, str]], extra: dict[str, Any] = extra, model: Any = model) -> int:
             ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt")
             ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
             with torch.no_grad():
@@ -100,8 +100,6 @@ def transformers_runs(prompts: list[Any], max_tokens: int, repeats: int) -> dict
             return out.shape[1] - ids.shape[1]
 
         results[label] = _rate(run, prompts, repeats)
-    del model
-    gc.collect()
     return results
 
 
