@@ -164,7 +164,7 @@ def quant_llms(monkeypatch_module: pytest.MonkeyPatch) -> tuple[LLM, LLM]:
     plain = LLM(device="cpu", kv_cache_tokens=2048)
     monkeypatch_module.setenv("NGRAMMAR_CPU_KERNELS", "1:int4_bf16,64:fp16")  # MIXED's forms only
     spec = LLM(
-        device="cpu", kv_cache_tokens=2048, speculative="ngram", num_draft_tokens=8, spec_adaptive=False
+        device="cpu", kv_cache_tokens=2048, speculative="ngram", num_draft_tokens=8, spec_policy="fixed"
     )
     return plain, spec
 
