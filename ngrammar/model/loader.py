@@ -318,7 +318,7 @@ def _gguf_q4(path: Path) -> Iterator[tuple[str, Q4Weight]]:
 
     reader = gguf.GGUFReader(str(path))
     arch = _field(reader, "general.architecture")
-    heads = int(_field(reader, f"{arch}.attention.head_count"))  # type: ignore[arg-type]
+    heads = int(_field(reader, f"{arch}.attention.head_count"))  # type: ignore[call-overload]
     kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv") or heads)  # type: ignore[arg-type]
     for t in reader.tensors:
         stem, kind = t.name.rsplit(".", 1)
