@@ -37,8 +37,10 @@ ALL_FORMS = "1:int4,2:int4_bf16,4:fp16,8:bf16"  # every low-precision kernel's f
 # One-row steps on torch's int4 kernel with bf16 activations, wider ones on fp16 weights: the two
 # kernels round differently, so batched and one-row logits differ (as on an AMX machine's default).
 MIXED = KernelTable((1, 64), (("int4_bf16", "fp16"), ("fp16",)))
-# The kernels' rounding bound on a logit: tests/test_quant.py measures their logits within half of it.
-LOGIT_BOUND = 0.5
+# The kernels' rounding bound on a logit (test_kernels_logits_agree_within_half_the_bound checks each
+# kernel within half of it of the float32 model): bf16-rounded activations (int4_bf16, bf16) move
+# SmolLM2's logits by about half a logit; fp32 activations on the int4 codes by a few hundredths.
+LOGIT_BOUND = 2.0
 LOW_PRECISION = [k for k in candidate_kernels(True) if k != "fp32"]
 
 
