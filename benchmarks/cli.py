@@ -93,6 +93,12 @@ def run_benchmark(args: argparse.Namespace) -> int:
         from benchmarks.bench_engine import run_engine_benchmark
 
         result = run_engine_benchmark(_llm(args, False), args.max_tokens or 64, not args.no_transformers)
+    elif suite == "spec" and args.device == "cpu" and args.batch_sizes is None:
+        from benchmarks.bench_cpu import run_cpu_benchmark
+
+        result = run_cpu_benchmark(
+            engine_kwargs(args), args.max_tokens or 64, args.repeats or 1, not args.no_transformers
+        )
     elif suite == "spec":
         from benchmarks.bench_spec import run_spec_benchmark
 

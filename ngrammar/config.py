@@ -82,6 +82,16 @@ class EngineConfig:
     model: str | None = _opt(None, "GGUF file or Hugging Face folder (default: embedded SmolLM2-135M)")
     device: str = _opt("auto", "cpu, cuda, cuda:N or auto")
     dtype: str = _opt("auto", "float32, bfloat16, float16 or auto")
+    # Weight-only 4-bit projections on a CPU (model/quant.py), each step on the kernel measured
+    # cheapest at its row count. auto: on a CPU with dtype auto, the model's own 4-bit (GGUF Q4_0 /
+    # Q4_1) weights, or a notice that it has none; otherwise none. An explicit dtype keeps its weights.
+    # Default none: no end-to-end run has shown the 4-bit path faster yet (see the README).
+    quantization: str = _opt(
+        "none",
+        "int4: 4-bit weights (a GGUF's own, else quantized at load; CPU only); none: the checkpoint's "
+        "weights in dtype; auto: int4 on a CPU when dtype is auto and the model has 4-bit weights",
+        ["auto", "none", "int4"],
+    )
     page_size: int = _opt(16, "KV page size in tokens (a power of two)")
     kv_cache_tokens: int | None = _opt(None, "KV pool size in tokens (default: from memory)")
     gpu_memory_utilization: float = _opt(0.5, "share of free GPU memory for the KV pool")
@@ -127,6 +137,8 @@ class EngineConfig:
             raise ValueError("max_prefill_tokens must be at least one page")
         if self.mixed_step_tokens is not None and self.mixed_step_tokens < self.page_size:
             raise ValueError("mixed_step_tokens must be at least one page")
+        if self.quantization not in ("auto", "none", "int4"):
+            raise ValueError(f"quantization must be auto, none or int4, got {self.quantization!r}")
         if self.attention_backend not in ("auto", "sdpa", "triton"):
             raise ValueError(
                 f"attention_backend must be auto, sdpa or triton, got {self.attention_backend!r}"

@@ -42,6 +42,7 @@ from ngrammar.runner.model_runner import (
     kv_bytes_per_token,
     resolve_device,
     resolve_dtype,
+    resolve_quantization,
 )
 from ngrammar.runner.sampler import SamplingTensors, sample
 from ngrammar.runner.transfer import to_device
@@ -96,7 +97,13 @@ class LLMEngine:
         # The pool gets one page past the allocator's range (page ``num_pages``): no sequence ever
         # owns it, so CUDA-graph padding rows write their K/V there.
         self.runner = ModelRunner(
-            checkpoint, self.device, self.dtype, num_pages + 1, config.page_size, self._backend()
+            checkpoint,
+            self.device,
+            self.dtype,
+            num_pages + 1,
+            config.page_size,
+            self._backend(),
+            resolve_quantization(config.quantization, config.dtype, self.device),
         )
         self.blocks = BlockManager(PageAllocator(num_pages, config.page_size), config.prefix_cache)
         self.scheduler = Scheduler(
