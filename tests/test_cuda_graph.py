@@ -105,7 +105,7 @@ def test_batch_buckets() -> None:
 
 
 def test_config_validation() -> None:
-    assert EngineConfig().cuda_graph and EngineConfig().cuda_graph_max_bs == 64
+    assert EngineConfig().cuda_graph and EngineConfig().cuda_graph_max_bs == 256
     with pytest.raises(ValueError, match="cuda_graph_max_bs"):
         EngineConfig(cuda_graph_max_bs=0)
 
