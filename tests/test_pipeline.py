@@ -45,6 +45,13 @@ def pipe_llm() -> LLM:
     return LLM(kv_cache_tokens=16384, pipeline_verify=True, **KW)
 
 
+@pytest.fixture(scope="module")
+def step_llm() -> LLM:
+    """Step by step, otherwise the same, and as fresh: both corpora see the same history, so both
+    draft the same trees (the session's ``spec_llm`` has indexed earlier modules' text)."""
+    return LLM(kv_cache_tokens=16384, pipeline_verify=False, **KW)
+
+
 def _summary(outs: list[RequestOutput]) -> list[Any]:
     return [[(c.token_ids, c.text, c.finish_reason, c.logprobs) for c in o.outputs] for o in outs]
 
@@ -55,11 +62,11 @@ def _all_free(llm: LLM) -> bool:
     return alloc.num_free == alloc.num_pages and llm.engine._in_flight is None
 
 
-def test_pipelining_is_on_only_where_asked_or_with_overlap(spec_llm: LLM, pipe_llm: LLM) -> None:
-    assert not spec_llm.engine.pipeline and pipe_llm.engine.pipeline
+def test_pipelining_is_on_only_where_asked_or_with_overlap(step_llm: LLM, pipe_llm: LLM) -> None:
+    assert not step_llm.engine.pipeline and pipe_llm.engine.pipeline
 
 
-def test_greedy_pipelined_equals_step_by_step_and_plain(spec_llm: LLM, pipe_llm: LLM, llm: LLM) -> None:
+def test_greedy_pipelined_equals_step_by_step_and_plain(step_llm: LLM, pipe_llm: LLM, llm: LLM) -> None:
     """EOS, max_tokens, stop strings (cut inside accepted runs) and logprobs, members finishing at
     different steps; trees are drafted ahead while the verify forwards run."""
     params = [
@@ -74,27 +81,27 @@ def test_greedy_pipelined_equals_step_by_step_and_plain(spec_llm: LLM, pipe_llm:
     got = pipe_llm.generate(prompts, params)
     assert stats.pipelined_steps > before[0] and stats.prepared_trees > before[1]
     # (How often a tree drafted ahead comes true is a speed figure: the benchmark reports it.)
-    assert _summary(got) == _summary(spec_llm.generate(prompts, params))
+    assert _summary(got) == _summary(step_llm.generate(prompts, params))
     assert [o.token_ids for o in got] == [o.token_ids for o in llm.generate(prompts, params)]
     assert got[1].outputs[0].finish_reason == "stop" and "mul" not in got[1].outputs[0].text
     assert _all_free(pipe_llm)
 
 
-def test_seeded_sampling_pipelined_equals_step_by_step(spec_llm: LLM, pipe_llm: LLM) -> None:
+def test_seeded_sampling_pipelined_equals_step_by_step(step_llm: LLM, pipe_llm: LLM) -> None:
     """Tree sampling depends on the drafts: equal outputs say the trees were the same."""
     params = SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95, seed=7, n=2, logprobs=1)
     got = pipe_llm.generate(PROMPTS[:3], params)
-    assert _summary(got) == _summary(spec_llm.generate(PROMPTS[:3], params))
+    assert _summary(got) == _summary(step_llm.generate(PROMPTS[:3], params))
     assert _all_free(pipe_llm)
 
 
-def test_grammar_pipelined_equals_step_by_step(spec_llm: LLM, pipe_llm: LLM, llm: LLM) -> None:
+def test_grammar_pipelined_equals_step_by_step(step_llm: LLM, pipe_llm: LLM, llm: LLM) -> None:
     """The grammar terminates inside an accepted run (the closing brace then the stop token)."""
     source = '{"name": "Paris", "population": 2161000}'
     prompt = [{"role": "user", "content": f"Copy this JSON exactly: {source}\nAgain: {source}"}]
     params = SamplingParams(max_tokens=64, temperature=0, json_schema=SCHEMA)
     got = pipe_llm.chat([prompt, prompt], params)
-    assert _summary(got) == _summary(spec_llm.chat([prompt, prompt], params))
+    assert _summary(got) == _summary(step_llm.chat([prompt, prompt], params))
     assert [o.token_ids for o in got] == [o.token_ids for o in llm.chat([prompt, prompt], params)]
     assert got[0].outputs[0].finish_reason == "stop" and got[0].outputs[0].text.endswith("}")
     assert _all_free(pipe_llm)
@@ -120,10 +127,10 @@ def _drive(llm: LLM, joins: dict[int, str], abort_at: int) -> dict[str, RequestO
     return results
 
 
-def test_arrivals_and_aborts_mid_flight(spec_llm: LLM, pipe_llm: LLM) -> None:
+def test_arrivals_and_aborts_mid_flight(step_llm: LLM, pipe_llm: LLM) -> None:
     joins = {4: PROMPTS[1], 6: "Why is the sky blue?"}
     got = _drive(pipe_llm, joins, abort_at=5)
-    want = _drive(spec_llm, joins, abort_at=5)
+    want = _drive(step_llm, joins, abort_at=5)
     assert got["doomed"].outputs[0].finish_reason == "abort"
     # (The pipelined engine commits one verify step later: the abort cuts the doomed one elsewhere.)
     assert {k: v.outputs[0].token_ids for k, v in got.items() if k != "doomed"} == {
@@ -162,7 +169,7 @@ def test_plain_chain_and_pipelined_verify_mix_losslessly(llm: LLM) -> None:
     assert _all_free(mixed)
 
 
-def test_the_next_trees_are_drafted_between_a_launch_and_its_read(pipe_llm: LLM, spec_llm: LLM) -> None:
+def test_the_next_trees_are_drafted_between_a_launch_and_its_read(pipe_llm: LLM, step_llm: LLM) -> None:
     """Each verify launch is preceded by one read only, the previous step's, and the trees for
     step N + 1 are drafted after step N's launch and before its read (where on a GPU its
     forward runs); the step-by-step engine reads each step back before drafting anything."""
@@ -191,8 +198,8 @@ def test_the_next_trees_are_drafted_between_a_launch_and_its_read(pipe_llm: LLM,
     times = [t for _, t in stamps]
     assert times == sorted(times)
     assert events.count("read") == events.count("forward")
-    with device_events(spec_llm.engine.runner) as events:
-        spec_llm.generate(COUNT, params)
+    with device_events(step_llm.engine.runner) as events:
+        step_llm.generate(COUNT, params)
     assert events == ["forward", "read"] * (len(events) // 2)  # step by step: nothing drafted ahead
 
 

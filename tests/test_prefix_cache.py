@@ -8,6 +8,10 @@ import pytest
 from ngrammar import LLM, SamplingParams
 from ngrammar.outputs import CompletionOutput, RequestOutput
 
+# Several engines with the cache on and off: run with `pytest -m slow` (the page state machine,
+# tests/test_prefix_cache_state.py, runs in every CI run).
+pytestmark = pytest.mark.slow
+
 SYSTEM = (
     "You are a careful assistant for a shop that sells bicycles, helmets and locks. Answer briefly, "
     "in plain words, and never invent a product. Reply in JSON when asked."

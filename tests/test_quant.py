@@ -204,6 +204,7 @@ def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
     return math.exp(-logp.gather(1, torch.tensor(ids[1:])[:, None]).mean().item())
 
 
+@pytest.mark.slow  # two engines with every kernel form: run with `pytest -m slow`
 def test_perplexity_within_one_percent_of_float32(llm: LLM, quant_llms: tuple[LLM, LLM]) -> None:
     q = quant_llms[0]
     ids = text_ids(llm)
@@ -219,6 +220,7 @@ def test_perplexity_within_one_percent_of_float32(llm: LLM, quant_llms: tuple[LL
         set_kernel_table(model, parse_kernel_table(ALL_FORMS))
 
 
+@pytest.mark.slow  # two engines with every kernel form: run with `pytest -m slow`
 def test_kernels_logits_agree_within_half_the_bound(llm: LLM, quant_llms: tuple[LLM, LLM]) -> None:
     """Each kernel's logits within LOGIT_BOUND / 2 of the float32 model's (the same weights,
     dequantized), so two kernels' logits differ by less than LOGIT_BOUND."""
@@ -236,6 +238,7 @@ def test_kernels_logits_agree_within_half_the_bound(llm: LLM, quant_llms: tuple[
         set_kernel_table(model, parse_kernel_table(ALL_FORMS))
 
 
+@pytest.mark.slow  # two engines with every kernel form: run with `pytest -m slow`
 def test_ngram_diverges_from_plain_only_at_near_ties(quant_llms: tuple[LLM, LLM]) -> None:
     """With one-row steps on one kernel and verify steps on another, greedy NGRAM may leave plain
     decoding only where plain's top-2 logits differ by less than the kernels' rounding bound."""

@@ -502,7 +502,7 @@ def test_a_sequence_bias_shifts_the_first_draft_rate_only() -> None:
     bias = policy.acceptance.seq_bias["s"].value
     assert bias > 0
     first, p = policy.acceptance.first[(16, 4)].p, policy.acceptance.cont[4].p
-    levels = policy._levels(16)[4]
+    levels = policy.acceptance.levels(16)[4]
     f = min(first + bias, 0.97)
     assert policy.expected_drafts("s", 4, 16) == pytest.approx(
         f * (1 + p * (1 - p ** (levels - 1)) / (1 - p))
@@ -519,7 +519,9 @@ def test_a_shallow_tree_is_not_priced_as_a_chain() -> None:
         policy._lengths["s"] = 1
         policy.observe(1, 16, 0.05, {"s": 1}, censored={"s"}, depths={"s": 2})
     assert policy.expected_drafts("s", 1, 16) <= 2.0
-    assert policy._levels(4)[1] == 3.0  # width 4 has no depth learned: priced as a chain of 3 levels
+    assert (
+        policy.acceptance.levels(4)[1] == 3.0
+    )  # width 4 has no depth learned: priced as a chain of 3 levels
 
 
 @settings(max_examples=60, deadline=None)
