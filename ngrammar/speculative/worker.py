@@ -247,8 +247,7 @@ class NgramSpecWorker:
         if allowed is None or cost is None or cost * len(seqs) <= allowed:
             # On CUDA the time allowed is also the budget: after a stretch of skipped steps every
             # member is behind, and catching all of them up at once is one step's worth of work
-            # or more (batch-32 chain steps that indexed reached 1.9-3.6 ms on the H200, against
-            # ~1 ms, in session 11); the furthest behind go first, the rest in the next steps.
+            # or more (it would stall the chain); the furthest behind go first, the rest later.
             self.index_outputs(seqs, allowed if self.device.type == "cuda" else None)
         else:
             self._plain_skips += 1
@@ -296,9 +295,8 @@ class NgramSpecWorker:
         a plain step. A wait under ``HOST_BOUND`` of a plain step says the host is the bottleneck:
         nothing is idle. That work counts only if it was the engine's last step's (a prefill or a
         verify step in between spends none) and was hidden: that step took no longer than
-        ``HIDDEN_SLACK`` plain steps. On the H200 at batch 1 (session 13) chained steps that
-        indexed and drafted shadows for ~0.13 ms took ~0.17 ms longer than the others, and adding
-        that work back as idle time kept every other step that long."""
+        ``HIDDEN_SLACK`` plain steps: work that lengthened its step was not hidden, and counting
+        it as idle would keep every later step that long."""
         if wait <= HOST_BOUND * plain:
             return 0.0
         stats = self.stats
