@@ -33,14 +33,22 @@ def run_calibration(
     for item in work:
         ids = eng.tokenize(chat(item.prompt))
         eng.add_request(ids, params)
+        # The pricing of each verify step launched and not committed yet, oldest first: a pipelined
+        # verify step (``pipeline_verify``) is committed by the engine step after its own.
+        launched: list[dict[str, tuple[int, float]]] = []
+        seen = worker.last_drafts
         while eng.has_unfinished():
             eng.step_trace = []
             eng.step()
             record = eng.step_trace[-1]
-            if record.kind == "verify" and record.reason in ("exploit", "explore"):
-                for seq_id, (length, expected) in worker.policy.priced.items():
-                    if seq_id in worker.last_drafts:
-                        pairs.append((min(length, MAX_MATCH), expected, worker.last_drafts[seq_id]))
+            if record.kind == "verify":
+                exploit = record.reason in ("exploit", "explore")
+                launched.append(dict(worker.policy.priced) if exploit else {})
+            if worker.last_drafts is not seen:  # the oldest of them was committed
+                seen = worker.last_drafts
+                for seq_id, (length, expected) in launched.pop(0).items():
+                    if seq_id in seen:
+                        pairs.append((min(length, MAX_MATCH), expected, seen[seq_id]))
         eng.step_trace = None
     rows, result = [], {}
     for n in sorted({p[0] for p in pairs}):

@@ -96,7 +96,9 @@ def run_host_benchmark(batch_sizes: tuple[int, ...] = (1, 8), max_tokens: int = 
                 model=str(folder),
                 device="cpu",
                 dtype="float32",
-                kv_cache_tokens=16384,
+                # room for every sequence's prompt and output: host cost, not preemption, is measured
+                kv_cache_tokens=max(16384, 1024 * max(batch_sizes)),
+                max_running_requests=max(batch_sizes),
                 overlap_schedule=overlap,
             )
             for bs in batch_sizes:
@@ -120,3 +122,93 @@ def run_host_benchmark(batch_sizes: tuple[int, ...] = (1, 8), max_tokens: int = 
         rows,
     )
     return res
+
+
+def _verify_figures(
+    llm: LLM, batches: list[list[Any]], params: SamplingParams
+) -> tuple[dict[str, float], list[Any]]:
+    """Run the batches one after another; per verify step: the host time from its result landing
+    to the next forward's launch (the device idles through it on a GPU), and the step's wall time."""
+    llm.chat(batches[0][:1], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
+    stats = llm.engine.stats
+    keys = ("verify_gap_seconds", "verify_gaps", "spec_steps", "verify_steps", "verify_emitted")
+    keys += ("prepared_trees", "prepared_hits", "steps", "step_seconds", "decode_tokens")
+    before = {k: getattr(stats, k) for k in keys}
+    outs = [o for batch in batches for o in llm.chat(batch, params, use_tqdm=False)]
+    d = {k: getattr(stats, k) - before[k] for k in keys}
+    return {
+        "verify_steps": d["spec_steps"],
+        "gap_us": 1e6 * d["verify_gap_seconds"] / max(d["verify_gaps"], 1),
+        "accept_len": d["verify_emitted"] / max(d["verify_steps"], 1),
+        "prepared_hit_rate": d["prepared_hits"] / max(d["prepared_trees"], 1),
+        "step_us": 1e6 * d["step_seconds"] / max(d["steps"], 1),
+        "tok_s": d["decode_tokens"] / max(d["step_seconds"], 1e-9),
+    }, outs
+
+
+def run_verify_host_benchmark(batch_sizes: tuple[int, ...] = (1, 4), max_tokens: int = 64) -> dict[str, Any]:
+    """Host time between two forwards per NGRAM verify step, step by step against pipelined
+    (``pipeline_verify``): the embedded model (fixed D = 8, every decode step a verify step), then
+    the 1-layer random model replaying its recorded greedy outputs (``ReplayTarget``), where the
+    forward costs next to nothing and the engine loop is what is timed."""
+    from ngrammar.speculative.replay import ReplayTarget
+
+    seen: set[str] = set()
+    work = [
+        w
+        for w in load_workload()
+        if w.kind == "grounded" and not (w.category in seen or seen.add(w.category))
+    ]
+    prompts = [chat(w.prompt) for w in work]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    spec: dict[str, Any] = dict(
+        device="cpu",
+        dtype="float32",
+        kv_cache_tokens=32768,
+        speculative="ngram",
+        num_draft_tokens=8,
+        spec_policy="fixed",
+    )
+    res: dict[str, Any] = {}
+    rows = []
+    records: dict[tuple[int, ...], list[int]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny = tiny_checkpoint(Path(tmp) / "tiny")
+        for model in ("embedded", "replay"):
+            for pipeline in (False, True):
+                if model == "embedded":
+                    llm = LLM(pipeline_verify=pipeline, **spec)
+                else:
+                    llm = LLM(str(tiny), pipeline_verify=pipeline, **spec)
+                    eos = llm.engine.model_config.eos_token_ids[0]
+                    llm.engine.set_replay(ReplayTarget(records, eos))
+                for bs in batch_sizes:
+                    batches = [prompts[i : i + bs] for i in range(0, len(prompts), bs)]
+                    r, outs = _verify_figures(llm, batches, params)
+                    if model == "embedded":
+                        for o in outs:
+                            records[tuple(o.prompt_token_ids)] = (
+                                list(o.prompt_token_ids) + o.outputs[0].token_ids
+                            )
+                    res[f"{model}/pipeline={pipeline}/b{bs}"] = r
+                    rows.append([model, "on" if pipeline else "off", bs] + [r[k] for k in _COLUMNS])
+                del llm
+    print_table(
+        f"host time between two forwards per verify step (D = 8, {len(prompts)} grounded prompts, {max_tokens} tokens)",
+        [
+            "model",
+            "pipeline",
+            "batch",
+            "verify steps",
+            "gap µs",
+            "accept",
+            "prepared hits",
+            "step µs",
+            "tok/s",
+        ],
+        rows,
+    )
+    return res
+
+
+_COLUMNS = ("verify_steps", "gap_us", "accept_len", "prepared_hit_rate", "step_us", "tok_s")

@@ -207,10 +207,13 @@ async def _run_level(
         return list(records), time.perf_counter() - start
 
 
-def workload(prompts: list[str], num_requests: int, max_tokens: int) -> list[tuple[dict[str, Any], bool]]:
+def workload(
+    prompts: list[str], num_requests: int, max_tokens: int, every: int = STRUCTURED_EVERY
+) -> list[tuple[dict[str, Any], bool]]:
+    """``num_requests`` chat requests; every ``every``-th is JSON-schema constrained (1: all)."""
     out = []
     for i in range(num_requests):
-        structured = i % STRUCTURED_EVERY == STRUCTURED_EVERY - 1
+        structured = i % every == every - 1
         out.append((request_body(prompts[i % len(prompts)], structured, max_tokens), structured))
     return out
 
@@ -246,10 +249,15 @@ def summarize(records: list[RequestRecord], wall_s: float, accept_length: float)
     }
 
 
-def _levels(speculative: Sequence[bool], concurrency: Sequence[int]) -> Iterator[tuple[bool, int]]:
-    for spec in speculative:
+MODES = ("off", "ngram", "ngram+grammar")  # "+grammar": every request JSON-schema constrained
+
+
+def _levels(modes: Sequence[str], concurrency: Sequence[int]) -> Iterator[tuple[str, int]]:
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; use {', '.join(MODES)}")
         for c in concurrency:
-            yield spec, c
+            yield mode, c
 
 
 def run_serve_benchmark(
@@ -259,25 +267,31 @@ def run_serve_benchmark(
     max_tokens: int = 64,
     server_args: Sequence[str] = (),
     warmup: bool = True,
+    modes: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Run every (speculation, concurrency) level on a fresh server; returns the figures and prints a table.
 
     ``num_requests`` per level defaults to 4x the concurrency (at least 8), capped at the number of
-    distinct prompts so no prompt repeats within a level.
+    distinct prompts so no prompt repeats within a level. ``modes`` (``MODES``) replaces
+    ``speculative`` where given.
     """
     prompts = load_prompts()
     results: dict[str, Any] = {"max_tokens": max_tokens, "server_args": list(server_args), "levels": []}
-    for spec, c in _levels(speculative, concurrency):
+    if modes is None:
+        modes = ["ngram" if s else "off" for s in speculative]
+    for mode, c in _levels(modes, concurrency):
+        spec = mode.startswith("ngram")
+        every = 1 if mode.endswith("+grammar") else STRUCTURED_EVERY
         n = num_requests or min(len(prompts), max(4 * c, 8))
         with ServerProcess(server_args, spec) as server:
             if warmup:  # first-request costs (grammar compile, allocator, kernels) are not serving costs
                 asyncio.run(_run_level(server.url, workload(prompts[:1], STRUCTURED_EVERY, 4), 2))
             before = server.server_info()["stats"]
-            records, wall = asyncio.run(_run_level(server.url, workload(prompts, n, max_tokens), c))
+            records, wall = asyncio.run(_run_level(server.url, workload(prompts, n, max_tokens, every), c))
             after = server.server_info()["stats"]
         steps = after["verify_steps"] - before["verify_steps"]
         accept = (after["verify_emitted"] - before["verify_emitted"]) / steps if steps else 0.0
-        level = {"speculative": spec, "concurrency": c, **summarize(records, wall, accept)}
+        level = {"mode": mode, "speculative": spec, "concurrency": c, **summarize(records, wall, accept)}
         results["levels"].append(level)
     print_results(results)
     return results
@@ -300,7 +314,7 @@ def print_results(results: dict[str, Any]) -> None:
     ]
     rows = [
         [
-            "ngram" if lv["speculative"] else "off",
+            lv.get("mode", "ngram" if lv["speculative"] else "off"),
             lv["concurrency"],
             lv["requests"],
             lv["errors"],
@@ -317,7 +331,7 @@ def print_results(results: dict[str, Any]) -> None:
     ]
     print_table(
         f"Serving, chat streaming, max_tokens={results['max_tokens']}, 1 in {STRUCTURED_EVERY} "
-        "JSON-schema constrained",
+        "JSON-schema constrained (+grammar: all)",
         header,
         rows,
     )
@@ -330,17 +344,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--num-requests", type=int, default=None, help="per level (default: 4x concurrency, 8..32)"
     )
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--spec", default="off,ngram", help="comma-separated: off, ngram")
+    p.add_argument("--spec", default="off,ngram", help="comma-separated: off, ngram, ngram+grammar")
     p.add_argument("--server-args", default="", help="extra 'ngrammar serve' flags, e.g. '--device cpu'")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.spec.split(",") if m.strip()]
-    if not set(modes) <= {"off", "ngram"}:
-        p.error("--spec takes off and/or ngram")
+    if not set(modes) <= set(MODES):
+        p.error(f"--spec takes {', '.join(MODES)}")
     result = run_serve_benchmark(
         concurrency=tuple(int(c) for c in args.concurrency.split(",")),
         num_requests=args.num_requests,
-        speculative=tuple(m == "ngram" for m in modes),
+        modes=modes,
         max_tokens=args.max_tokens,
         server_args=shlex.split(args.server_args),
     )

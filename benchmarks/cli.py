@@ -1,4 +1,4 @@
-"""``python -m benchmarks [engine|spec|grammar|serve|profile|host|calibration|drafts|tp]``: build the engines once and run a suite."""
+"""``python -m benchmarks [engine|spec|policy|grammar|serve|profile|host|verify-host|calibration|drafts|tp]``: build the engines once and run a suite."""
 
 from __future__ import annotations
 
@@ -10,7 +10,19 @@ from typing import Any
 from benchmarks.common import machine
 from ngrammar.args import add_engine_args, engine_kwargs
 
-SUITES = ("engine", "spec", "policy", "grammar", "serve", "profile", "host", "calibration", "drafts", "tp")
+SUITES = (
+    "engine",
+    "spec",
+    "policy",
+    "grammar",
+    "serve",
+    "profile",
+    "host",
+    "verify-host",
+    "calibration",
+    "drafts",
+    "tp",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +34,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=None)
     bench.add_argument("--out", default=None, help="write the results as JSON here")
     bench.add_argument("--no-transformers", action="store_true")
+    serve = bench.add_argument_group("serve suite")
+    serve.add_argument(
+        "--workload", default="sweep", choices=["sweep", "shared-prefix", "long-arrivals"], help="serve suite"
+    )
+    serve.add_argument(
+        "--modes", default="off,ngram", help="sweep: comma-separated off, ngram, ngram+grammar"
+    )
+    serve.add_argument("--num-requests", type=int, default=None, help="sweep: per level; shared-prefix: 64")
+    serve.add_argument("--concurrency", type=int, default=8, help="shared-prefix clients")
+    serve.add_argument("--streams", type=int, default=8, help="long-arrivals: decoding streams")
+    serve.add_argument("--arrivals", type=int, default=4, help="long-arrivals: long prompts that arrive")
+    serve.add_argument("--arrival-every", type=float, default=3.0, help="long-arrivals: seconds apart")
     add_engine_args(bench)
     return bench
 
@@ -45,10 +69,21 @@ def _sizes(args: argparse.Namespace, default: tuple[int, ...]) -> tuple[int, ...
 def _serve_args(args: argparse.Namespace) -> list[str]:
     """Engine flags given to ``python -m benchmarks serve`` pass through to the servers it starts."""
     out = []
-    for flag in ("model", "device", "dtype", "kv_cache_tokens", "max_running_requests"):
+    for flag in (
+        "model",
+        "device",
+        "dtype",
+        "kv_cache_tokens",
+        "max_running_requests",
+        "max_prefill_tokens",
+        "mixed_step_tokens",
+    ):
         value = getattr(args, flag)
         if value is not None:
             out += [f"--{flag.replace('_', '-')}", str(value)]
+    for switch in ("prefix_cache", "mixed_steps"):  # on by default: given, they turn the feature off
+        if getattr(args, switch) is False:
+            out.append(f"--no-{switch.replace('_', '-')}")
     return out
 
 
@@ -59,6 +94,12 @@ def run_benchmark(args: argparse.Namespace) -> int:
         from benchmarks.bench_engine import run_engine_benchmark
 
         result = run_engine_benchmark(_llm(args, False), args.max_tokens or 64, not args.no_transformers)
+    elif suite == "spec" and args.device == "cpu" and args.batch_sizes is None:
+        from benchmarks.bench_cpu import run_cpu_benchmark
+
+        result = run_cpu_benchmark(
+            engine_kwargs(args), args.max_tokens or 64, args.repeats or 1, not args.no_transformers
+        )
     elif suite == "spec":
         from benchmarks.bench_spec import run_spec_benchmark
 
@@ -110,6 +151,10 @@ def run_benchmark(args: argparse.Namespace) -> int:
         from benchmarks.bench_host import run_host_benchmark
 
         result = run_host_benchmark(_sizes(args, (1, 8)), args.max_tokens or 128)
+    elif suite == "verify-host":
+        from benchmarks.bench_host import run_verify_host_benchmark
+
+        result = run_verify_host_benchmark(_sizes(args, (1, 4)), args.max_tokens or 64)
     elif suite == "profile":
         from pathlib import Path
 
@@ -119,13 +164,27 @@ def run_benchmark(args: argparse.Namespace) -> int:
         result = run_profile(
             _llm(args, False), _llm(args, True), list(_sizes(args, (1, 8))), args.max_tokens or 128, out_dir
         )
+    elif args.workload == "shared-prefix":
+        from benchmarks.bench_serve_workloads import run_shared_prefix
+
+        result = run_shared_prefix(
+            _serve_args(args), args.num_requests or 64, args.concurrency, args.max_tokens or 24
+        )
+    elif args.workload == "long-arrivals":
+        from benchmarks.bench_serve_workloads import run_long_arrivals
+
+        result = run_long_arrivals(
+            _serve_args(args), args.streams, args.max_tokens or 96, args.arrivals, args.arrival_every
+        )
     else:
         from benchmarks.bench_serve import run_serve_benchmark
 
         result = run_serve_benchmark(
             concurrency=_sizes(args, (1, 4, 16)),
+            num_requests=args.num_requests,
             max_tokens=args.max_tokens or 64,
             server_args=_serve_args(args),
+            modes=[m.strip() for m in args.modes.split(",") if m.strip()],
         )
     record = {"suite": suite, "date": started, "machine": machine(), "result": result}
     if args.out:

@@ -79,3 +79,22 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         if value is not None:
             kw[name] = _ON_OFF[value] if hint == bool | None else value
     return kw
+
+
+def add_config_args(parser: argparse.ArgumentParser, cls: type[Any], title: str) -> None:
+    """One flag per field of the frozen config dataclass ``cls`` (as ``add_engine_args`` does)."""
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        _add_field(group, f.name, f, hints[f.name])
+
+
+def config_kwargs(args: argparse.Namespace, cls: type[Any]) -> dict[str, Any]:
+    """``cls``'s keyword arguments of the flags that were given (unset ones keep the defaults)."""
+    hints = typing.get_type_hints(cls)
+    kw: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        value = getattr(args, _dest(f.name, f))
+        if value is not None:
+            kw[f.name] = _ON_OFF[value] if hints[f.name] == bool | None else value
+    return kw

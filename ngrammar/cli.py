@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ngrammar.args import add_engine_args, engine_kwargs
+from ngrammar.args import add_config_args, add_engine_args, engine_kwargs
 from ngrammar.sampling_params import SamplingParams
 
 
@@ -58,11 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(gen)
     add_engine_args(gen)
 
+    from ngrammar.server.config import ServerConfig  # (ngrammar.server's package imports the web stack)
+
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=30000)
-    srv.add_argument("--api-key", default=None)
-    srv.add_argument("--max-queue", type=int, default=256)
+    add_config_args(srv, ServerConfig, "server")
     add_engine_args(srv)
 
     return parser

@@ -82,23 +82,50 @@ class EngineConfig:
     model: str | None = _opt(None, "GGUF file or Hugging Face folder (default: embedded SmolLM2-135M)")
     device: str = _opt("auto", "cpu, cuda, cuda:N or auto")
     dtype: str = _opt("auto", "float32, bfloat16, float16 or auto")
+    # Weight-only 4-bit projections on a CPU (model/quant.py), each step on the kernel measured
+    # cheapest at its row count. auto: on a CPU with dtype auto, the model's own 4-bit (GGUF Q4_0 /
+    # Q4_1) weights, or a notice that it has none; otherwise none. An explicit dtype keeps its weights.
+    # Default none: no end-to-end run has shown the 4-bit path faster yet (see the README).
+    quantization: str = _opt(
+        "none",
+        "int4: 4-bit weights (a GGUF's own, else quantized at load; CPU only); none: the checkpoint's "
+        "weights in dtype; auto: int4 on a CPU when dtype is auto and the model has 4-bit weights",
+        ["auto", "none", "int4"],
+    )
     page_size: int = _opt(16, "KV page size in tokens (a power of two)")
     kv_cache_tokens: int | None = _opt(None, "KV pool size in tokens (default: from memory)")
     gpu_memory_utilization: float = _opt(0.5, "share of free GPU memory for the KV pool")
     cpu_kv_cache_tokens: int = _opt(65536, "KV pool size in tokens on a CPU")
-    max_running_requests: int = 64
+    max_running_requests: int = _opt(256, "largest running batch (sequences decoding together)")
     max_prefill_tokens: int = _opt(2048, "prefill tokens per step; longer prompts are prefilled in chunks")
     max_model_len: int | None = _opt(None, "context length (default: the model's)")
+    prefix_cache: bool = _opt(True, "share the KV pages of common prompt prefixes across requests")
+    mixed_steps: bool = _opt(True, "prefill chunks ride along with running requests' decode steps")
+    # A prefill chunk costs a decode step's time at about this many tokens: 512 on a GPU; on a CPU a
+    # forward's cost grows with its tokens from the first, and 64 keeps a mixed step near 2 plain ones.
+    mixed_step_tokens: int | None = _opt(
+        None,
+        "token budget of a mixed step, decode tokens + prefill chunks (default: 512 on CUDA, 64 on a CPU)",
+    )
     attention_backend: str = _opt("auto", "attention kernels", ["auto", "sdpa", "triton"])
     speculative: SpeculativeConfig | None = None
     seed: int = _opt(0, "seeds requests that bring none", flag="engine_seed")
-    grammar_cache_size: int = 256
+    grammar_cache_size: int = _opt(256, "compiled grammars cached (also bounded by grammar_cache_mb)")
+    grammar_cache_mb: int = _opt(
+        1024, "memory of the compiled grammars cached, MiB (as xgrammar measures it)"
+    )
     cuda_graph: bool = _opt(True, "replay captured CUDA graphs for decode / verify steps (off: run eagerly)")
-    cuda_graph_max_bs: int = _opt(64, "largest batch-size bucket captured; bigger batches run eagerly")
+    cuda_graph_max_bs: int = _opt(256, "largest batch-size bucket captured; bigger batches run eagerly")
     # Launch a plain decode step before the previous one is read back, so the host's work overlaps
     # the device. None: on for CUDA; on a CPU the forward is synchronous and there is nothing to hide.
     overlap_schedule: bool | None = _opt(
         None, "launch each plain step before reading the last back (auto: CUDA)"
+    )
+    # Leave an NGRAM verify step in flight: the next engine step commits it first thing, so the
+    # outputs and the corpus' drafts for the likely outcome run while the device verifies.
+    # None: with overlap_schedule (CUDA).
+    pipeline_verify: bool | None = _opt(
+        None, "commit each verify step in the next engine step, drafting ahead meanwhile (auto: overlap)"
     )
     # Parallelism (ngrammar/distributed/): one process per tensor-parallel rank, rank 0 the engine;
     # data-parallel replicas are whole engines (each tensor_parallel_size ranks) behind one server.
@@ -116,6 +143,10 @@ class EngineConfig:
             raise ValueError("max_running_requests must be positive")
         if self.max_prefill_tokens < self.page_size:
             raise ValueError("max_prefill_tokens must be at least one page")
+        if self.mixed_step_tokens is not None and self.mixed_step_tokens < self.page_size:
+            raise ValueError("mixed_step_tokens must be at least one page")
+        if self.quantization not in ("auto", "none", "int4"):
+            raise ValueError(f"quantization must be auto, none or int4, got {self.quantization!r}")
         if self.attention_backend not in ("auto", "sdpa", "triton"):
             raise ValueError(
                 f"attention_backend must be auto, sdpa or triton, got {self.attention_backend!r}"
@@ -132,6 +163,8 @@ class EngineConfig:
             raise ValueError(
                 f"max_model_len must be at least 2 (a prompt token and an output), got {self.max_model_len}"
             )
+        if self.grammar_cache_size < 1 or self.grammar_cache_mb < 1:
+            raise ValueError("grammar_cache_size and grammar_cache_mb must be positive")
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be positive, got {self.cuda_graph_max_bs}")
         self._check_parallel()

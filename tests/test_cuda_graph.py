@@ -105,7 +105,7 @@ def test_batch_buckets() -> None:
 
 
 def test_config_validation() -> None:
-    assert EngineConfig().cuda_graph and EngineConfig().cuda_graph_max_bs == 64
+    assert EngineConfig().cuda_graph and EngineConfig().cuda_graph_max_bs == 256
     with pytest.raises(ValueError, match="cuda_graph_max_bs"):
         EngineConfig(cuda_graph_max_bs=0)
 
@@ -305,6 +305,7 @@ def test_non_uniform_steps_run_eagerly(static_spec_llm: LLM) -> None:
     pages = [[0], [1]]
     uniform = StepInput([[1] * 8, [2] * 8], [list(range(8))] * 2, [0, 0], pages, list(range(16)), mask)
     assert graphs.accepts(uniform)
+    big = graphs.buckets[-1] + 1
     cases = [
         StepInput([[1], [2, 3]], [[0], [0, 1]], [0, 0], pages, [0, 1, 2]),  # mixed widths
         StepInput(
@@ -313,7 +314,9 @@ def test_non_uniform_steps_run_eagerly(static_spec_llm: LLM) -> None:
         StepInput([[1] * 8, [2] * 8], [list(range(8))] * 2, [0, 0], pages, [7, 15], mask),  # some rows
         StepInput([[1] * 8, [2] * 8], [list(range(8))] * 2, [0, 0], pages, list(range(16))),  # no tree
         StepInput([[1], [2]], [[0], [0]], [0, 0], pages, [0, 1], mask),  # decode with a mask
-        StepInput([[1]] * 65, [[0]] * 65, [0] * 65, [[0]] * 65, list(range(65))),  # beyond the largest bucket
+        StepInput(
+            [[1]] * big, [[0]] * big, [0] * big, [[0]] * big, list(range(big))
+        ),  # beyond the largest bucket
         StepInput([[1]], [[0]], [0], [[0] * (graphs.layout.max_pages + 1)], [0]),  # beyond the kv bound
     ]
     assert not any(graphs.accepts(s) for s in cases)

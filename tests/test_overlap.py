@@ -164,8 +164,9 @@ def test_a_member_leaving_lets_a_waiting_request_in_at_once() -> None:
         PROMPTS[:3], [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 8, 4)]
     )
     # The first member's last token is in flight at the third decode step: the next engine step
-    # drains and admits the third request instead of launching a step for the second alone.
-    assert [r.kind for r in trace[:5]] == ["prefill", "decode", "chain", "prefill", "decode"]
+    # drains and admits the third request instead of launching a step for the second alone (its
+    # prefill rides along the second's decode: a mixed step).
+    assert [r.kind for r in trace[:5]] == ["prefill", "decode", "chain", "mixed", "decode"]
 
 
 def test_a_full_batch_keeps_chaining_while_requests_wait(llm: LLM) -> None:
@@ -297,8 +298,8 @@ def test_a_decision_ahead_sees_the_committed_match_lengths(spec_llm: LLM) -> Non
 
     worker.policy.choose = record  # type: ignore[method-assign]
     try:
-        worker.choose_width([seq, longer])
-        worker.choose_width([seq, longer], ahead=True)
+        worker.choose_width([seq, longer], draining=False)
+        worker.choose_width([seq, longer], draining=False, ahead=True)
     finally:
         del worker.policy.choose  # the class's method again
         eng.abort(rid)
@@ -359,9 +360,11 @@ def test_a_committed_length_one_does_not_drain_the_chain_when_only_its_bound_wou
     try:
         assert [worker.corpus.match_length(s.token_ids, 4) for s in (at_one, at_two)] == [1, 2]
         worker.policy = _timed_policy(0.01, 0.016)
-        assert worker.choose_width([at_two]) > 1  # the bound's case, observed: speculation pays
+        assert (
+            worker.choose_width([at_two], draining=False) > 1
+        )  # the bound's case, observed: speculation pays
         worker.policy = _timed_policy(0.01, 0.016)
-        assert worker.choose_width([at_one], ahead=True) == 1
+        assert worker.choose_width([at_one], draining=False, ahead=True) == 1
     finally:
         worker.policy = policy
         eng.abort(one)
@@ -417,18 +420,19 @@ def test_the_plain_step_restarting_the_chain_carries_the_verify_steps_tail() -> 
         dtype="float32",
         kv_cache_tokens=4096,
         overlap_schedule=True,
+        pipeline_verify=False,  # the verify step commits inside its own engine step
         speculative="ngram",
         num_draft_tokens=4,
     )
     eng = spec.engine
     assert eng.spec is not None
     widths = [4]  # the first decode step verifies, every later one is plain
-    eng.spec.choose_width = lambda seqs, ahead=False: widths.pop() if widths else 1  # type: ignore[method-assign]
+    eng.spec.choose_width = lambda seqs, draining, ahead=False: widths.pop() if widths else 1  # type: ignore[method-assign]
     observed: list[tuple[int, float, float | None]] = []
     observe = eng.spec.observe_step
-    eng.spec.observe_step = lambda bs, width, seconds, restart=None: (  # type: ignore[method-assign]
+    eng.spec.observe_step = lambda bs, width, seconds, restart=None, result=None: (  # type: ignore[method-assign]
         observed.append((width, seconds, restart)),
-        observe(bs, width, seconds, restart),
+        observe(bs, width, seconds, restart, result),
     )
     collect = eng._collect_outputs
     kinds: list[str] = []

@@ -635,3 +635,37 @@ def scrape(http: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], 
         for s in family.samples:
             samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return samples
+
+
+def test_prefix_cache_hits_reach_usage_server_info_and_metrics(
+    oai: openai.OpenAI, http: httpx.Client
+) -> None:
+    """A repeated long system prompt is served from the prefix cache: the second request's
+    ``usage.prompt_tokens_details.cached_tokens``, /server_info's hit counts and the Prometheus
+    counters say so."""
+    system = "You answer questions about the solar system in one short sentence. " * 6
+    before = scrape(http)
+    usages = []
+    for question in ("How far is Mars?", "How big is Jupiter?"):
+        resp = oai.chat.completions.create(
+            model="default",
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+            max_tokens=4,
+            temperature=0,
+        )
+        usages.append(resp.usage)
+    first, second = usages
+    assert first is not None and second is not None and second.prompt_tokens_details is not None
+    assert second.prompt_tokens_details.cached_tokens >= 64  # the system prompt's full pages
+    assert second.prompt_tokens_details.cached_tokens < second.prompt_tokens
+    info = wait_idle(http)
+    assert info["prefix_cache"]["enabled"] and info["prefix_cache"]["hit_tokens"] >= 64
+    assert 0 < info["prefix_cache"]["hit_rate"] <= 1
+    after = scrape(http)
+    hits = after[("ngrammar_prefix_cache_hits_total", ())] - before.get(
+        ("ngrammar_prefix_cache_hits_total", ()), 0
+    )
+    assert hits >= second.prompt_tokens_details.cached_tokens
+    assert (
+        after[("ngrammar_prefix_cache_queries_total", ())] >= after[("ngrammar_prefix_cache_hits_total", ())]
+    )

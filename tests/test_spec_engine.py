@@ -502,7 +502,7 @@ def test_a_sequence_bias_shifts_the_first_draft_rate_only() -> None:
     bias = policy.acceptance.seq_bias["s"].value
     assert bias > 0
     first, p = policy.acceptance.first[(16, 4)].p, policy.acceptance.cont[4].p
-    levels = policy._levels(16)[4]
+    levels = policy.acceptance.levels(16)[4]
     f = min(first + bias, 0.97)
     assert policy.expected_drafts("s", 4, 16) == pytest.approx(
         f * (1 + p * (1 - p ** (levels - 1)) / (1 - p))
@@ -519,7 +519,9 @@ def test_a_shallow_tree_is_not_priced_as_a_chain() -> None:
         policy._lengths["s"] = 1
         policy.observe(1, 16, 0.05, {"s": 1}, censored={"s"}, depths={"s": 2})
     assert policy.expected_drafts("s", 1, 16) <= 2.0
-    assert policy._levels(4)[1] == 3.0  # width 4 has no depth learned: priced as a chain of 3 levels
+    assert (
+        policy.acceptance.levels(4)[1] == 3.0
+    )  # width 4 has no depth learned: priced as a chain of 3 levels
 
 
 @settings(max_examples=60, deadline=None)
@@ -658,7 +660,8 @@ def test_plain_steps_index_while_the_host_would_wait_for_the_device(spec_llm: LL
         for i in range(2)
     ]
     saved = (
-        worker.engine,
+        worker.stats,
+        worker.device,
         worker.policy,
         worker._constrained,
         worker._plain_skips,
@@ -667,19 +670,19 @@ def test_plain_steps_index_while_the_host_would_wait_for_the_device(spec_llm: LL
     )
     stats = copy.copy(eng.stats)
     stats.last_step_seconds = 0.004  # the last plain step took a plain step's time: its work was hidden
-    stub = SimpleNamespace(read_wait=0.0, stats=stats, device=torch.device("cpu"))
+    stub = SimpleNamespace(read_wait=0.0)  # what the engine's last commit waited for the device
 
     def indexed() -> list[int]:
         return [len(s.token_ids) - worker.corpus.indexed_length(s.seq_id) for s in seqs]  # tokens behind
 
     try:
-        worker.engine, worker.policy = stub, policy  # type: ignore[assignment]
+        worker.stats, worker.device, worker.policy = stats, torch.device("cpu"), policy
         worker._constrained, worker._plain_skips, worker._plain_host_seconds = False, 0, 0.0
         worker._index_cost = 1e-3  # 1 ms per token: 2 ms for the batch, half the step
-        worker.index_plain_step(seqs)
+        worker.index_plain_step(seqs, stub.read_wait)
         assert indexed() == [30, 30]  # no wait: skipped
         stub.read_wait = 0.0035  # the host waited 3.5 ms: 2 ms of indexing fits, with the 1 ms margin
-        worker.index_plain_step(seqs)
+        worker.index_plain_step(seqs, stub.read_wait)
         assert indexed() == [0, 0]
         for s in seqs:
             s.token_ids.append(7)
@@ -688,13 +691,13 @@ def test_plain_steps_index_while_the_host_would_wait_for_the_device(spec_llm: LL
             0.001,
         )  # what indexing left of the wait, plus its own time: too little
         worker._plain_host_seconds = 0.0005
-        worker.index_plain_step(seqs)
+        worker.index_plain_step(seqs, stub.read_wait)
         assert indexed() == [1, 1]
         # The last engine step's own work counts as idle time when it was hidden (the step took a
         # plain step's time): 1 + 2.5 - 1 ms leaves room for 2 ms of indexing ...
         worker._index_cost, stub.read_wait, worker._plain_host_seconds = 1e-3, 0.001, 0.0025
         worker._plain_host_step = stats.steps - 1
-        worker.index_plain_step(seqs)
+        worker.index_plain_step(seqs, stub.read_wait)
         assert indexed() == [0, 0]
         # ... not when that step took longer than plain steps do (the work delayed it) ...
         for s in seqs:
@@ -702,31 +705,32 @@ def test_plain_steps_index_while_the_host_would_wait_for_the_device(spec_llm: LL
         stats.last_step_seconds = 0.0065
         worker._index_cost, stub.read_wait, worker._plain_host_seconds = 1e-3, 0.001, 0.0025
         worker._plain_host_step = stats.steps - 1
-        worker.index_plain_step(seqs)
+        worker.index_plain_step(seqs, stub.read_wait)
         assert indexed() == [1, 1]
         stats.last_step_seconds = 0.004
         # ... and not when it was spent before the last engine step (a prefill or verify step since).
         worker._index_cost, stub.read_wait, worker._plain_host_seconds = 1e-3, 0.001, 0.0025
         worker._plain_host_step = stats.steps - 2
-        worker.index_plain_step(seqs)
+        worker.index_plain_step(seqs, stub.read_wait)
         assert indexed() == [1, 1]
         # A host-bound step (no wait) whose indexing took long: that time was not idle, no indexing.
         worker._plain_host_seconds, stub.read_wait, worker._index_cost = 0.01, 0.0, 1e-3
-        worker.index_plain_step(seqs)
+        worker.index_plain_step(seqs, stub.read_wait)
         assert indexed() == [1, 1]
         # On CUDA the time allowed is the catch-up's budget too: the idle time less the margin, and
         # never more than a plain step's (a prefill's commit waited for the whole prefill).
         budgets: list[float | None] = []
         worker.index_outputs = lambda seqs, budget=None: budgets.append(budget)  # type: ignore[method-assign]
-        stub.device = torch.device("cuda")
+        worker.device = torch.device("cuda")
         for wait in (0.0035, 0.05):
             stub.read_wait, worker._index_cost, worker._plain_host_seconds = wait, 1e-3, 0.0
-            worker.index_plain_step(seqs)
+            worker.index_plain_step(seqs, stub.read_wait)
         assert budgets == [pytest.approx(0.0025), pytest.approx(0.003)]
     finally:
         worker.__dict__.pop("index_outputs", None)  # the class's method again
         (
-            worker.engine,
+            worker.stats,
+            worker.device,
             worker.policy,
             worker._constrained,
             worker._plain_skips,
@@ -772,12 +776,10 @@ def test_the_catch_up_budget_is_a_plain_step_at_the_batch_size_and_only_on_cuda(
     policy = AdaptiveDraftPolicy(max_width=16)
     for _ in range(2):
         policy.observe(6, 1, 0.003)  # 3 ms for 6 sequences: 4 ms per step of the bucket of 8
-    stub = SimpleNamespace(
-        engine=SimpleNamespace(device=torch.device("cuda")), policy=policy, _constrained=False
-    )
+    stub = SimpleNamespace(device=torch.device("cuda"), policy=policy, _constrained=False)
     assert NgramSpecWorker._index_budget(stub, 5) == pytest.approx(0.0025)  # type: ignore[arg-type]
     assert NgramSpecWorker._index_budget(stub, 16) is None  # type: ignore[arg-type]  # bucket not timed
-    stub.engine.device = torch.device("cpu")
+    stub.device = torch.device("cpu")
     assert NgramSpecWorker._index_budget(stub, 5) is None  # type: ignore[arg-type]
 
 

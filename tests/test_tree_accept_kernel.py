@@ -76,8 +76,8 @@ def test_kernel_on_chains_padding_and_the_golden_tree() -> None:
     want = verify_tree_greedy(tokens, mask, predict)
     got = greedy_tree_accept(tokens.to(DEVICE), mask.to(DEVICE), predict.to(DEVICE))
     _same(got, want)
-    assert got.result.accept_len.tolist() == [4, 4, 3]  # golden: root -> node 2 (7) -> node 3 (3), bonus 1
-    assert got.result.accept_tokens[2].tolist() == [7, 3, 1, -1]
+    assert got.accept_len.tolist() == [4, 4, 3]  # golden: root -> node 2 (7) -> node 3 (3), bonus 1
+    assert got.accept_tokens[2].tolist() == [7, 3, 1, -1]
 
 
 def test_kernel_rejects_mismatched_shapes() -> None:

@@ -109,7 +109,7 @@ class DriverRunner(ModelRunner):
         channel: StepChannel,
         ranks: RankProcesses,
     ) -> None:
-        super().__init__(checkpoint, device, dtype, num_pages, page_size, backend, tp)
+        super().__init__(checkpoint, device, dtype, num_pages, page_size, backend, tp=tp)
         self.channel = channel
         self.ranks = ranks
         self._closed = False

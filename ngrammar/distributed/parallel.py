@@ -65,6 +65,22 @@ def check_tensor_parallel(config: ModelConfig, tp: int, device: torch.device, nn
         raise ParallelConfigError(f"tensor parallelism runs on cuda (NCCL) or cpu (gloo), not {device.type}")
 
 
+def tensor_parallel_quantization(quantization: str, tp: int) -> str:
+    """``quantization`` (as ``resolve_quantization`` returns it) at ``tp`` ranks: the 4-bit weights
+    (``model/quant.py``) are not sharded, so ``int4`` is refused and ``auto`` keeps dense weights."""
+    if tp > 1 and quantization == "int4":
+        raise ParallelConfigError(
+            f"--quantization int4 does not run with --tp {tp} (4-bit weights are not sharded across "
+            "ranks); use --quantization none"
+        )
+    if tp > 1 and quantization == "auto":
+        from ngrammar.model.quant import notice
+
+        notice(f"--quantization auto: dense weights at --tp {tp} (4-bit weights are not sharded)")
+        return "none"
+    return quantization
+
+
 def local_model_config(config: ModelConfig, tp: int) -> ModelConfig:
     """The shapes one rank's modules have: heads, KV heads, MLP width and vocabulary divided by tp."""
     return dataclasses.replace(

@@ -105,7 +105,7 @@ def _serve(spec: RankSpec) -> None:
         spec.num_pages or int(store.get("num_pages")),
         spec.page_size,
         attention_backend(spec.attention_backend, device),
-        tp,
+        tp=tp,
     )
     store.add("loaded", 1)
     serve_steps(runner, channel)

@@ -41,8 +41,9 @@ class ReplicaLoad:
 
     num_running: int
     num_waiting: int
-    kv_pages_free: int
+    kv_pages_free: int  # (cached prefix pages nobody reads count as free)
     kv_pages_total: int
+    kv_pages_cached: int
     stats: EngineStats
 
 
@@ -141,5 +142,6 @@ def _load(engine: object) -> ReplicaLoad:
         len(engine.scheduler.waiting),
         pool.num_free,
         pool.num_pages,
+        pool.num_cached,
         dataclasses.replace(engine.stats),
     )

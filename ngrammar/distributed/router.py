@@ -1,9 +1,10 @@
 """Data-parallel serving: N replica processes (``--dp N``, each a whole engine, possibly ``--tp``)
 behind the one HTTP server.
 
-``ReplicaRouter`` has ``AsyncEngine``'s interface (``start`` / ``stop`` / ``alive`` / ``submit`` /
-``abort`` / ``snapshot`` / ``max_queue``), so the app's handlers do not know how many engines serve
-them. Each prompt goes to the live replica with the fewest requests in flight; a reader thread per
+``ReplicaRouter`` has ``AsyncEngine``'s interface (``start`` / ``stop`` / ``alive`` / ``check_fits`` /
+``submit`` / ``abort`` / ``snapshot`` / ``step_running_for`` / ``max_queue``, admission counted in
+sequences, prompts x n), so the app's handlers do not know how many engines serve them. Each prompt
+goes to the live replica with the fewest sequences in flight; a reader thread per
 replica turns its messages into the handlers' updates and the server's metrics (counters fed as
 outputs arrive, gauges from the replicas' loads summed). A replica whose process ends (killed,
 crashed) is reported once, its requests fail with ``EngineFailure`` naming it, and the others keep
@@ -21,7 +22,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -75,8 +76,13 @@ class ReplicaFront:
         self.blocks = _Pages(info.page_size)
         from ngrammar.grammar import GrammarBackend
 
+        # Compiles (and so checks) each request's grammar within the server's budget before it is
+        # routed; the replica compiles it again for its own matchers (its cache is its own).
         self.grammar_backend = GrammarBackend(
-            self.tokenizer, checkpoint.config.vocab_size, config.grammar_cache_size
+            self.tokenizer,
+            checkpoint.config.vocab_size,
+            config.grammar_cache_size,
+            cache_max_bytes=config.grammar_cache_mb << 20,
         )
 
     def tokenize(self, prompt: str | list[int] | Sequence[Message]) -> list[int]:
@@ -95,6 +101,8 @@ class Replica:
         self.conn = conn
         self.send_lock = threading.Lock()
         self.requests: dict[str, RequestGroup] = {}  # in flight there; guarded by the router's lock
+        self.sequences = 0  # sequences (n of each request) in flight there; guarded likewise
+        self.heard = time.monotonic()  # when it last reported, or was sent a request while idle
         self.load: ReplicaLoad | None = None
         self.routed = 0  # requests sent to it so far
         self.alive = True
@@ -114,6 +122,7 @@ class ReplicaRouter:
         self.metrics = metrics
         self._lock = threading.Lock()  # guards every replica's ``requests`` and ``_emitted``
         self._emitted: dict[str, int] = {}  # tokens counted into metrics so far, per request
+        self._weights: dict[str, int] = {}  # sequences (n) of each request in flight
         self._loop: asyncio.AbstractEventLoop | None = None
         self._readers: list[threading.Thread] = []
         self._stopping = threading.Event()
@@ -160,31 +169,54 @@ class ReplicaRouter:
     def alive(self) -> bool:
         return bool(self._readers) and not self._stopping.is_set() and any(r.alive for r in self.replicas)
 
+    def step_running_for(self) -> float:
+        """Seconds the slowest busy replica has gone without reporting a step (0 when none is busy):
+        what ``AsyncEngine.step_running_for`` is for one engine (/health's stall check)."""
+        now = time.monotonic()
+        with self._lock:
+            busy = [now - r.heard for r in self.replicas if r.alive and r.requests]
+        return max(busy, default=0.0)
+
     # ------------------------------------------------------ handler-side API
+    def check_fits(self, num_sequences: int) -> None:
+        """Raise InvalidRequestError for a request of ``num_sequences`` that no wait would admit."""
+        if num_sequences > self.max_queue:
+            raise InvalidRequestError(
+                f"the request asks for {num_sequences} sequences (prompts x n), more than the server's "
+                f"queue of {self.max_queue} holds; send fewer prompts or a smaller n"
+            )
+
     def submit(
-        self, prompts: list[list[int]], params: Sequence[SamplingParams], prefix: str = "req"
+        self,
+        prompts: list[list[int]],
+        params: Sequence[SamplingParams],
+        prefix: str = "req",
+        on_admitted: Callable[[], None] | None = None,
     ) -> RequestGroup:
-        """Queue each prompt on the least-loaded live replica (``AsyncEngine.submit``'s contract)."""
+        """Queue each prompt on the live replica with the fewest sequences in flight
+        (``AsyncEngine.submit``'s contract; ``on_admitted`` runs once per prompt when it was sent)."""
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         if not self.alive:
             raise EngineUnavailable("no data-parallel replica is running")
-        if len(prompts) > self.max_queue:
-            raise InvalidRequestError(
-                f"a batch of {len(prompts)} prompts exceeds the server's queue of {self.max_queue}"
-            )
+        seqs = sum(p.n for p in params)
+        self.check_fits(seqs)
         ids = [f"{prefix}-{uuid.uuid4().hex}" for _ in prompts]
         group = RequestGroup(self, ids)  # type: ignore[arg-type]
         routed = []
         with self._lock:
-            if self._inflight() + len(prompts) > self.max_queue:
+            if self._inflight() + seqs > self.max_queue:
                 raise QueueFull(self.max_queue)
-            for request_id in ids:
+            for request_id, p in zip(ids, params):
                 live = [r for r in self.replicas if r.alive]
                 if not live:
                     raise EngineUnavailable("no data-parallel replica is running")
-                replica = min(live, key=lambda r: (len(r.requests), r.index))
+                replica = min(live, key=lambda r: (r.sequences, r.index))
+                if not replica.requests:
+                    replica.heard = time.monotonic()  # an idle replica's stall clock starts now
                 replica.requests[request_id] = group
+                replica.sequences += p.n
+                self._weights[request_id] = p.n
                 replica.routed += 1
                 routed.append(replica)
         for replica, request_id, prompt_ids, p in zip(routed, ids, prompts, params):
@@ -192,6 +224,9 @@ class ReplicaRouter:
                 replica.send(("add", request_id, prompt_ids, p))
             except OSError:  # it died in between: its reader fails what it held, this one included
                 pass
+            finally:
+                if on_admitted is not None:
+                    on_admitted()
             if self.metrics is not None:
                 self.metrics.observe_admitted(len(prompt_ids))
         return group
@@ -206,7 +241,14 @@ class ReplicaRouter:
                 pass
 
     def _inflight(self) -> int:
-        return sum(len(r.requests) for r in self.replicas)
+        return sum(r.sequences for r in self.replicas)
+
+    def _forget(self, replica: Replica, request_id: str) -> RequestGroup | None:
+        """Drop a request that ended there (caller holds the lock); its group, if it was held."""
+        group = replica.requests.pop(request_id, None)
+        replica.sequences -= self._weights.pop(request_id, 0)
+        self._emitted.pop(request_id, None)
+        return group
 
     # --------------------------------------------------------- reader threads
     def _read(self, replica: Replica) -> None:
@@ -225,6 +267,7 @@ class ReplicaRouter:
 
     def _on_message(self, replica: Replica, message: tuple[Any, ...]) -> None:
         kind = message[0]
+        replica.heard = time.monotonic()
         if kind == "step":
             _, outputs, seconds, load = message
             replica.load = load
@@ -238,8 +281,7 @@ class ReplicaRouter:
             _, request_id, name, text = message
             error = _rebuild_error(name, text)
             with self._lock:
-                group = replica.requests.pop(request_id, None)
-                self._emitted.pop(request_id, None)
+                group = self._forget(replica, request_id)
             if group is not None:
                 self._deliver(group, request_id, error)
 
@@ -253,8 +295,7 @@ class ReplicaRouter:
             before = self._emitted.get(out.request_id, 0)
             self._emitted[out.request_id] = total
             if out.finished:
-                del replica.requests[out.request_id]
-                self._emitted.pop(out.request_id, None)
+                self._forget(replica, out.request_id)
         if out.finished and self.metrics is not None:
             self.metrics.observe_finished(out)
         self._deliver(group, out.request_id, out)
@@ -266,9 +307,9 @@ class ReplicaRouter:
                 if mark_dead:
                     replica.alive = False
                     replica.error = str(error)
-                held, replica.requests = replica.requests, {}
+                held = dict(replica.requests)
                 for request_id in held:
-                    self._emitted.pop(request_id, None)
+                    self._forget(replica, request_id)
             for request_id, group in held.items():
                 self._deliver(group, request_id, error)
         self._publish()
@@ -302,6 +343,7 @@ class ReplicaRouter:
             num_inflight=inflight,
             kv_pages_free=free,
             kv_pages_total=total,
+            kv_pages_cached=sum(x.kv_pages_cached for x in loads),
             kv_usage=1.0 - free / total if total else 0.0,
             stats=_sum_stats([x.stats for x in loads]),
             taken_at=time.time(),
@@ -312,7 +354,7 @@ def _sum_stats(stats: list[EngineStats]) -> EngineStats:
     out = EngineStats()
     for f in dataclasses.fields(EngineStats):
         values = [getattr(s, f.name) for s in stats]
-        if values:
+        if values and f.name != "gap_start":  # (a replica's own clock reading: no sum)
             setattr(out, f.name, max(values) if f.name == "last_step_seconds" else sum(values))
     return out
 

@@ -18,14 +18,17 @@ import random
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ngrammar.config import EngineConfig
 from ngrammar.engine.block_manager import BlockManager, PageAllocator
+from ngrammar.engine.grammar_rows import GrammarRows
+from ngrammar.engine.logprobs import logprob_tensors, unpack_logprobs
 from ngrammar.engine.scheduler import Scheduler
 from ngrammar.engine.sequence import Sequence
+from ngrammar.engine.stats import EngineStats, StepKind, StepRecord, timed_forward
 from ngrammar.model.config import ModelConfig
 from ngrammar.model.loader import Checkpoint, resolve_checkpoint
 from ngrammar.model.tokenizer import Message, Tokenizer
@@ -39,6 +42,7 @@ from ngrammar.runner.model_runner import (
     kv_bytes_per_token,
     resolve_device,
     resolve_dtype,
+    resolve_quantization,
 )
 from ngrammar.runner.sampler import SamplingTensors, sample
 from ngrammar.runner.transfer import to_device
@@ -46,7 +50,10 @@ from ngrammar.sampling_params import InvalidRequestError, SamplingParams
 
 if TYPE_CHECKING:
     from ngrammar.grammar import GrammarBackend
-    from ngrammar.speculative.worker import NgramSpecWorker
+    from ngrammar.speculative.replay import ReplayTarget
+    from ngrammar.speculative.worker import NgramSpecWorker, PendingVerify, VerifyResult
+
+__all__ = ["EngineStats", "LLMEngine", "Request", "StepKind", "StepRecord"]
 
 
 def tokenize_prompt(
@@ -120,61 +127,13 @@ class _InFlight:
     restart: float | None = None
 
 
-StepKind = Literal["chain", "decode", "verify", "prefill", "idle"]
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One engine step, for ``LLMEngine.step_trace`` (where a benchmark's time goes, step by step)."""
-
-    # "chain": a plain step launched before the previous one was read back; "decode": a plain one
-    # launched from committed state
-    kind: StepKind
-    batch_size: int  # sequences in the step (prefill: chunks)
-    width: int  # draft width (1: plain)
-    start: float  # perf_counter() at the start of the engine step
-    seconds: float  # the engine step's wall time
-    host_seconds: float  # of which host drafting / corpus indexing and grammar masks
-    reason: str = ""  # decode steps with NGRAM: why the draft policy chose the width (``policy.REASONS``)
-    shadow_seconds: float = 0.0  # of ``host_seconds``, shadow drafts (``NgramSpecWorker._shadow_step``)
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    chained_steps: int = 0  # plain decode steps launched before the previous step was read back
-    policy_drains: int = 0  # chains the draft policy broke for a verify step (overlap scheduling)
-    # ... after which the next decode step was plain after all: the policy, seeing the committed
-    # token, called the verify step off (or the batch changed: a member finished on that token)
-    false_drains: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    verify_steps: int = 0  # sequence-steps verified with a draft tree
-    verify_emitted: int = 0  # tokens those verify steps emitted, bonus included
-    spec_steps: int = 0  # batched verify steps
-    draft_seconds: float = 0.0  # host drafting (corpus match + tree build) and corpus indexing
-    shadow_trees: int = 0  # shadow trees drafted during plain steps (``ShadowDrafts``)
-    shadow_samples: int = 0  # ... walked to a decision and taught to the draft policy
-    shadow_seconds: float = 0.0  # host time of both
-    grammar_seconds: float = 0.0  # host grammar masks (links + DFS), overlapped with the forward
-    grammar_pruned_nodes: int = 0  # draft nodes a grammar forbade, dropped before the verify launch
-    trimmed_nodes: int = (
-        0  # tree nodes (padding, forbidden drafts) verify steps did not compute: B * (D - D')
-    )
-    vetoed_steps: int = 0  # verify steps called off: no draft was left to verify (a plain step ran)
-    verify_seconds: float = 0.0  # whole verify steps
-    forward_seconds: float = 0.0
-    step_seconds: float = 0.0
-    last_step_seconds: float = 0.0
-    finished_requests: int = 0
-
-    @property
-    def avg_spec_accept_length(self) -> float:
-        return self.verify_emitted / self.verify_steps if self.verify_steps else 0.0
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        if config.data_parallel_size > 1:
+            raise ValueError(
+                f"data_parallel_size {config.data_parallel_size}: replicas run behind the server "
+                "(ngrammar serve --dp N); one engine is one replica"
+            )
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -183,16 +142,23 @@ class LLMEngine:
         self.model_name = checkpoint.name
         self.tokenizer = Tokenizer(checkpoint.tokenizer_dir, checkpoint.config.eos_token_ids)
         self.max_model_len = self._context_length(config.max_model_len, checkpoint.config)
+        quantization = resolve_quantization(config.quantization, config.dtype, self.device)
         if config.tensor_parallel_size > 1:  # before any process starts or weight is read
-            from ngrammar.distributed.parallel import check_tensor_parallel
+            from ngrammar.distributed.parallel import check_tensor_parallel, tensor_parallel_quantization
 
             check_tensor_parallel(checkpoint.config, config.tensor_parallel_size, self.device, config.nnodes)
+            quantization = tensor_parallel_quantization(quantization, config.tensor_parallel_size)
         num_pages = self._num_pages()
         # The pool gets one page past the allocator's range (page ``num_pages``): no sequence ever
         # owns it, so CUDA-graph padding rows write their K/V there.
-        self.runner = self._runner(checkpoint, num_pages + 1)
-        self.blocks = BlockManager(PageAllocator(num_pages, config.page_size))
-        self.scheduler = Scheduler(self.blocks, config.max_running_requests, config.max_prefill_tokens)
+        self.runner = self._runner(checkpoint, num_pages + 1, quantization)
+        self.blocks = BlockManager(PageAllocator(num_pages, config.page_size), config.prefix_cache)
+        self.scheduler = Scheduler(
+            self.blocks,
+            config.max_running_requests,
+            config.max_prefill_tokens,
+            self._mixed_step_tokens(),
+        )
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._rng = random.Random(config.seed)
@@ -201,7 +167,13 @@ class LLMEngine:
         self.overlap = (
             config.overlap_schedule if config.overlap_schedule is not None else self.device.type == "cuda"
         )
-        self._in_flight: _InFlight | None = None  # overlap scheduling: the plain step not read back yet
+        # Verify steps left in flight: the next engine step commits them (``PendingVerify``).
+        self.pipeline = (
+            config.pipeline_verify if config.pipeline_verify is not None else self.overlap
+        ) and config.speculative is not None
+        self.grammar_rows = GrammarRows(self.model_config.vocab_size, self.device, self.stats)
+        # The step not read back yet: a plain one (overlap scheduling) or a verify one (pipelined).
+        self._in_flight: _InFlight | PendingVerify | None = None
         self._step_start = 0.0  # perf_counter() at the start of the current engine step
         self._last_commit = 0.0  # perf_counter() when the last step's tokens were committed
         self._policy_drained = False  # the chain was just broken because the policy wanted a verify step
@@ -212,21 +184,34 @@ class LLMEngine:
         # the next step's forward was already running). ~0 on a CPU; after a prefill, its forward.
         self.read_wait = 0.0
         self.step_trace: list[StepRecord] | None = None  # a list: every step is recorded in it
+        self.replay: ReplayTarget | None = None  # benchmarks: recorded outputs decide (``set_replay``)
         self.spec: NgramSpecWorker | None = None
         if config.speculative is not None:
             from ngrammar.speculative.worker import NgramSpecWorker
 
-            self.spec = NgramSpecWorker(config.speculative, self)
+            self.spec = NgramSpecWorker(config.speculative, self.runner, self.grammar_rows, self.stats)
         if config.cuda_graph and self.device.type == "cuda" and graph_capturable(self.runner.backend):
             self.enable_cuda_graphs(capture=True)
 
     # ----------------------------------------------------------------- set-up
-    def _runner(self, checkpoint: Checkpoint, num_pages: int) -> ModelRunner:
+    def set_replay(self, target: ReplayTarget | None) -> None:
+        """Let recorded greedy outputs decide every token (``speculative/replay.py``), or stop."""
+        self.replay = target
+        if self.spec is not None:
+            self.spec.replay = target
+
+    def _runner(self, checkpoint: Checkpoint, num_pages: int, quantization: str) -> ModelRunner:
         """This process's runner; with ``tensor_parallel_size`` > 1, rank 0's, which starts the other
         ranks and sends them every step (``ngrammar.distributed``)."""
         if self.config.tensor_parallel_size == 1:
             return ModelRunner(
-                checkpoint, self.device, self.dtype, num_pages, self.config.page_size, self._backend()
+                checkpoint,
+                self.device,
+                self.dtype,
+                num_pages,
+                self.config.page_size,
+                self._backend(),
+                quantization,
             )
         from ngrammar.distributed.driver import start_tensor_parallel
 
@@ -247,11 +232,7 @@ class LLMEngine:
         (``NgramSpecWorker._trimmed_width``); all graphs are captured here, up front, so no capture
         lands inside a timed step.
         """
-        widths = [1]
-        if self.spec is not None:
-            policy = self.spec.policy
-            narrower = policy.learns or self.spec.config.trim_trees
-            widths = policy.widths if narrower else [1, policy.max_width]
+        widths = [1] if self.spec is None else self.spec.graph_widths()
         # With tensor parallelism the greedy acceptor stays eager: each rank moves its own KV shard
         # (``distributed.driver.DriverRunner.compact_accepted_kv``), which a rank-0-only graph would not.
         one_rank = self.config.tensor_parallel_size == 1
@@ -263,6 +244,15 @@ class LLMEngine:
             capture=capture,
             acceptor=self.spec.graph_acceptor if self.spec is not None and one_rank else None,
         )
+
+    def _mixed_step_tokens(self) -> int | None:
+        """The token budget of a mixed step (None: no mixed steps)."""
+        c = self.config
+        if not c.mixed_steps:
+            return None
+        if c.mixed_step_tokens is not None:
+            return c.mixed_step_tokens
+        return 512 if self.device.type == "cuda" else 64
 
     @staticmethod
     def _context_length(requested: int | None, model: ModelConfig) -> int:
@@ -303,7 +293,10 @@ class LLMEngine:
             from ngrammar.grammar import GrammarBackend
 
             self._grammar = GrammarBackend(
-                self.tokenizer, self.model_config.vocab_size, self.config.grammar_cache_size
+                self.tokenizer,
+                self.model_config.vocab_size,
+                self.config.grammar_cache_size,
+                cache_max_bytes=self.config.grammar_cache_mb << 20,
             )
         return self._grammar
 
@@ -388,7 +381,7 @@ class LLMEngine:
         """Run one scheduled forward; returns outputs of requests that progressed or finished."""
         start = self._step_start = time.perf_counter()
         host, shadow = self._host_seconds(), self.stats.shadow_seconds
-        if self._in_flight is not None and self._chain_decode():
+        if isinstance(self._in_flight, _InFlight) and self._chain_decode():
             kind: StepKind = "chain"
             size, width = len(self._in_flight.seqs), 1
         else:
@@ -401,9 +394,7 @@ class LLMEngine:
             host = self._host_seconds() - host
             # The policy's last decision is this step's: the schedule's, or the chain's decided ahead.
             reason = (
-                self.spec.policy.reason
-                if self.spec is not None and kind in ("chain", "decode", "verify")
-                else ""
+                self.spec.reason if self.spec is not None and kind in ("chain", "decode", "verify") else ""
             )
             self.step_trace.append(
                 StepRecord(
@@ -418,7 +409,8 @@ class LLMEngine:
                 )
             )
         outputs = self._collect_outputs()
-        if kind == "verify":
+        if kind == "verify" and self._in_flight is None:
+            # Committed in its own engine step: the device idled through the rest of it.
             self._verify_tail = time.perf_counter() - self._last_commit
         return outputs
 
@@ -427,7 +419,14 @@ class LLMEngine:
         st = self.stats
         return st.draft_seconds + st.grammar_seconds + st.shadow_seconds
 
-    def _observe(self, batch_size: int, width: int, launched: float, restart: float | None = None) -> None:
+    def _observe(
+        self,
+        batch_size: int,
+        width: int,
+        launched: float,
+        restart: float | None = None,
+        result: VerifyResult | None = None,
+    ) -> None:
         """A decode step's tokens were just committed: time it for the draft policy.
 
         A step costs the time from the previous step's commit to its own (overlapped steps commit
@@ -437,13 +436,15 @@ class LLMEngine:
         seconds = now - max(self._last_commit, launched)
         self._last_commit = now
         if self.spec is not None:
-            self.spec.observe_step(batch_size, width, seconds, restart)
+            self.spec.observe_step(batch_size, width, seconds, restart, result)
 
-    def _schedule_and_run(self) -> tuple[Literal["decode", "verify", "prefill", "idle"], int, int]:
+    def _schedule_and_run(self) -> tuple[StepKind, int, int]:
         """Schedule and run one step from committed state; returns its kind, size and width
         (``StepRecord``)."""
         self._retire()  # aborted sequences must not be scheduled again
         batch = self.scheduler.schedule(self._decode_width)
+        self.stats.prefix_cache_query_tokens = self.blocks.query_tokens
+        self.stats.prefix_cache_hit_tokens = self.blocks.hit_tokens
         if self._policy_drained and batch.decode and batch.width == 1:
             self.stats.false_drains += 1
         self._policy_drained = False
@@ -453,18 +454,22 @@ class LLMEngine:
         if batch.failed and self.spec is not None:
             self.spec.on_finish(batch.failed)  # not in running any more: _retire will not see them
         if batch.prefill:
-            self._run_prefill(batch.prefill)
+            self._run_prefill(batch.prefill, batch.decode)
             self._last_commit = time.perf_counter()
+            if batch.decode:
+                return "mixed", len(batch.decode) + len(batch.prefill), 1
             return "prefill", len(batch.prefill), 1
         if not batch.decode:
             return "idle", 0, 1
         if batch.width > 1 and self.spec is not None:
-            verified = self.spec.run_verify(batch.decode, batch.width)
-            if verified:  # (narrower than batch.width where the trees were trimmed)
-                # The policy is taught the width it chose, at the cost of the trimmed trees it
-                # led to.
-                self._observe(len(batch.decode), batch.width, self._step_start)
-                return "verify", len(batch.decode), verified
+            pending = self.spec.launch_verify(batch.decode, batch.width, self._step_start, self.pipeline)
+            if pending is not None:  # (narrower than batch.width where the trees were trimmed)
+                if self.pipeline:
+                    self._in_flight = pending  # committed by the next step, first thing
+                    self.stats.pipelined_steps += 1
+                else:
+                    self._commit_verify(pending)
+                return "verify", len(batch.decode), pending.width
         self._run_decode(batch.decode, tail if self.overlap else None)
         return "decode", len(batch.decode), 1
 
@@ -474,14 +479,21 @@ class LLMEngine:
         inside ``max_model_len`` (the RoPE table and the KV bound end there)."""
         if self.spec is None or not seqs:
             return 1
-        width = self.spec.choose_width(seqs)
+        width = self.spec.choose_width(seqs, draining=not self.scheduler.waiting)
         if width > 1 and max(len(s.token_ids) for s in seqs) + width - 1 > self.max_model_len:
             return 1
         return width
 
-    def _run_prefill(self, chunks: list[tuple[Sequence, int]]) -> None:
-        tokens, positions, rows, sampled = [], [], [], []
-        offset = 0
+    def _run_prefill(self, chunks: list[tuple[Sequence, int]], decode: Seq[Sequence] = ()) -> None:
+        """A prefill step, or with ``decode`` a mixed step: one forward whose first rows are the
+        decode sequences' plain step (one token each) and the rest the prefill chunks; a token is
+        sampled for every decode sequence and every sequence whose prompt the step completes. Not
+        timed for the draft policy: it is not a plain step."""
+        tokens = [[s.token_ids[-1]] for s in decode]
+        positions = [[s.num_cached] for s in decode]
+        rows = list(range(len(decode)))
+        sampled = list(decode)
+        offset = len(decode)
         for seq, n in chunks:
             lo = seq.num_cached
             tokens.append(seq.token_ids[lo : lo + n])
@@ -490,15 +502,25 @@ class LLMEngine:
             if lo + n == len(seq.token_ids):  # the final chunk of a new sequence: sample its first token
                 rows.append(offset - 1)
                 sampled.append(seq)
+        members = [*decode, *(s for s, _ in chunks)]
         step = StepInput(
-            tokens, positions, [s.num_cached for s, _ in chunks], [s.pages for s, _ in chunks], rows or [0]
+            tokens, positions, [s.num_cached for s in members], [s.pages for s in members], rows or [0]
         )
-        logits = self.timed_forward(step)
+        logits = timed_forward(self.runner, step, self.stats)
+        for seq in decode:
+            seq.num_cached += 1
         for seq, n in chunks:
             seq.num_cached += n
         self.stats.prefill_tokens += sum(n for _, n in chunks)
-        if sampled:
-            self._sample_and_commit(sampled, logits[: len(sampled)])
+        if not sampled:
+            return
+        flight = self._sample(sampled, logits[: len(sampled)])
+        if decode:
+            self.stats.mixed_steps += 1
+            if self.spec is not None:
+                self.spec.index_plain_step(list(decode), self.read_wait)
+        self.stats.decode_tokens += sum(not s.is_finished for s in decode)  # (what the commit appends)
+        self._commit(flight)
 
     def _run_decode(self, seqs: list[Sequence], restart: float | None) -> None:
         """A plain step from committed state. ``restart`` (overlap): it is the first after a verify
@@ -523,7 +545,7 @@ class LLMEngine:
             list(range(len(seqs))),
             input_ids=input_ids,
         )
-        logits = self.timed_forward(step)
+        logits = timed_forward(self.runner, step, self.stats)
         for seq in seqs:
             seq.num_cached += 1
         return logits
@@ -533,8 +555,8 @@ class LLMEngine:
         those tokens while the forward runs. Members that finished, or finish with the token in
         flight, are left out of the launch (``_chainable``); False (nothing launched) when the
         batch cannot simply go on."""
-        assert self._in_flight is not None
         flight = self._in_flight
+        assert isinstance(flight, _InFlight)
         chain = self._chainable(flight.seqs)
         if chain is None:
             return False
@@ -555,7 +577,7 @@ class LLMEngine:
         on a GPU that host work runs while the device computes."""
         flight = self._sample(seqs, logits)
         if self.spec is not None:
-            self.spec.index_plain_step(seqs)
+            self.spec.index_plain_step(seqs, self.read_wait)
         return flight
 
     def _chainable(self, seqs: list[Sequence]) -> tuple[list[int], list[Sequence]] | None:
@@ -590,7 +612,7 @@ class LLMEngine:
         # The policy sees the committed tokens, one behind the step it decides for, and prices the
         # token in flight: chain unless a verify step is expected to pay; otherwise drain and decide
         # afresh with that token.
-        plain = self.spec is None or self.spec.choose_width(members, ahead=True) == 1
+        plain = self.spec is None or self.spec.choose_width(members, not sched.waiting, ahead=True) == 1
         if not plain:
             self.stats.policy_drains += 1
             self._policy_drained = True
@@ -600,17 +622,27 @@ class LLMEngine:
         """Commit the step in flight, if any (its forward and sampling are already queued)."""
         if self._in_flight is not None:
             flight, self._in_flight = self._in_flight, None
-            self._commit_decode(flight)
+            if isinstance(flight, _InFlight):
+                self._commit_decode(flight)
+            else:
+                self._commit_verify(flight)
+
+    def _commit_verify(self, pending: PendingVerify) -> None:
+        """Wait for a verify step's result and commit each member's accepted run; the policy is
+        taught the width it chose, at the cost of the trimmed trees it led to."""
+        t = time.perf_counter()
+        result = pending.wait()
+        self.stats.gap_start = now = time.perf_counter()
+        self.read_wait = now - t
+        emitted = self._commit_runs(result.seqs, result.runs, result.logprobs, result)
+        self.stats.verify_steps += len(result.seqs)
+        self.stats.verify_emitted += emitted
+        self.stats.decode_tokens += emitted
+        self._observe(len(result.seqs), result.chosen, result.launched, result=result)
 
     def _commit_decode(self, flight: _InFlight) -> None:
         self.stats.decode_tokens += self._commit(flight)
         self._observe(len(flight.seqs), 1, flight.launched, flight.restart)
-
-    def timed_forward(self, step: StepInput) -> torch.Tensor:
-        t = time.perf_counter()
-        logits = self.runner.forward(step)
-        self.stats.forward_seconds += time.perf_counter() - t
-        return logits
 
     def _sample_and_commit(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Grammar-mask, sample, read back once, and append one token per sequence."""
@@ -618,7 +650,10 @@ class LLMEngine:
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> _InFlight:
         """Grammar-mask and sample one token per sequence on the device; start reading them back."""
-        self.apply_grammar_rows(seqs, logits)
+        if self.replay is not None:  # row i is sequence i's last token, at position num_cached - 1
+            replay = self.replay
+            replay.apply(logits, [replay.targets(s.prompt_token_ids, [s.num_cached - 1])[0] for s in seqs])
+        self.grammar_rows.apply_plain(seqs, logits)
         if all(s.params.greedy for s in seqs):
             tokens = logits.argmax(dim=-1)  # no per-row parameters to copy in
         else:
@@ -632,7 +667,7 @@ class LLMEngine:
         lp: list[torch.Tensor] = []
         if any(s.params.logprobs is not None for s in seqs):
             rows = torch.arange(len(seqs), device=self.device)[:, None]
-            lp = self.logprob_tensors(seqs, logits, rows, tokens[:, None])
+            lp = logprob_tensors(seqs, logits, rows, tokens[:, None])
         return _InFlight(seqs, tokens, self.runner.to_host_async(tokens, *lp), self._step_start)
 
     def _commit(self, flight: _InFlight) -> int:
@@ -642,76 +677,40 @@ class LLMEngine:
         t = time.perf_counter()
         host = flight.read.wait()
         self.read_wait = time.perf_counter() - t
-        token_list = host[0].tolist()
-        logprobs = self.unpack_logprobs(seqs, host[1:], [1] * len(seqs))
+        logprobs = unpack_logprobs(seqs, host[1:], [1] * len(seqs))
+        return self._commit_runs(seqs, [[token] for token in host[0].tolist()], logprobs)
+
+    def _commit_runs(
+        self,
+        seqs: list[Sequence],
+        runs: list[list[int]],
+        logprobs: list[list[TokenLogprob]] | None,
+        verify: VerifyResult | None = None,
+    ) -> int:
+        """Append each member's run (plain: its one sampled token; ``verify``: its accepted drafts
+        and bonus), cut where a stop condition holds; returns the tokens appended.
+
+        A member that finished while its step was in flight (EOS, a stop string, an abort, a grammar
+        that failed to settle) keeps nothing. A plain token was drawn under its own grammar row,
+        so the grammar takes it later (``masked``); a verified run is checked token by token. A
+        verify step keeps the KV of the root and of all but the last kept token (the accepted
+        paths' KV was moved in place on the device), the last kept token being the next root, and
+        releases its pages past that."""
         appended = 0
-        for i, seq in enumerate(seqs):
-            # Skipped: a sequence finished while its token was in flight (EOS, a stop string, abort), or
-            # a grammar that failed to settle.
-            if not seq.is_finished:
-                seq.append_tokens([token_list[i]], None if logprobs is None else logprobs[i], masked=True)
-                appended += 1
-        return appended
-
-    def settle_grammars(self, seqs: list[Sequence]) -> None:
-        """The grammars take the tokens the last step committed (``Sequence.append_tokens`` with
-        ``masked``). Called after the next forward is launched, so on a GPU it overlaps the device."""
-        for seq in seqs:
-            if seq.grammar is not None:
-                seq.settle_grammar()
-
-    def apply_grammar_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        """Mask row i of ``logits`` with sequence i's grammar (plain decoding: one row each)."""
-        if not any(s.grammar is not None for s in seqs):
-            return
-        from ngrammar.grammar import allocate_bitmask, apply_bitmask
-
-        t = time.perf_counter()
-        self.settle_grammars(seqs)
-        bitmask = allocate_bitmask(
-            len(seqs), self.model_config.vocab_size, pin_memory=self.device.type == "cuda"
-        )
-        for i, seq in enumerate(seqs):
-            if seq.grammar is not None and not seq.is_finished:
-                seq.grammar.fill_bitmask(bitmask, i)
-        # An empty row is a grammar's dead end (rows without a grammar are all ones): that sequence
-        # finishes now, and the token drawn for it anyway is dropped at commit. One check per step.
-        for i in torch.nonzero(~bitmask.any(dim=1)).flatten().tolist():
-            seqs[i].finish_at_dead_end()
-        self.stats.grammar_seconds += time.perf_counter() - t
-        apply_bitmask(logits, bitmask.to(self.device, non_blocking=True))
-
-    # -------------------------------------------------------------- logprobs
-    def logprob_tensors(
-        self, seqs: list[Sequence], logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor
-    ) -> list[torch.Tensor]:
-        """Logprobs of emitted tokens ([B, K]: row of ``logits`` and token of each) plus top-k."""
-        k = max((s.params.logprobs for s in seqs if s.params.logprobs is not None), default=None)
-        if k is None:
-            return []
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        r = rows.clamp(min=0)
-        chosen = logp[r, tokens.clamp(min=0)]  # [B, K]
-        top = logp[r].topk(max(k, 1), dim=-1)  # [B, K, k]
-        return [chosen, top.values, top.indices]
-
-    @staticmethod
-    def unpack_logprobs(
-        seqs: list[Sequence], host: list[torch.Tensor], counts: list[int]
-    ) -> list[list[TokenLogprob]] | None:
-        if not host:
-            return None
-        chosen, top_v, top_i = (t.tolist() for t in host)
-        out: list[list[TokenLogprob]] = []
         for b, seq in enumerate(seqs):
-            k = seq.params.logprobs or 0
-            out.append(
-                [
-                    TokenLogprob(0, chosen[b][j], tuple(zip(top_i[b][j][:k], top_v[b][j][:k])))
-                    for j in range(counts[b])
-                ]
-            )
-        return out
+            if seq.is_finished:
+                continue
+            lp = None if logprobs is None else logprobs[b]
+            start = seq.num_cached
+            kept = seq.append_tokens(runs[b], lp, masked=verify is None)
+            appended += kept
+            if verify is not None:
+                seq.num_cached = start + max(kept, 1)
+                seq.spec_verify_steps += 1
+                seq.spec_accepted_tokens += kept
+                seq.spec_draft_tokens += verify.width - 1
+                self.blocks.trim(seq, seq.num_cached)  # the KV move is queued already
+        return appended
 
     # --------------------------------------------------------------- outputs
     def _retire(self) -> None:
@@ -744,6 +743,8 @@ class LLMEngine:
             if req.finished:
                 del self.requests[rid]
                 self.stats.finished_requests += 1
+        if not self.requests:
+            self.stats.gap_start = None  # nothing left to launch: the device is done, not waiting
         return outputs
 
     def request_output(self, req: Request) -> RequestOutput:

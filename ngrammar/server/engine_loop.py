@@ -9,8 +9,14 @@ Threading contract:
 - Readers on other threads see engine state only through ``snapshot``, an immutable value the loop
   thread replaces after every iteration.
 
-Admission is bounded: ``max_queue`` caps accepted-but-unfinished engine requests; ``submit``
-raises ``QueueFull`` beyond it, so overload turns into fast 503s rather than unbounded memory.
+Admission is bounded by sequences (prompts x n): ``max_queue`` caps accepted-but-unfinished ones;
+``submit`` raises ``QueueFull`` beyond it, so overload turns into fast 503s rather than unbounded
+memory, and a request larger than the whole cap is refused as invalid (it could never fit).
+
+Fairness: submitted requests wait in per-request-group queues on the loop thread and are handed to
+the engine round-robin, one engine request per group in turn, only while the engine's own waiting
+queue is short; so a fan-out request (many prompts, large n) cannot put all its sequences ahead of
+a request that arrives after it.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -43,7 +50,7 @@ class QueueFull(Exception):
     """More requests are in flight than the server admits; the client should retry later."""
 
     def __init__(self, limit: int, retry_after_s: int = 1) -> None:
-        super().__init__(f"the server is at capacity ({limit} requests in flight); retry later")
+        super().__init__(f"the server is at capacity ({limit} sequences in flight); retry later")
         self.retry_after_s = retry_after_s
 
 
@@ -58,10 +65,11 @@ class EngineFailure(RuntimeError):
 @dataclass(frozen=True)
 class EngineSnapshot:
     num_running: int  # sequences in the running batch
-    num_waiting: int  # sequences queued in the scheduler plus submissions not yet picked up
-    num_inflight: int  # engine requests admitted by ``submit`` and not finished
-    kv_pages_free: int
+    num_waiting: int  # sequences queued in the scheduler plus engine requests not handed to it yet
+    num_inflight: int  # sequences (prompts x n) admitted by ``submit`` and not finished
+    kv_pages_free: int  # (cached prefix pages nobody reads count as free: evicted on demand)
     kv_pages_total: int
+    kv_pages_cached: int
     kv_usage: float
     stats: EngineStats
     taken_at: float
@@ -73,6 +81,7 @@ class _Add:
     prompt_ids: list[int]
     params: SamplingParams
     group: RequestGroup
+    on_admitted: Callable[[], None] | None = None  # called on the loop thread once it left the queue
 
 
 @dataclass(frozen=True)
@@ -145,11 +154,18 @@ class AsyncEngine:
         if max_queue < 1:
             raise ValueError(f"max_queue must be positive, got {max_queue}")
         self.engine = engine
-        self.max_queue = max_queue  # read at each submit, so it may be changed while running
+        self.max_queue = max_queue  # sequences; read at each submit, so it may be changed while running
         self.metrics = metrics
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # guards _inflight, shared by handlers and the loop thread
-        self._inflight = 0
+        self._lock = threading.Lock()  # guards _inflight and _weights, shared by handlers and the loop
+        self._inflight = 0  # sequences
+        self._weights: dict[str, int] = {}  # sequences (n) of each unfinished engine request
+        # Submitted, not yet handed to the engine: one FIFO per group, served round-robin (loop thread).
+        self._pending: OrderedDict[RequestGroup, deque[_Add]] = OrderedDict()
+        self._pending_ids: dict[str, _Add] = {}
+        # Engine requests handed over while the scheduler waits on fewer sequences than this.
+        self.feed_below = max(engine.config.max_running_requests, 1)
+        self._step_started: float | None = None  # monotonic start of the step running now
         self._groups: dict[str, RequestGroup] = {}  # loop thread only
         self._emitted: dict[str, int] = {}  # tokens counted into metrics so far; loop thread only
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -177,28 +193,49 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def step_running_for(self) -> float:
+        """Seconds the engine step now running has taken so far (0 between steps): a step that does
+        not finish means an engine that cannot make progress."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
+
     # ------------------------------------------------------ handler-side API
+    def check_fits(self, num_sequences: int) -> None:
+        """Raise InvalidRequestError for a request of ``num_sequences`` that no wait would admit."""
+        if num_sequences > self.max_queue:
+            raise InvalidRequestError(
+                f"the request asks for {num_sequences} sequences (prompts x n), more than the server's "
+                f"queue of {self.max_queue} holds; send fewer prompts or a smaller n"
+            )
+
     def submit(
-        self, prompts: list[list[int]], params: Sequence[SamplingParams], prefix: str = "req"
+        self,
+        prompts: list[list[int]],
+        params: Sequence[SamplingParams],
+        prefix: str = "req",
+        on_admitted: Callable[[], None] | None = None,
     ) -> RequestGroup:
         """Queue one engine request per (already validated) prompt, with its params; raises
-        QueueFull (try later), InvalidRequestError (a batch that can never fit) or EngineUnavailable."""
+        QueueFull (try later), InvalidRequestError (a batch that can never fit) or EngineUnavailable.
+
+        ``on_admitted`` is called on the loop thread once per prompt, when its engine request was
+        added (or failed, or was aborted before it was)."""
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         if not self.alive:
             raise EngineUnavailable("the engine loop is not running")
-        if len(prompts) > self.max_queue:
-            raise InvalidRequestError(
-                f"a batch of {len(prompts)} prompts exceeds the server's queue of {self.max_queue}"
-            )
-        with self._lock:
-            if self._inflight + len(prompts) > self.max_queue:
-                raise QueueFull(self.max_queue)
-            self._inflight += len(prompts)
+        seqs = sum(p.n for p in params)
+        self.check_fits(seqs)
         ids = [f"{prefix}-{uuid.uuid4().hex}" for _ in prompts]
+        with self._lock:
+            if self._inflight + seqs > self.max_queue:
+                raise QueueFull(self.max_queue)
+            self._inflight += seqs
+            for request_id, p in zip(ids, params):
+                self._weights[request_id] = p.n
         group = RequestGroup(self, ids)
         for request_id, prompt_ids, p in zip(ids, prompts, params):
-            self._commands.put(_Add(request_id, prompt_ids, p, group))
+            self._commands.put(_Add(request_id, prompt_ids, p, group, on_admitted))
         return group
 
     def abort(self, request_id: str) -> None:
@@ -207,10 +244,12 @@ class AsyncEngine:
     # ----------------------------------------------------------- loop thread
     def _run(self) -> None:
         while not self._stopping.is_set():
-            self._drain_commands(block=not self.engine.has_unfinished())
+            self._drain_commands(block=not self.engine.has_unfinished() and not self._pending)
+            self._feed()
             if self.engine.has_unfinished():
                 self._step()
             self._publish()
+        self._drop_pending(EngineUnavailable("the server is shutting down"))
         self._fail_all(EngineUnavailable("the server is shutting down"))
         self._publish()
 
@@ -228,9 +267,50 @@ class AsyncEngine:
 
     def _handle(self, command: _Command) -> None:
         if isinstance(command, _Add):
-            self._admit(command)
+            self._pending.setdefault(command.group, deque()).append(command)
+            self._pending_ids[command.request_id] = command
         elif isinstance(command, _Abort):
-            self.engine.abort(command.request_id)
+            add = self._pending_ids.get(command.request_id)
+            if add is None:
+                self.engine.abort(command.request_id)
+                return
+            self._unqueue(add)  # never reached the engine: nobody waits for an output
+            self._release(add.request_id)
+            self._admitted(add)
+
+    def _feed(self) -> None:
+        """Hand queued engine requests to the engine, one group at a time in turn, while the
+        scheduler's waiting queue is short (see the module docstring)."""
+        while self._pending and len(self.engine.scheduler.waiting) < self.feed_below:
+            group, adds = next(iter(self._pending.items()))
+            add = adds.popleft()
+            del self._pending_ids[add.request_id]
+            del self._pending[group]
+            if adds:
+                self._pending[group] = adds  # to the back of the rotation
+            self._admit(add)
+
+    def _unqueue(self, add: _Add) -> None:
+        del self._pending_ids[add.request_id]
+        adds = self._pending[add.group]
+        adds.remove(add)
+        if not adds:
+            del self._pending[add.group]
+
+    def _drop_pending(self, error: BaseException) -> None:
+        for add in list(self._pending_ids.values()):
+            self._unqueue(add)
+            self._release(add.request_id)
+            self._admitted(add)
+            self._deliver(add.group, add.request_id, error)
+
+    @staticmethod
+    def _admitted(add: _Add) -> None:
+        if add.on_admitted is not None:
+            try:
+                add.on_admitted()
+            except Exception:
+                log.exception("on_admitted of %s failed", add.request_id)
 
     def _admit(self, add: _Add) -> None:
         try:
@@ -239,11 +319,14 @@ class AsyncEngine:
             self._release(add.request_id)
             self._deliver(add.group, add.request_id, e)
             return
+        finally:
+            self._admitted(add)
         self._groups[add.request_id] = add.group
         if self.metrics is not None:
             self.metrics.observe_admitted(len(add.prompt_ids))
 
     def _step(self) -> None:
+        self._step_started = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception as e:  # an engine bug must not take the server down: fail what was running
@@ -251,6 +334,8 @@ class AsyncEngine:
             self._fail_all(EngineFailure(f"the engine failed: {type(e).__name__}: {e}"))
             time.sleep(_FAILURE_BACKOFF_S)
             return
+        finally:
+            self._step_started = None
         # Only requests still served count: after a failed step the engine reports the aborts of
         # requests already failed and released (counting them re-created their entry, for good).
         new_tokens = sum(self._count_new_tokens(out) for out in outputs if out.request_id in self._groups)
@@ -288,7 +373,7 @@ class AsyncEngine:
         self._groups.pop(request_id, None)
         self._emitted.pop(request_id, None)
         with self._lock:
-            self._inflight -= 1
+            self._inflight -= self._weights.pop(request_id, 0)
 
     def _deliver(self, group: RequestGroup, request_id: str, item: _Item) -> None:
         assert self._loop is not None
@@ -307,10 +392,11 @@ class AsyncEngine:
         pool = e.blocks.allocator
         return EngineSnapshot(
             num_running=len(e.scheduler.running),
-            num_waiting=len(e.scheduler.waiting) + self._commands.qsize(),
+            num_waiting=len(e.scheduler.waiting) + self._commands.qsize() + len(self._pending_ids),
             num_inflight=self._inflight,
             kv_pages_free=pool.num_free,
             kv_pages_total=pool.num_pages,
+            kv_pages_cached=pool.num_cached,
             kv_usage=e.kv_usage(),
             stats=dataclasses.replace(e.stats),
             taken_at=time.time(),

@@ -57,6 +57,18 @@ class ServerMetrics:
             "ngrammar_num_inflight", "Requests accepted and not finished (bounded by max_queue)", registry=r
         )
         self.kv_usage = Gauge("ngrammar_kv_cache_usage", "Fraction of KV cache pages in use", registry=r)
+        self.prefix_queries = Counter(
+            "ngrammar_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (first admissions)",
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "ngrammar_prefix_cache_hits", "Prompt tokens whose KV the prefix cache held", registry=r
+        )
+        self.prefix_hit_rate = Gauge(
+            "ngrammar_prefix_cache_hit_rate", "Prefix cache hit tokens / query tokens since start", registry=r
+        )
+        self._prefix_seen = (0, 0)  # (queries, hits) already counted: the snapshot's are cumulative
         self.accept_length = Histogram(
             "ngrammar_spec_accept_length",
             "Mean tokens per verify step, per finished request",
@@ -106,6 +118,12 @@ class ServerMetrics:
         self.running.set(snap.num_running)
         self.inflight.set(snap.num_inflight)
         self.kv_usage.set(snap.kv_usage)
+        st = snap.stats
+        queries, hits = st.prefix_cache_query_tokens, st.prefix_cache_hit_tokens
+        self.prefix_queries.inc(max(queries - self._prefix_seen[0], 0))
+        self.prefix_hits.inc(max(hits - self._prefix_seen[1], 0))
+        self._prefix_seen = (queries, hits)
+        self.prefix_hit_rate.set(st.prefix_cache_hit_rate)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

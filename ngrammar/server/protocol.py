@@ -3,6 +3,11 @@
 Request models validate shapes and simple ranges (FastAPI turns failures into 400s); the engine's
 ``SamplingParams`` re-validates everything, so these bounds are a first line, not the only one.
 Each request model knows how to express itself as ``SamplingParams`` keyword arguments.
+
+Types are strict, as OpenAI's are: ``"stream": "yes"`` or ``"max_tokens": "3"`` is a 400, not a
+coercion (an int is still a valid float). Before any field is read, ``check_request_json`` walks the
+raw body once: bounded nesting, and no lone UTF-16 surrogate (``"\ud800"``: valid JSON escape, but
+not Unicode, so no tokenizer can take it) in any string or key.
 """
 
 from __future__ import annotations
@@ -35,20 +40,82 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+# ------------------------------------------------------------- raw checks
+
+MAX_JSON_DEPTH = 100  # nesting of a request body; a JSON schema inside has its own, tighter bound
+MAX_STOP = 16  # stop strings per request (OpenAI allows 4)
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def _surrogate_at(text: str) -> int | None:
+    """Index of the first lone UTF-16 surrogate in ``text``, or None (the common case, in C speed)."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        return e.start
+
+
+def check_request_json(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """Raise ValueError if the raw JSON ``value`` nests deeper than ``max_depth`` or holds a lone
+    surrogate; iterative, so any input is safe. The message names where, never echoes the text."""
+    stack: list[tuple[Any, int, str]] = [(value, 1, "")]
+    while stack:
+        item, depth, where = stack.pop()
+        if isinstance(item, str):
+            at = _surrogate_at(item)
+            if at is not None:
+                raise ValueError(
+                    f"{where.lstrip('.') or 'the body'}: the string holds a lone UTF-16 surrogate "
+                    f"(U+{ord(item[at]):04X}) at character {at}, which is not valid Unicode"
+                )
+            continue
+        if depth > max_depth:
+            raise ValueError(f"{where.lstrip('.') or 'the body'}: nested deeper than {max_depth} levels")
+        if isinstance(item, dict):
+            for key, sub in item.items():
+                if isinstance(key, str) and _surrogate_at(key) is not None:
+                    raise ValueError(
+                        f"{where.lstrip('.') or 'the body'}: a key holds a lone UTF-16 surrogate"
+                    )
+                if isinstance(sub, (dict, list, str)):
+                    stack.append((sub, depth + 1, f"{where}.{key}"))
+        elif isinstance(item, list):
+            for i, sub in enumerate(item):
+                if isinstance(sub, (dict, list, str)):
+                    stack.append((sub, depth + 1, f"{where}.{i}"))
+
+
+class _StrictModel(BaseModel):
+    """Strict types (no "yes" -> True, "3" -> 3); unknown fields are ignored unless a model says."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class _RequestModel(_StrictModel):
+    """A whole request body: checked raw (depth, surrogates) before its fields are validated."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_raw(cls, data: Any) -> Any:
+        check_request_json(data)
+        return data
+
+
 # ----------------------------------------------------------- shared pieces
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(_StrictModel):
     name: str = "schema"
     description: str | None = None
     # "schema" would shadow a BaseModel attribute, hence the alias.
     schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
-    model_config = ConfigDict(populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True, strict=True)
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(_StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -59,14 +126,19 @@ class ResponseFormat(BaseModel):
         return self
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(_StrictModel):
     include_usage: bool = False
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 def sent_field(body: BaseModel, names: tuple[str, ...]) -> str | None:
@@ -75,7 +147,7 @@ def sent_field(body: BaseModel, names: tuple[str, ...]) -> str | None:
     return next((n for n in names if n in body.model_fields_set and getattr(body, n) is not None), None)
 
 
-class _OpenAIRequest(BaseModel):
+class _OpenAIRequest(_RequestModel):
     """Fields shared by chat and text completions; unknown fields are ignored, as OpenAI clients
     send many optional ones. Fields whose semantics we do not implement fail loudly instead."""
 
@@ -86,10 +158,10 @@ class _OpenAIRequest(BaseModel):
     top_k: int = Field(default=0, ge=-1, le=MAX_TOP_K)
     min_p: float = Field(default=0.0, ge=0, le=1)
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: str | list[str] | None = Field(default=None, max_length=MAX_STOP)
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
-    n: int = Field(default=1, ge=1, le=64)
+    n: int = Field(default=1, ge=1, le=128)  # the server's --max-n is usually lower
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
@@ -156,12 +228,12 @@ def _stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
 # ------------------------------------------------------------------- chat
 
 
-class ContentPart(BaseModel):
+class ContentPart(_StrictModel):
     type: str
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
 
@@ -337,10 +409,10 @@ class ModelList(BaseModel):
 # ------------------------------------------------------- native /generate
 
 
-class NativeSamplingParams(BaseModel):
+class NativeSamplingParams(_StrictModel):
     """SGLang-style ``sampling_params``; unknown keys are errors so typos do not pass silently."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     max_new_tokens: int = Field(default=128, ge=1)
     temperature: float = Field(default=1.0, ge=0, allow_inf_nan=False)
@@ -348,8 +420,8 @@ class NativeSamplingParams(BaseModel):
     top_k: int = Field(default=-1, ge=-1, le=MAX_TOP_K)
     min_p: float = Field(default=0.0, ge=0, le=1)
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: str | list[str] | None = Field(default=None, max_length=MAX_STOP)
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     regex: str | None = None
     ebnf: str | None = None
@@ -374,7 +446,7 @@ class NativeSamplingParams(BaseModel):
         }
 
 
-class GenerateRequest(BaseModel):
+class GenerateRequest(_RequestModel):
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)

@@ -93,6 +93,9 @@ class NgramCorpus:
         self.match_type = match_type
         self.capacity = _check_int("capacity", capacity, 1)
         self._bfs_takes = self._bfs_schedule()
+        # Bumped by every change of the trie: a tree drafted ahead (``NgramSpecWorker``) is the
+        # tree drafted now only while the version is the same.
+        self.version = 0
         self.reset()
 
     # ----------------------------------------------------------------------------- public API
@@ -216,6 +219,7 @@ class NgramCorpus:
 
     def reset(self) -> None:
         """Empty the trie and forget every request."""
+        self.version += 1
         self._trie = Trie(self.capacity)
         self._insert_cursors: dict[Hashable, _Cursor] = {}
         self._match_cursors: dict[Hashable, _Cursor] = {}
@@ -236,6 +240,7 @@ class NgramCorpus:
         """Insert the windows ending at tokens[cursor.length:], advancing the insert cursor."""
         if cursor.length == len(tokens):  # nothing new (the cursor already holds its nodes)
             return
+        self.version += 1
         trie = self._trie
         windows = self._surviving(cursor)
         new_tokens = _int_list(tokens[cursor.length :])

@@ -49,7 +49,8 @@ __all__ = [
 # found nothing worth verifying lately), "hopeless" (no width could win even at the best rates),
 # "no match" (every tree would be padding), "baseline" (plain, re-timed while speculating),
 # "exploit" (a width is expected to win), "explore" (re-trying a losing width), "plain" (plain is
-# expected to win), "empty" (no sequences).
+# expected to win), "empty" (no sequences), "parity" (a width costs about a plain step, as a
+# pipelined verify step can, and a member has a draft).
 REASONS = (
     "fixed",
     "threshold",
@@ -63,6 +64,7 @@ REASONS = (
     "explore",
     "plain",
     "empty",
+    "parity",
 )
 
 MatchLengths = Callable[[], Sequence[int]]  # the batch's match lengths, in seq_ids order (computed on demand)
@@ -283,6 +285,11 @@ class AdaptiveDraftPolicy:
                 return w, "time"
         plain = costs[1]
         assert plain is not None  # every width has a cost from here on
+        # The widest width at parity with plain, if any (``AdaptiveParams.parity``).
+        par = max(
+            (w for w in self.widths[1:] if (c := costs[w]) is not None and c <= self.params.parity * plain),
+            default=None,
+        )
         if now < self._probe_at.get(b, 0):
             return 1, "wait"
         bar = self.params.margin * _rate(
@@ -302,7 +309,9 @@ class AdaptiveDraftPolicy:
             exploring = False
         if not exploring:
             first, p = self.acceptance.best_rates(seq_ids)
-            if not any(_rate(costs[w], w, run_length2(first, p, w - 1)) > bar for w in self.widths[1:]):
+            if par is None and not any(
+                _rate(costs[w], w, run_length2(first, p, w - 1)) > bar for w in self.widths[1:]
+            ):
                 return 1, "hopeless"  # no width could win even at the best match length: skip the probe
         probed = time.perf_counter()
         lengths, expected = self._probe(seq_ids, match_lengths, ahead)
@@ -313,11 +322,14 @@ class AdaptiveDraftPolicy:
         critical = None if rem is None else self._critical(seq_ids, rem)
         rates = {w: _rate(costs[w], w, self._drafts(expected[w], critical)) for w in self.widths[1:]}
         best = max(rates, key=rates.__getitem__)
-        if rates[best] > bar:
+        exploit = rates[best] > bar
+        if exploit or par is not None:
             if now - self._last.get((b, 1), 0) >= self.params.baseline_every:
                 return 1, "baseline"  # refresh the plain cost while speculating
+            if not exploit and par is not None:  # no width pays by the estimates, but a draft exists
+                best = par
             self.priced = dict(zip(seq_ids, zip(lengths, expected[best])))
-            return best, "exploit"
+            return best, "exploit" if exploit else "parity"
         if exploring and max(lengths) >= 2:
             self.priced = dict(zip(seq_ids, zip(lengths, expected[best])))
             return (

@@ -30,6 +30,9 @@ class AdaptiveParams:
     explore_overhead: float = 0.02  # re-tries may cost at most this share of plain throughput
     baseline_every: int = 8  # plain steps are re-measured this often while speculating
     margin: float = 1.15  # speculate only when expected this much faster than plain
+    # A width whose verify step costs at most this many plain steps (a pipelined verify step can)
+    # is verified whenever a member has a draft: an accepted draft is profit, a rejected one ~free.
+    parity: float = 1.05
     probe_share: float = 0.02  # probes that find nothing may cost at most this share of plain steps
 
     def __post_init__(self) -> None:

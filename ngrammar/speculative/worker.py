@@ -1,30 +1,35 @@
-"""NGRAM speculative step: draft on the host, launch the tree verify, mask and accept, commit.
+"""NGRAM speculative step: draft on the host, launch the tree verify, mask and accept, read back.
 
-One verify step for B sequences with D nodes each:
-  1. ``NgramCorpus.batch_get`` -> host DraftTree (tokens [B*D], ancestor mask [B, D, D]);
+One verify step for B sequences with D nodes each (``NgramSpecWorker.launch_verify``):
+  1. one draft call -> host DraftTree (tokens [B*D], ancestor mask [B, D, D]); trees drafted ahead
+     for this outcome (``prepare_next``) are taken as they are;
   2. the verify forward is launched (host->device copies only; nothing is read back before it);
   3. while it runs: the corpus indexes the last step's tokens; host ``derive_tree_links`` + grammar
-     DFS -> bitmask [B*D, V/32], copied in
-     non-blocking and applied to all B*D logits rows;
+     DFS -> bitmask [B*D, V/32], copied in non-blocking and applied to all B*D logits rows;
   4. greedy or target-only sampling acceptance on the device;
-  5. the accepted path's KV is moved next to the prefix on the device; one device->host read of the
-     accepted tokens; commit (stop strings, EOS, max_tokens, the context end and grammar termination
-     cut the run), release the pages past the kept KV.
+  5. the accepted path's KV is moved next to the prefix on the device; the one device->host read of
+     the accepted tokens is started (``PendingVerify``); its ``wait`` gives a ``VerifyResult``, which
+     the engine commits through the same path as a plain step's tokens.
+The worker sees the runner, the grammar rows and the stats, never the engine or its scheduler.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ngrammar.config import SpeculativeConfig
+from ngrammar.engine.grammar_rows import GrammarRows
+from ngrammar.engine.logprobs import logprob_tensors, unpack_logprobs
 from ngrammar.engine.sequence import Sequence
-from ngrammar.runner.model_runner import StepInput, move_kv_slots
+from ngrammar.engine.stats import EngineStats, timed_forward
+from ngrammar.outputs import TokenLogprob
+from ngrammar.runner.model_runner import ModelRunner, PendingRead, StepInput, move_kv_slots
 from ngrammar.runner.sampler import (
     STREAM_FINAL_COIN,
     STREAM_TREE_COIN,
@@ -35,17 +40,15 @@ from ngrammar.runner.sampler import (
 from ngrammar.runner.transfer import to_device
 from ngrammar.speculative.corpus import NgramCorpus
 from ngrammar.speculative.policy import MAX_MATCH, make_policy
+from ngrammar.speculative.replay import ReplayTarget
 from ngrammar.speculative.shadow import ShadowDrafts
-from ngrammar.speculative.tree import DraftTree, carry_to_kept, derive_tree_links
+from ngrammar.speculative.tree import DraftTree, carry_to_kept
 from ngrammar.speculative.verify import (
     TreeAcceptResult,
     tree_speculative_sampling_target_only,
     unpack_accepted,
     verify_tree_greedy_from_logits,
 )
-
-if TYPE_CHECKING:
-    from ngrammar.engine.engine import LLMEngine
 
 # Plain steps index their tokens while that costs at most this share of a plain step, or fits in
 # the host's idle time (``index_plain_step``); one in PLAIN_INDEX_RETRY skipped steps indexes one
@@ -70,10 +73,83 @@ CUDA_GRAMMAR_CHECK_DEPTH = 1
 SHADOW_SHARE = 0.005
 
 
+@dataclass
+class VerifyResult:
+    """A verify step's outcome on the host: what the engine commits (``LLMEngine._commit_runs``)
+    and what the draft policy learns (``NgramSpecWorker.observe_step``)."""
+
+    seqs: list[Sequence]
+    chosen: int  # the width the policy chose: what it is taught
+    width: int  # the width verified (narrower where the trees were trimmed)
+    runs: list[list[int]]  # per member: the accepted drafts, then the bonus token (1..width tokens)
+    logprobs: list[list[TokenLogprob]] | None  # per member, one per token of its run
+    drafts: dict[str, int]  # seq id -> drafts the model accepted (what a stop may cut is kept here)
+    censored: set[str]  # ... whose run ended at a leaf of the tree as drafted (not a rejection)
+    depths: dict[str, int]  # ... how many levels that tree had below its root
+    launched: float  # perf_counter() at the start of the engine step that launched it
+
+
+@dataclass
+class PendingVerify:
+    """A launched verify step whose packed result (and logprobs) is on its way to the host."""
+
+    seqs: list[Sequence]
+    chosen: int
+    width: int
+    read: PendingRead  # [B, 2W + 1] packed acceptance (``TreeAcceptResult.packed``), then logprobs
+    has_child: np.ndarray  # [B, W] bool: whether each verified node had children as drafted
+    levels: list[int]  # [B] levels below the root of each tree as drafted
+    launched: float
+
+    def wait(self) -> VerifyResult:
+        host = self.read.wait()
+        tokens, lens, nodes = unpack_accepted(host[0])
+        seqs = self.seqs
+        return VerifyResult(
+            seqs,
+            self.chosen,
+            self.width,
+            [tokens[b][: lens[b]] for b in range(len(seqs))],
+            unpack_logprobs(seqs, host[1:], lens),
+            # The model's agreement with the drafts (lens - 1), not what the request keeps of it.
+            {seq.seq_id: lens[b] - 1 for b, seq in enumerate(seqs)},
+            {seq.seq_id for b, seq in enumerate(seqs) if not self.has_child[b, nodes[b][lens[b] - 1]]},
+            {seq.seq_id: self.levels[b] for b, seq in enumerate(seqs)},
+            self.launched,
+        )
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A tree drafted ahead for one member (``NgramSpecWorker.prepare_next``): valid for the
+    context it was drafted from, at its width, while the corpus is unchanged."""
+
+    length: int  # len(context)
+    suffix: tuple[int, ...]  # the context's tokens past what was committed when it was drafted
+    width: int
+    version: int  # ``NgramCorpus.version`` it was drafted at
+    tokens: np.ndarray  # [width] int64
+    parents: np.ndarray  # [width] int64
+
+    def matches(self, context: list[int], width: int, version: int) -> bool:
+        n = len(self.suffix)
+        return (
+            self.width == width
+            and self.version == version
+            and len(context) == self.length
+            and tuple(context[self.length - n :]) == self.suffix
+        )
+
+
 class NgramSpecWorker:
-    def __init__(self, config: SpeculativeConfig, engine: LLMEngine) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, runner: ModelRunner, grammar: GrammarRows, stats: EngineStats
+    ) -> None:
         self.config = config
-        self.engine = engine
+        self.runner = runner
+        self.device = runner.device
+        self.grammar = grammar
+        self.stats = stats
         self.corpus = NgramCorpus(
             max_trie_depth=config.max_trie_depth,
             min_bfs_breadth=config.min_bfs_breadth,
@@ -87,13 +163,11 @@ class NgramSpecWorker:
         self.readback_links = False  # benchmark switch: the old path that reads links back first
         self.sync_debug = False  # GPU check: drafting -> verify launch runs under sync debug "error"
         # Triton compiles for CUDA only; CPU graph-path runs (no capture) keep the torch ops.
-        self.accept_kernel = config.accept_kernel and engine.device.type == "cuda"
+        self.accept_kernel = config.accept_kernel and self.device.type == "cuda"
         # ``config.trim_trees``, switchable: equal-work benchmarks that must verify every tree
         # at full width (the readback comparison) turn it off for their runs.
         self.trim_trees = config.trim_trees
         self.last_drafts: dict[str, int] = {}  # seq id -> drafts it accepted in the last verify step
-        self._censored: set[str] = set()  # ... of those, whose run ended at a leaf of its tree
-        self._tree_depths: dict[str, int] = {}  # ... and how deep each one's draft tree was
         self._constrained = False  # whether the last batch the policy chose for had a grammar
         # Past this many tokens a catch-up indexes only the last max_trie_depth positions, which
         # costs ~depth^2/2 window inserts instead of depth per token (at batch 32 on a GPU, the first
@@ -103,6 +177,9 @@ class NgramSpecWorker:
         self._plain_skips = 0  # plain steps that skipped indexing (every PLAIN_INDEX_RETRY-th re-measures)
         self._plain_host_seconds = 0.0  # host time the last plain step spent indexing and shadow drafting
         self._plain_host_step = -2  # ``EngineStats.steps`` when it was spent (during that engine step)
+        self._prepared: dict[str, _Prepared] = {}  # seq id -> its next tree, drafted ahead
+        self.on_prepare: Callable[[], None] | None = None  # test hook: called when trees are drafted ahead
+        self.replay: ReplayTarget | None = None  # benchmarks: recorded outputs decide acceptance
 
     # ------------------------------------------------------- corpus upkeep
     def on_admit(self, seq: Sequence) -> None:
@@ -136,7 +213,7 @@ class NgramSpecWorker:
             if budget is not None and time.perf_counter() - t >= budget:
                 break
         seconds = time.perf_counter() - t
-        self.engine.stats.draft_seconds += seconds
+        self.stats.draft_seconds += seconds
         if tokens > 0:
             # Indexing time only spikes upwards (a page fault, a GC pause): follow a cheaper
             # sample at once, a dearer one slowly.
@@ -144,7 +221,7 @@ class NgramSpecWorker:
             old = self._index_cost
             self._index_cost = per_token if old is None or per_token < old else old + 0.2 * (per_token - old)
 
-    def index_plain_step(self, seqs: list[Sequence]) -> None:
+    def index_plain_step(self, seqs: list[Sequence], read_wait: float) -> None:
         """Index a plain step's batch (its forward just launched) when that is cheap next to the step.
 
         A request that starts repeating itself while decoding plainly must find its repetition in
@@ -160,18 +237,18 @@ class NgramSpecWorker:
         (in turn) is indexed anyway, so that one inflated measurement cannot switch plain-step
         indexing off for good (a batch that never verifies would never re-measure it); one,
         because a whole batch's catch-up is what the rule keeps off a host-bound step. What the
-        indexing leaves of the idle time goes to shadow drafts (``_shadow_step``)."""
+        indexing leaves of the idle time goes to shadow drafts (``_shadow_step``). ``read_wait``:
+        what the engine's last commit waited for the device (``LLMEngine.read_wait``)."""
         plain = self.policy.costs.plain_seconds(len(seqs), self._constrained)
         cost = self._index_cost
-        idle = 0.0 if plain is None else self._idle_seconds(plain)
+        idle = 0.0 if plain is None else self._idle_seconds(plain, read_wait)
         allowed = None if plain is None else max(PLAIN_INDEX_SHARE * plain, idle)
         t = time.perf_counter()
         if allowed is None or cost is None or cost * len(seqs) <= allowed:
             # On CUDA the time allowed is also the budget: after a stretch of skipped steps every
             # member is behind, and catching all of them up at once is one step's worth of work
-            # or more (batch-32 chain steps that indexed reached 1.9-3.6 ms on the H200, against
-            # ~1 ms, in session 11); the furthest behind go first, the rest in the next steps.
-            self.index_outputs(seqs, allowed if self.engine.device.type == "cuda" else None)
+            # or more (it would stall the chain); the furthest behind go first, the rest later.
+            self.index_outputs(seqs, allowed if self.device.type == "cuda" else None)
         else:
             self._plain_skips += 1
             if self._plain_skips % PLAIN_INDEX_RETRY == 0:
@@ -179,7 +256,7 @@ class NgramSpecWorker:
         if plain is not None:  # shadows share the idle time with indexing, or have their own small share
             self._shadow_step(seqs, max(SHADOW_SHARE * plain, idle - (time.perf_counter() - t)))
         self._plain_host_seconds = time.perf_counter() - t
-        self._plain_host_step = self.engine.stats.steps
+        self._plain_host_step = self.stats.steps
 
     def _shadow_step(self, seqs: list[Sequence], budget: float) -> None:
         """Walk the members' shadow trees against their committed tokens, teach the policy what
@@ -194,7 +271,7 @@ class NgramSpecWorker:
             # member's walk would price its verify steps low. Greedy members are unaffected.
             seqs = [s for s in seqs if s.params.greedy]
         t = time.perf_counter()
-        shadows, stats = self.shadows, self.engine.stats
+        shadows, stats = self.shadows, self.stats
         if len(shadows):
             samples = shadows.resolve(seqs)
             stats.shadow_samples += len(samples)
@@ -210,21 +287,19 @@ class NgramSpecWorker:
         stats.shadow_trees += shadows.draft(seqs, budget - (time.perf_counter() - t))
         stats.shadow_seconds += time.perf_counter() - t
 
-    def _idle_seconds(self, plain: float) -> float:
+    def _idle_seconds(self, plain: float, wait: float) -> float:
         """Host time a plain step can spend indexing without delaying the device: what the last
-        commit waited for it (``LLMEngine.read_wait``) plus what the last plain step spent
+        commit waited for it (``wait``: ``LLMEngine.read_wait``) plus what the last plain step spent
         indexing and shadow drafting (it would have waited that long too) if that work was hidden,
         at most a plain step (after a prefill the wait was that forward's), less ``IDLE_MARGIN`` of
         a plain step. A wait under ``HOST_BOUND`` of a plain step says the host is the bottleneck:
         nothing is idle. That work counts only if it was the engine's last step's (a prefill or a
         verify step in between spends none) and was hidden: that step took no longer than
-        ``HIDDEN_SLACK`` plain steps. On the H200 at batch 1 (session 13) chained steps that
-        indexed and drafted shadows for ~0.13 ms took ~0.17 ms longer than the others, and adding
-        that work back as idle time kept every other step that long."""
-        wait = self.engine.read_wait
+        ``HIDDEN_SLACK`` plain steps: work that lengthened its step was not hidden, and counting
+        it as idle would keep every later step that long."""
         if wait <= HOST_BOUND * plain:
             return 0.0
-        stats = self.engine.stats
+        stats = self.stats
         last = stats.steps == self._plain_host_step + 1 and stats.last_step_seconds <= HIDDEN_SLACK * plain
         return min(wait + (self._plain_host_seconds if last else 0.0), plain) - IDLE_MARGIN * plain
 
@@ -234,24 +309,39 @@ class NgramSpecWorker:
         and the KV compaction queue after it, in what remains of the forward). None: not timed
         yet, or not on CUDA, where the forward has finished before indexing starts (a CPU), so a
         budget would only lose n-grams."""
-        if self.engine.device.type != "cuda":
+        if self.device.type != "cuda":
             return None
         return self.policy.costs.plain_seconds(batch_size, self._constrained)
 
     def on_finish(self, seqs: list[Sequence]) -> None:
         ids = [s.seq_id for s in seqs]
+        for seq_id in ids:
+            self._prepared.pop(seq_id, None)
         self.corpus.erase_match_state(ids)
         self.policy.forget(ids)
         self.shadows.forget(ids)
 
     # ------------------------------------------------------------- policy
-    def choose_width(self, seqs: list[Sequence], ahead: bool = False) -> int:
-        """The next decode step's width. ``ahead``: one token per sequence is still in flight (overlap
-        scheduling): the match lengths are those of the committed tokens, and the policy prices
-        what the token in flight may make of them (``AcceptanceModel.expected``); pricing each length
-        at its bound, one longer, broke chains for verify steps the committed token then called off."""
+    @property
+    def reason(self) -> str:
+        """Why the policy chose the last width (``policy.REASONS``)."""
+        return self.policy.reason
+
+    def graph_widths(self) -> list[int]:
+        """The widths a decode or verify step may run at: every width the policy may pick, or a
+        trimmed tree be verified at (``_trimmed_width``)."""
+        policy = self.policy
+        narrower = policy.learns or self.trim_trees
+        return policy.widths if narrower else [1, policy.max_width]
+
+    def choose_width(self, seqs: list[Sequence], draining: bool, ahead: bool = False) -> int:
+        """The next decode step's width. ``draining``: no request waits to join the batch (the
+        policy then judges it by its critical members). ``ahead``: one token per sequence is still
+        in flight (overlap scheduling): the match lengths are those of the committed tokens, and
+        the policy prices what the token in flight may make of them
+        (``AcceptanceModel.expected``); pricing each length at its bound, one longer, broke chains for
+        verify steps the committed token then called off."""
         self._constrained = any(s.grammar is not None for s in seqs)
-        draining = not self.engine.scheduler.waiting
         corpus, grow = self.corpus, int(ahead)
         return self.policy.choose(
             [s.seq_id for s in seqs],
@@ -261,10 +351,27 @@ class NgramSpecWorker:
             ahead,
         )
 
-    def observe_step(self, batch_size: int, width: int, seconds: float, restart: float | None = None) -> None:
-        drafts = self.last_drafts if width > 1 else None
+    def observe_step(
+        self,
+        batch_size: int,
+        width: int,
+        seconds: float,
+        restart: float | None = None,
+        result: VerifyResult | None = None,
+    ) -> None:
+        """A decode step was committed: teach the policy its time and, for a verify step
+        (``result``), what each member accepted."""
+        if result is not None:
+            self.last_drafts = result.drafts
         self.policy.observe(
-            batch_size, width, seconds, drafts, self._constrained, self._censored, self._tree_depths, restart
+            batch_size,
+            width,
+            seconds,
+            None if result is None else result.drafts,
+            self._constrained,
+            () if result is None else result.censored,
+            None if result is None else result.depths,
+            restart,
         )
 
     # --------------------------------------------------------------- step
@@ -287,29 +394,32 @@ class NgramSpecWorker:
             bs, width = candidates.shape
             fused = greedy_tree_accept(candidates, mask, logits.argmax(dim=-1).view(bs, width), slots)
             assert fused.kv_src is not None
-            move_kv_slots(self.engine.runner.kv_cache, slots, fused.kv_src)
+            move_kv_slots(self.runner.kv_cache, slots, fused.kv_src)
             return TreeAcceptResult.of(fused), fused.packed
         result = verify_tree_greedy_from_logits(candidates, mask, logits)
-        self.engine.runner.compact_accepted_kv(slots, result.accept_nodes, result.accept_len)
+        self.runner.compact_accepted_kv(slots, result.accept_nodes, result.accept_len)
         return result, result.packed()
 
-    def run_verify(self, seqs: list[Sequence], width: int) -> int:
-        """One verify step drafting ``width`` nodes per sequence; returns the width verified (narrower
-        where the trees were trimmed: ``_kept_nodes``), or 0 when no draft was left to verify (the
-        caller runs a plain step)."""
-        eng, runner = self.engine, self.engine.runner
-        t0 = time.perf_counter()
+    def launch_verify(
+        self, seqs: list[Sequence], width: int, launched: float, prepare: bool = False
+    ) -> PendingVerify | None:
+        """Launch one verify step drafting ``width`` nodes per sequence and start reading its
+        result back; None when no draft was left to verify (the caller runs a plain step).
+        ``prepare`` (pipelined verify): then draft the next trees for the likely outcome
+        (``prepare_next``) while the forward runs, before anything waits for it."""
+        runner = self.runner
+        chosen, t0 = width, time.perf_counter()
         with self._no_sync_region():
-            tree = self.corpus.batch_get([s.seq_id for s in seqs], [s.token_ids for s in seqs], width)
-            eng.stats.draft_seconds += time.perf_counter() - t0
+            tree = self._trees_for(seqs, width)
+            self.stats.draft_seconds += time.perf_counter() - t0
             drafted, keep = tree, None  # keep [B, D]: the drafted nodes a trimmed tree verifies
             if self._trims():
                 keep = self._kept_nodes(seqs, tree)
                 if keep is None:
-                    return 0
+                    return None
                 narrow = self._trimmed_width(keep, width)
                 if narrow < width:
-                    eng.stats.trimmed_nodes += len(seqs) * (width - narrow)
+                    self.stats.trimmed_nodes += len(seqs) * (width - narrow)
                     width = narrow
                     tree = tree.keep_nodes(keep, width)
                 else:  # the dropped nodes stay: they cost nothing extra at this width
@@ -324,15 +434,19 @@ class NgramSpecWorker:
                 greedy and graphs is not None and graphs.acceptor is not None and graphs.accepts(step)
             )
             if not graph_accept:
-                meta_mask = to_device(tree.mask, torch.bool, eng.device)
-                candidates = to_device(tree.tokens.reshape(len(seqs), width), torch.int64, eng.device)
+                meta_mask = to_device(tree.mask, torch.bool, self.device)
+                candidates = to_device(tree.tokens.reshape(len(seqs), width), torch.int64, self.device)
             if self.readback_links:
                 self._read_links_back(tree)
-            logits = eng.timed_forward(step)  # [B*D, V]; launched before any host-side tree work
+            logits = timed_forward(runner, step, self.stats)  # [B*D, V]; before any host-side tree work
+        if self.replay is not None:
+            replay = self.replay
+            targets = [
+                t for s, pos in zip(seqs, step.positions) for t in replay.targets(s.prompt_token_ids, pos)
+            ]
+            replay.apply(logits[: len(targets)], targets)
         self.index_outputs(seqs, self._index_budget(len(seqs)))
-        t1 = time.perf_counter()
-        self._apply_grammar(seqs, tree, logits)
-        eng.stats.grammar_seconds += time.perf_counter() - t1
+        self.grammar.apply_tree(seqs, tree, logits)
         deepest = int(depths.max())  # levels below the deepest root of the verified trees
         # The accepted paths' KV moves next to their prefixes on the device, before the read: the
         # host never computes slots, and the copy is queued while the verify forward still runs.
@@ -346,13 +460,100 @@ class NgramSpecWorker:
             slots = runner.last_slots().view(len(seqs), width)  # [B, D] this forward's KV slots
             runner.compact_accepted_kv(slots, result.accept_nodes[:, : deepest + 1], result.accept_len)
             packed = result.packed()
-        lp = eng.logprob_tensors(seqs, logits, result.accept_index, result.accept_tokens)
-        host = runner.to_host(packed, *lp)
+        lp = logprob_tensors(seqs, logits, result.accept_index, result.accept_tokens)
+        read = runner.to_host_async(packed, *lp)
         has_child, levels = self._as_drafted(drafted, keep, depths)
-        self._commit(seqs, tree, host, has_child, levels)
-        eng.stats.spec_steps += 1
-        eng.stats.verify_seconds += time.perf_counter() - t0
-        return width
+        if prepare:
+            self.prepare_next(seqs, drafted, chosen)
+        self.stats.spec_steps += 1
+        self.stats.verify_seconds += time.perf_counter() - t0
+        return PendingVerify(seqs, chosen, width, read, has_child, levels, launched)
+
+    # ----------------------------------------------------------- drafting
+    def _draft(self, seq_ids: list[str], contexts: list[list[int]], width: int) -> DraftTree:
+        """The one drafting call: a tree of ``width`` nodes per context (node 0: its last token)."""
+        return self.corpus.batch_get(seq_ids, contexts, width)
+
+    def _trees_for(self, seqs: list[Sequence], width: int) -> DraftTree:
+        """This step's trees: those drafted ahead where they were drafted for the context and
+        width of now, on the corpus of now (so they are the trees drafting now would give);
+        the others drafted now."""
+        prepared, self._prepared = self._prepared, {}
+        if not prepared:
+            return self._draft([s.seq_id for s in seqs], [s.token_ids for s in seqs], width)
+        version = self.corpus.version
+        hits: dict[int, _Prepared] = {}
+        for b, seq in enumerate(seqs):
+            p = prepared.get(seq.seq_id)
+            if p is not None and p.matches(seq.token_ids, width, version):
+                hits[b] = p
+        self.stats.prepared_hits += len(hits)
+        missing = [b for b in range(len(seqs)) if b not in hits]
+        if not hits:
+            return self._draft([s.seq_id for s in seqs], [s.token_ids for s in seqs], width)
+        tokens = np.empty((len(seqs), width), dtype=np.int64)
+        parents = np.empty((len(seqs), width), dtype=np.int64)
+        for b, p in hits.items():
+            tokens[b], parents[b] = p.tokens, p.parents
+        if missing:
+            fresh = self._draft(
+                [seqs[b].seq_id for b in missing], [seqs[b].token_ids for b in missing], width
+            )
+            tokens[missing], parents[missing] = fresh.tokens_2d(), fresh.parents()
+        return DraftTree.from_parents(tokens.reshape(-1), parents)
+
+    def prepare_next(self, seqs: list[Sequence], tree: DraftTree, width: int) -> None:
+        """Draft, while this verify step's forward runs, each member's next tree for the outcome
+        most worth betting on: its deepest path accepted, then the bonus token the corpus expects
+        after it (its first draft there). The next step takes a tree only where that came true
+        and nothing changed the corpus in between (``_trees_for``), so the trees verified are
+        exactly those drafting then would give, and the host work is off the path between the
+        two forwards. A guess that fails costs host time the device is busy through (on a GPU)."""
+        if self.on_prepare is not None:
+            self.on_prepare()
+        t = time.perf_counter()
+        depths, parents, tokens = tree.depths(), tree.parents(), tree.tokens_2d()
+        members: list[tuple[Sequence, list[int]]] = []
+        for b, seq in enumerate(seqs):
+            leaf = int(depths[b].argmax())
+            if seq.is_finished or depths[b, leaf] == 0:
+                continue
+            path: list[int] = []
+            node = leaf
+            while node > 0:
+                path.append(int(tokens[b, node]))
+                node = int(parents[b, node])
+            path.reverse()
+            if seq.remaining_tokens > len(path) + 1:  # a run this long does not finish the member
+                members.append((seq, path))
+        if members:
+            ids = [s.seq_id for s, _ in members]
+            ahead = [s.token_ids + path for s, path in members]
+            bonus = self._draft(ids, ahead, 2).tokens_2d()[:, 1]  # the corpus' first draft after the path
+            guessed = [b for b in range(len(members)) if not self._padding(bonus[b])]
+            if guessed:
+                contexts = [ahead[b] + [int(bonus[b])] for b in guessed]
+                trees = self._draft([ids[b] for b in guessed], contexts, width)
+                version = self.corpus.version
+                for row, b in enumerate(guessed):
+                    seq, path = members[b]
+                    suffix = (*path, int(bonus[b]))
+                    self._prepared[seq.seq_id] = _Prepared(
+                        len(contexts[row]),
+                        suffix,
+                        width,
+                        version,
+                        trees.tokens_2d()[row].copy(),
+                        trees.parents()[row].copy(),
+                    )
+                self.stats.prepared_trees += len(guessed)
+        self.stats.draft_seconds += time.perf_counter() - t
+
+    @staticmethod
+    def _padding(token: np.int64) -> bool:
+        from ngrammar.speculative.tree import PAD_TOKEN
+
+        return int(token) == PAD_TOKEN
 
     @staticmethod
     def _as_drafted(
@@ -395,7 +596,7 @@ class NgramSpecWorker:
         if constrained:
             self._keep_grammar_valid(seqs, tree, keep)
         if not keep[:, 1:].any():
-            self.engine.stats.vetoed_steps += 1
+            self.stats.vetoed_steps += 1
             self.policy.observe_vetoed(len(seqs), tree.draft_token_num, constrained, [s.seq_id for s in seqs])
             return None
         return keep
@@ -404,25 +605,24 @@ class NgramSpecWorker:
         """Clear ``keep`` [B, D] at the drafts each member's grammar forbids (after settling it)."""
         from ngrammar.grammar import grammar_valid_nodes
 
-        eng = self.engine
         t = time.perf_counter()
-        eng.settle_grammars(seqs)
+        self.grammar.settle(seqs)
         tokens, parents = tree.tokens_2d().tolist(), tree.parents().tolist()
-        depth = CUDA_GRAMMAR_CHECK_DEPTH if eng.device.type == "cuda" else None
+        depth = CUDA_GRAMMAR_CHECK_DEPTH if self.device.type == "cuda" else None
         for b, seq in enumerate(seqs):
             if seq.is_finished:  # a grammar that failed to settle: nothing of its tree is committed
                 keep[b, 1:] = False
             elif seq.grammar is not None:
                 drafted = int(keep[b].sum())
                 keep[b] &= grammar_valid_nodes(seq.grammar, tokens[b], parents[b], depth)
-                eng.stats.grammar_pruned_nodes += drafted - int(keep[b].sum())
-        eng.stats.grammar_seconds += time.perf_counter() - t
+                self.stats.grammar_pruned_nodes += drafted - int(keep[b].sum())
+        self.stats.grammar_seconds += time.perf_counter() - t
 
     def _trimmed_width(self, keep: np.ndarray, width: int) -> int:
         """The narrowest width that holds every member's kept nodes ([B, D] bool), at most the
         drafted ``width``: one of the CUDA graphs' widths where there are graphs (an eager verify
         step costs several graph replays on the H200), else one of the policy's."""
-        graphs = self.engine.runner.graphs
+        graphs = self.runner.graphs
         widths = graphs.widths if graphs is not None else self.policy.widths
         most = int(keep.sum(axis=1).max())
         return min((w for w in widths if most <= w <= width), default=width)
@@ -430,7 +630,7 @@ class NgramSpecWorker:
     @contextlib.contextmanager
     def _no_sync_region(self) -> Iterator[None]:
         """With ``sync_debug`` on CUDA, any device->host sync from drafting to the launch raises."""
-        armed = self.sync_debug and self.engine.device.type == "cuda" and not self.readback_links
+        armed = self.sync_debug and self.device.type == "cuda" and not self.readback_links
         if armed:
             torch.cuda.set_sync_debug_mode("error")
         try:
@@ -453,26 +653,11 @@ class NgramSpecWorker:
         back (a blocking device->host copy) before the verify launch."""
         from ngrammar.speculative.tree import reconstruct_indices_from_tree_mask
 
-        eng = self.engine
-        mask = to_device(tree.mask, torch.bool, eng.device)
-        seq_lens = torch.zeros(tree.bs, dtype=torch.int64, device=eng.device)
+        device = self.device
+        mask = to_device(tree.mask, torch.bool, device)
+        seq_lens = torch.zeros(tree.bs, dtype=torch.int64, device=device)
         _, _, nt, ns = reconstruct_indices_from_tree_mask(mask, seq_lens, tree.bs, tree.draft_token_num)
-        eng.runner.to_host(nt, ns, to_device(tree.tokens, torch.int64, eng.device))
-
-    def _apply_grammar(self, seqs: list[Sequence], tree: DraftTree, logits: torch.Tensor) -> None:
-        if not any(s.grammar is not None for s in seqs):
-            return
-        from ngrammar.grammar import allocate_bitmask, apply_bitmask, build_tree_bitmask
-
-        eng = self.engine
-        eng.settle_grammars(seqs)
-        bs, d = tree.bs, tree.draft_token_num
-        next_token, next_sibling = derive_tree_links(tree.mask, bs, d)
-        bitmask = allocate_bitmask(bs * d, eng.model_config.vocab_size, pin_memory=eng.device.type == "cuda")
-        drafts = torch.as_tensor(tree.tokens.reshape(bs, d))
-        matchers = [None if s.is_finished else s.grammar for s in seqs]
-        build_tree_bitmask(matchers, next_token, next_sibling, drafts, bitmask)
-        apply_bitmask(logits, bitmask.to(eng.device, non_blocking=True))
+        self.runner.to_host(nt, ns, to_device(tree.tokens, torch.int64, device))
 
     def _accept(
         self,
@@ -486,9 +671,8 @@ class NgramSpecWorker:
         if greedy:  # the same function the CUDA-graph path captures
             return verify_tree_greedy_from_logits(candidates, mask, logits)
         bs = len(seqs)
-        eng = self.engine
         st = SamplingTensors.build(
-            [s.params for s in seqs], [s.seed for s in seqs], [len(s.token_ids) for s in seqs], eng.device
+            [s.params for s in seqs], [s.seed for s in seqs], [len(s.token_ids) for s in seqs], self.device
         )
         probs = target_probs(logits, st.repeat(width)).view(bs, width, -1)
         coins = hash_uniform(st.seeds, st.offsets, width, STREAM_TREE_COIN)
@@ -497,47 +681,3 @@ class NgramSpecWorker:
         return tree_speculative_sampling_target_only(
             candidates, mask, probs, coins, final, c.threshold_single, c.threshold_acc
         )
-
-    def _commit(
-        self,
-        seqs: list[Sequence],
-        tree: DraftTree,
-        host: list[torch.Tensor],
-        has_child: np.ndarray,
-        levels: list[int],
-    ) -> None:
-        """Append each sequence's accepted run. ``tree``: the verified trees; ``host``: the packed
-        result (``TreeAcceptResult.packed``), then logprobs; for the policy, of the trees as drafted:
-        ``has_child`` [B, D] (over the verified nodes) says whether a node had children, so a run
-        ending at a childless node did not stop at a rejection (it is censored), and ``levels`` [B]
-        how many levels each had below its root."""
-        eng = self.engine
-        width = tree.draft_token_num
-        tokens, lens, nodes = unpack_accepted(host[0])
-        logprobs = eng.unpack_logprobs(seqs, host[1:], lens)
-        emitted = 0
-        # What the policy learns is the model's agreement with the drafts (lens - 1 accepted),
-        # not what the request kept of it (EOS, a stop string, max_tokens or the context end may cut it).
-        self.last_drafts = {seq.seq_id: lens[b] - 1 for b, seq in enumerate(seqs)}
-        self._censored = {seq.seq_id for b, seq in enumerate(seqs) if not has_child[b, nodes[b][lens[b] - 1]]}
-        self._tree_depths = {seq.seq_id: levels[b] for b, seq in enumerate(seqs)}
-        for b, seq in enumerate(seqs):
-            start = seq.num_cached
-            # (Only a grammar that failed to settle finishes a sequence mid-step: it keeps nothing.)
-            kept = (
-                0
-                if seq.is_finished
-                else seq.append_tokens(tokens[b][: lens[b]], None if logprobs is None else logprobs[b])
-            )
-            # KV of the root and the first kept-1 accepted drafts is kept (compact_accepted_kv put
-            # it in place); the last kept token is the next root.
-            seq.num_cached = start + max(kept, 1)
-            seq.spec_verify_steps += 1
-            seq.spec_accepted_tokens += kept
-            seq.spec_draft_tokens += width - 1
-            emitted += kept
-        for seq in seqs:  # the move is queued already: pages past the kept KV may go
-            eng.blocks.trim(seq, seq.num_cached)
-        eng.stats.verify_steps += len(seqs)
-        eng.stats.verify_emitted += emitted
-        eng.stats.decode_tokens += emitted

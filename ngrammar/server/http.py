@@ -1,0 +1,210 @@
+"""The HTTP edge: what happens before a route runs, and below it in uvicorn.
+
+``Guard`` (pure ASGI, outermost) answers in OpenAI's error shape before the body is read: the API
+key first (a bad body without a key is a 401, not a 400), then ``Content-Length`` against the body
+limit (413). It also wraps ``receive``: a body that grows past the limit while it streams is a 413,
+and a client that stops sending its body for ``read_timeout_s`` is a 408.
+
+``GuardedH11Protocol`` (uvicorn's h11 protocol, subclassed) closes a connection that has not sent a
+request's headers within ``header_timeout_s`` (a slow client holding a socket forever), refuses
+connections past ``max_connections`` with a 503, and answers a malformed request with JSON rather
+than uvicorn's plain text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from typing import TYPE_CHECKING, Any
+
+import h11
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+if TYPE_CHECKING:
+    from ngrammar.server.config import ServerConfig
+
+OPEN_PATHS = frozenset({"/health"})  # reachable without the API key
+_REFUSED_CLOSE_S = 0.5
+
+
+def error_body(message: str, type_: str, code: str | None = None) -> bytes:
+    """OpenAI's error shape, ASCII-escaped (a lone surrogate in a message cannot break it)."""
+    return json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
+
+
+def _raw_response(status: int, reason: str, message: str, type_: str, code: str | None = None) -> bytes:
+    body = error_body(message, type_, code)
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+class BodyTooLarge(StarletteHTTPException):
+    """Raised from ``receive``; FastAPI re-raises HTTPExceptions met while reading the body."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body is larger than the server's limit of {limit} bytes")
+
+
+class BodyTimeout(StarletteHTTPException):
+    def __init__(self, seconds: float) -> None:
+        super().__init__(408, f"the request body did not arrive within {seconds:g} s")
+
+
+class Guard:
+    def __init__(self, app: ASGIApp, config: ServerConfig) -> None:
+        self.app = app
+        self.api_key = config.api_key
+        self.max_body = config.max_body_bytes
+        self.read_timeout_s = config.read_timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        if self.api_key is not None and scope.get("path") not in OPEN_PATHS and not self._authorized(headers):
+            await _send_error(
+                send, 401, "invalid or missing API key", "authentication_error", "invalid_api_key"
+            )
+            return
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                too_large = int(length) > self.max_body
+            except ValueError:
+                await _send_error(
+                    send, 400, "the Content-Length header is not a number", "invalid_request_error"
+                )
+                return
+            if too_large:
+                message = f"the request body ({int(length)} bytes) is larger than the server's limit of "
+                await _send_error(send, 413, message + f"{self.max_body} bytes", "invalid_request_error")
+                return
+        await self.app(scope, self._bounded(receive), send)
+
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        assert self.api_key is not None
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.api_key.encode())
+
+    def _bounded(self, receive: Receive) -> Receive:
+        """``receive`` with the body limit and the read timeout, both until the body has ended
+        (later calls wait for a disconnect, which may take as long as the response does)."""
+        received = 0
+        ended = False
+
+        async def bounded() -> Message:
+            nonlocal received, ended
+            if ended:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.read_timeout_s)
+            except TimeoutError:
+                raise BodyTimeout(self.read_timeout_s) from None
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body:
+                    raise BodyTooLarge(self.max_body)
+                ended = not message.get("more_body", False)
+            return message
+
+        return bounded
+
+
+async def _send_error(send: Send, status: int, message: str, type_: str, code: str | None = None) -> None:
+    body = error_body(message, type_, code)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a header timeout, a connection cap and JSON errors."""
+
+    header_timeout_s = 10.0  # set per server by ``protocol_class``
+    max_connections = 512
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._refused = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            self._refused = True
+            message = f"the server holds its limit of {self.max_connections} connections; retry later"
+            transport.write(_raw_response(503, "Service Unavailable", message, "server_overloaded"))
+            # Closed a moment later, reading (and dropping) what arrives meanwhile: closing a socket
+            # with unread input resets it, and the client could lose the answer.
+            self.loop.call_later(_REFUSED_CLOSE_S, transport.close)
+            return
+        self._arm_header_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        super().data_received(data)
+        self._arm_header_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)
+
+    def _waiting_for_headers(self) -> bool:
+        # IDLE: no request started, or one whose headers are still arriving (h11 buffers them).
+        return self.conn.their_state is h11.IDLE and not self.transport.is_closing()
+
+    def _arm_header_timer(self) -> None:
+        """A timer from the moment the connection waits for a request's headers; a request that
+        got its headers disarms it. Idle keep-alive connections are uvicorn's own timer's."""
+        if not self._waiting_for_headers():
+            self._cancel_header_timer()
+        elif self._header_timer is None:
+            self._header_timer = self.loop.call_later(self.header_timeout_s, self._on_header_timeout)
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _on_header_timeout(self) -> None:
+        self._header_timer = None
+        if self._waiting_for_headers():
+            message = f"the request's headers did not arrive within {self.header_timeout_s:g} s"
+            self.transport.write(_raw_response(408, "Request Timeout", message, "invalid_request_error"))
+            self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        self.transport.write(_raw_response(400, "Bad Request", msg, "invalid_request_error"))
+        self.transport.close()
+
+
+def protocol_class(config: ServerConfig) -> type[GuardedH11Protocol]:
+    """A ``GuardedH11Protocol`` subclass carrying this server's limits."""
+    return type(
+        "ServerH11Protocol",
+        (GuardedH11Protocol,),
+        {"header_timeout_s": config.header_timeout_s, "max_connections": config.max_connections},
+    )
+
+
+def uvicorn_kwargs(config: ServerConfig) -> dict[str, Any]:
+    """``uvicorn.run`` / ``uvicorn.Config`` arguments for this server's address and limits."""
+    return {
+        "host": config.host,
+        "port": config.port,
+        "http": protocol_class(config),
+        "timeout_keep_alive": config.keep_alive_s,
+        "timeout_graceful_shutdown": 5,
+    }

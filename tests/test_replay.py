@@ -1,0 +1,72 @@
+"""Replay target: recorded greedy outputs decide every token while a random-weight model of another
+shape runs the forward (``ngrammar/speculative/replay.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.bench_host import tiny_checkpoint
+from ngrammar import LLM, SamplingParams
+from ngrammar.speculative.replay import ReplayTarget
+
+CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+PROMPTS = [
+    f"Repeat this code exactly:\n{CODE}",
+    "Tell me a short story about a cat.",
+    f"Copy:\n{CODE}\nNow copy it again:\n",
+]
+SPEC: dict[str, Any] = dict(
+    device="cpu", dtype="float32", kv_cache_tokens=8192, speculative="ngram", spec_policy="fixed"
+)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_checkpoint(tmp_path_factory.mktemp("replay") / "tiny")
+
+
+def _spec_figures(outs: list[Any]) -> list[tuple[Any, ...]]:
+    return [
+        (o.outputs[0].token_ids, o.outputs[0].finish_reason, o.metrics.get("spec_verify_steps"))
+        + (o.metrics.get("spec_accept_length"),)
+        for o in outs
+    ]
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_replay_reproduces_the_recording_and_its_accept_lengths(tiny: Path, pipeline: bool) -> None:
+    params = [SamplingParams(max_tokens=40, temperature=0), SamplingParams(max_tokens=24, temperature=0)]
+    params.append(params[0])
+    real = LLM(**SPEC, num_draft_tokens=8)
+    recorded = real.generate(PROMPTS, params)
+    assert real.engine.stats.verify_emitted > real.engine.stats.verify_steps  # drafts were accepted
+    replay = LLM(str(tiny), **SPEC, num_draft_tokens=8, pipeline_verify=pipeline)
+    assert replay.engine.model_config.hidden_size != real.engine.model_config.hidden_size
+    replay.engine.set_replay(
+        ReplayTarget.from_outputs(
+            [(o.prompt_token_ids, o.outputs[0].token_ids) for o in recorded],
+            replay.engine.model_config.eos_token_ids[0],
+        )
+    )
+    got = replay.generate(PROMPTS, params)
+    # The same tokens, finish reasons, verify steps and accept lengths, step for step the same drafts.
+    assert _spec_figures(got) == _spec_figures(recorded)
+    # Without the replay the random model emits something else entirely.
+    replay.engine.set_replay(None)
+    free = replay.generate(PROMPTS[0], params[0])[0]
+    assert free.outputs[0].token_ids != recorded[0].outputs[0].token_ids
+
+
+def test_replay_refuses_a_prompt_it_has_no_record_of(tiny: Path) -> None:
+    replay = LLM(str(tiny), **SPEC)
+    replay.engine.set_replay(ReplayTarget({(1, 2, 3): [1, 2, 3, 4]}, 0))
+    with pytest.raises(KeyError, match="no recorded output"):
+        replay.generate("Hello", SamplingParams(max_tokens=4, temperature=0))
+
+
+def test_a_record_must_start_with_its_prompt() -> None:
+    with pytest.raises(ValueError, match="start with its prompt"):
+        ReplayTarget({(1, 2): [1, 3, 4]}, 0)
