@@ -1,8 +1,8 @@
 """Tensor parallelism on a tiny random Llama-shaped Hugging Face folder (written by the test), TP=2
 over gloo: logits and greedy NGRAM outputs equal one process's on the CUDA-graph static-buffer path
-(no capture on a CPU), a killed rank ends its engine with a message, and two "nodes" (processes on
-this machine) rendezvous at ``--dist-init-addr``. Apart from ``test_tensor_parallel``: one
-tensor-parallel engine per process at a time.
+(no capture on a CPU); marked slow (each spawns an engine of its own): a killed rank ends its engine
+with a message, and two "nodes" (processes on this machine) rendezvous at ``--dist-init-addr``.
+Apart from ``test_tensor_parallel``: one tensor-parallel engine per process at a time.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_tensor_parallel import logits
+from test_tensor_parallel import logits, verify_then_decode_logits
 
 from ngrammar import LLM, SamplingParams
 
@@ -42,6 +42,9 @@ def test_tiny_hf_folder_at_tp2_on_the_static_graph_path(tiny_folder: Path) -> No
         # the CUDA-graph runner's static buffers and padding, eagerly (no capture on a CPU), on both ranks
         two.engine.enable_cuda_graphs(capture=False)
         one.engine.enable_cuda_graphs(capture=False)
+        # an accepted path moved from the graph runner's static slots, on every rank
+        ref, got = verify_then_decode_logits(one, ids), verify_then_decode_logits(two, ids)
+        assert (got - ref).abs().max().item() < 1e-4
         prompts = [ids, ids[:10] * 3]
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
         want = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
@@ -68,6 +71,7 @@ _KILLED_RANK = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a spawned engine of its own (``pytest -m slow``)
 def test_a_killed_rank_ends_the_engine_with_a_message(tiny_folder: Path, tmp_path: Path) -> None:
     script = tmp_path / "engine.py"
     script.write_text(_KILLED_RANK)
@@ -92,6 +96,7 @@ def test_a_killed_rank_ends_the_engine_with_a_message(tiny_folder: Path, tmp_pat
     assert "tensor-parallel rank 1" in err, err[-2000:]
 
 
+@pytest.mark.slow  # a spawned engine of its own (``pytest -m slow``)
 def test_two_nodes_rendezvous_at_dist_init_addr(tiny_folder: Path) -> None:
     """``--nnodes 2``: node 1 (here a second process on this machine) runs only its ranks."""
     with socket.socket() as s:
