@@ -82,12 +82,21 @@ def test_greedy_outputs_equal_one_engine_and_both_replicas_serve(
 
 
 def test_metrics_and_server_info_sum_the_replicas(dp2: LiveServer, oai: openai.OpenAI) -> None:
-    complete(oai, PROMPTS[0], 4)
+    # two prompts, one per replica (least loaded first), of two sequences each
+    r = oai.completions.create(model="default", prompt=PROMPTS[:2], max_tokens=4, temperature=0, n=2)
+    texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+    assert len(texts) == 4 and texts[0] == texts[1] and texts[2] == texts[3]
     with httpx.Client(base_url=dp2.url, timeout=60) as http:
-        info = http.get("/server_info").json()
+        deadline = time.monotonic() + 10
+        # both sequences released (the snapshot is refreshed right after the outputs are delivered)
+        while (info := http.get("/server_info").json())["num_inflight"]:
+            assert time.monotonic() < deadline, info
+            time.sleep(0.05)
         text = http.get("/metrics").text
+        assert http.get("/health").status_code == 200
     pages = [r.load.kv_pages_total for r in dp2.router.replicas]
     assert info["kv_pages_total"] == sum(pages) == 2 * 4096 // 16
+    assert info["step_running_s"] == 0.0  # no replica holds a request
     metrics = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     assert metrics["ngrammar_dp_replicas_alive"] == 2
     assert metrics["ngrammar_generation_tokens_total"] >= 4
