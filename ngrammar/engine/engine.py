@@ -284,6 +284,10 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt is {len(prompt_ids)} tokens; the KV cache holds {self.kv_capacity_tokens} tokens"
             )
+        if params.draft_corpora:
+            if self.spec is None:
+                raise InvalidRequestError("draft_corpora needs an engine with speculative decoding")
+            self.spec.check_corpora(params.draft_corpora)
 
     def add_request(
         self,
