@@ -115,6 +115,7 @@ class _Track:
     consumed: int = 0
     start: int | None = None  # output index of the token boundary where the current value may start
     path: Path = ()
+    begun: bool = False  # the value at ``start`` has begun (its first byte was scanned)
 
 
 class FieldMemory:
@@ -174,17 +175,21 @@ class FieldMemory:
         scan = track.scan
         for i in range(track.consumed, len(output)):
             if track.start is None and scan.expect_value and not scan.in_string:
-                track.start, track.path = i, scan.path()
+                track.start, track.path, track.begun = i, scan.path(), False
             ended, started, depth = scan.ended, scan.started, len(scan.frames)
             scan.feed(self.vocab[output[i]])
-            if scan.ended > ended and track.start is not None:
+            if track.start is None:
+                continue
+            if scan.ended > ended:
                 self.remember((track.schema, track.path), tuple(output[track.start : i + 1]))
                 track.start = None
-            elif scan.started == started and (len(scan.frames) != depth or not scan.expect_value):
+            elif scan.started > started:
+                track.begun = True
+            elif not track.begun and (len(scan.frames) != depth or not scan.expect_value):
                 track.start = None  # no scalar value started here (a container opened or closed)
         track.consumed = len(output)
         if track.start is None and scan.expect_value and not scan.in_string:
-            track.start, track.path = len(output), scan.path()
+            track.start, track.path, track.begun = len(output), scan.path(), False
         return track
 
     def values(self, seq: Seq) -> list[tuple[int, ...]]:
