@@ -22,6 +22,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=None)
     bench.add_argument("--out", default=None, help="write the results as JSON here")
     bench.add_argument("--no-transformers", action="store_true")
+    bench.add_argument(
+        "--structured", action="store_true", help="grammar: the structured-output workloads (draft sources)"
+    )
+    bench.add_argument(
+        "--batch-job", type=int, default=0, help="grammar --structured: N same-schema requests"
+    )
     add_engine_args(bench)
     return bench
 
@@ -81,10 +87,22 @@ def run_benchmark(args: argparse.Namespace) -> int:
         from benchmarks.bench_grammar import run_grammar_benchmark
 
         plain, spec = _llm(args, False), _llm(args, True)
-        result = {
-            f"b{b}": run_grammar_benchmark(plain, spec, b, args.max_tokens or 96, args.repeats or 2, True)
-            for b in _sizes(args, (1,))
-        }
+        if args.structured:
+            from benchmarks.bench_grammar import run_structured_benchmark
+
+            result = {
+                f"b{b}": run_structured_benchmark(plain, spec, b, args.max_tokens or 64)
+                for b in _sizes(args, (1, 8))
+            }
+            if args.batch_job:
+                result["batch_job"] = run_structured_benchmark(
+                    plain, spec, 0, args.max_tokens or 64, args.batch_job
+                )
+        else:
+            result = {
+                f"b{b}": run_grammar_benchmark(plain, spec, b, args.max_tokens or 96, args.repeats or 2, True)
+                for b in _sizes(args, (1,))
+            }
     elif suite == "calibration":
         from benchmarks.bench_calibration import run_calibration
 

@@ -133,6 +133,11 @@ class FieldMemory:
     def __len__(self) -> int:
         return len(self._lru)
 
+    def clear(self) -> None:
+        """Forget every value (sequences keep their scans)."""
+        self._lru.clear()
+        self._fields.clear()
+
     # ------------------------------------------------------------------ storage
     def remember(self, key: FieldKey, value: tuple[int, ...]) -> None:
         if not value or len(value) > self.max_value_tokens:
