@@ -4,11 +4,14 @@ refill, field memory, external corpora and per-request control."""
 from __future__ import annotations
 
 import json
+import re
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -320,16 +323,68 @@ def test_forced_drafts_keep_greedy_outputs_on_the_sglang_regexes_alone(llm: LLM,
 
 
 def test_sampling_with_forced_drafts_follows_the_grammar(forced_llm: LLM) -> None:
-    """Sampled outputs under a grammar with forced text are grammatical and seeded-reproducible
-    (the tree sampling is lossless for any tree: tests/test_verify.py)."""
+    """Sampled outputs under a grammar with forced text stay grammatical, through verify steps
+    that carried forced drafts."""
     regex = r'\{"answer": "(yes|no)", "sure": (true|false)\}'
-    p = SamplingParams(max_tokens=24, temperature=0.8, n=4, seed=5, regex=regex)
-    out = forced_llm.generate("Answer in JSON:", p)[0]
-    again = forced_llm.generate("Answer in JSON:", p)[0]
-    import re
-
+    proposer = forced_llm.engine.spec.proposer  # type: ignore[union-attr]
+    before = proposer.source_nodes.get("forced", 0)
+    out = forced_llm.generate(
+        "Answer in JSON:", SamplingParams(max_tokens=24, temperature=0.8, n=4, seed=5, regex=regex)
+    )[0]
     assert all(re.fullmatch(regex, c.text) for c in out.outputs)
-    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in again.outputs]
+    assert proposer.source_nodes["forced"] > before
+
+
+# A grammar-shaped tree over V = 8: a forced chain 1 -> 2 -> 3 (node 1..3), an overhang sibling 4 of
+# the chain's last token (node 4), a corpus draft 5 at the root (node 5) and one below it (node 6).
+GRAMMAR_PARENTS = [-1, 0, 1, 2, 2, 0, 5]
+GRAMMAR_TOKENS = [7, 1, 2, 3, 4, 5, 6]
+# The tokens each node's grammar state allows (the bitmask): the forced positions allow one token.
+GRAMMAR_ALLOWED = [{1, 5, 6}, {2}, {3, 4, 0}, {0, 1, 2}, {0, 3}, {6, 7}, {1, 2, 3}]
+
+
+def test_tree_sampling_under_a_grammar_is_lossless_with_forced_drafts() -> None:
+    """The distribution test of tests/test_verify.py under a grammar: the target rows masked to
+    what each node's grammar state allows (as the engine's bitmask does) and a forced-draft tree;
+    every emitted token, given the node it was drawn at, follows that node's masked row."""
+    from test_verify import chi_square_p_value, child_by_token, mask_from_parents
+
+    from ngrammar.speculative.verify import tree_speculative_sampling_target_only
+
+    d, v, n = len(GRAMMAR_PARENTS), 8, 20000
+    gen = torch.Generator().manual_seed(11)
+    rows = torch.rand(d, v, generator=gen) + 0.05
+    for node, allowed in enumerate(GRAMMAR_ALLOWED):
+        rows[node, [t for t in range(v) if t not in allowed]] = 0.0
+    probs = rows / rows.sum(-1, keepdim=True)
+    result = tree_speculative_sampling_target_only(
+        torch.tensor(GRAMMAR_TOKENS).expand(n, d),
+        mask_from_parents(GRAMMAR_PARENTS).expand(n, d, d),
+        probs.expand(n, d, v),
+        torch.rand(n, d, generator=gen),
+        torch.rand(n, generator=gen),
+        1.0,
+        1.0,
+    )
+    counts: dict[int, Counter[int]] = {node: Counter() for node in range(d)}
+    for tokens, length in zip(result.accept_tokens.tolist(), result.accept_len.tolist()):
+        node = 0
+        for k in range(length):
+            assert tokens[k] in GRAMMAR_ALLOWED[node]  # never a token the grammar forbids
+            counts[node][tokens[k]] += 1
+            node = child_by_token(GRAMMAR_PARENTS, GRAMMAR_TOKENS, node, tokens[k])
+            if node == -1:
+                break
+    tested = 0
+    for node, counter in counts.items():
+        if sum(counter.values()) < 1000:
+            continue
+        assert chi_square_p_value([counter[t] for t in range(v)], probs[node].tolist()) > 1e-3, (
+            node,
+            counter,
+        )
+        tested += 1
+    assert tested >= 4
 
 
 def test_an_opted_out_request_never_takes_a_verify_step(forced_llm: LLM, llm: LLM) -> None:
