@@ -38,7 +38,9 @@ def _llm(args: argparse.Namespace, speculative: bool) -> Any:
     kw = engine_kwargs(args)
     kw["speculative"] = "ngram" if speculative else None
     if not speculative:
-        kw = {k: v for k, v in kw.items() if not k.startswith(("ngram_", "num_draft", "spec_"))}
+        kw = {
+            k: v for k, v in kw.items() if not k.startswith(("ngram_", "num_draft", "spec_", "draft_corpus"))
+        }
     elif "num_draft_tokens" not in kw:
         kw["num_draft_tokens"] = 8
     return LLM(**kw)

@@ -290,7 +290,7 @@ def forced_llm(corpus_file: Path) -> LLM:
         kv_cache_tokens=16384,
         speculative="ngram",
         num_draft_tokens=8,
-        spec_adaptive=False,
+        spec_policy="fixed",
         draft_corpus=[str(corpus_file)],
     )
 
@@ -441,7 +441,7 @@ def test_external_corpora_errors_and_removal(forced_llm: LLM, tmp_path: Path) ->
     # Drafting from a named corpus, then removing it while its request runs.
     corpora.add("facts", documents=["The unit of mass is the kilogram and the unit of length is the metre."])
     params = SamplingParams(max_tokens=16, temperature=0, draft_corpora=["facts"])
-    rid = eng.add_request("Repeat: the unit of mass is the kilogram", params)
+    eng.add_request("Repeat: the unit of mass is the kilogram", params)
     eng.step()
     eng.step()
     corpora.remove("facts")
