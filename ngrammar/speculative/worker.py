@@ -332,7 +332,7 @@ class NgramSpecWorker:
 
     def run_verify(self, seqs: list[Sequence], width: int) -> int:
         """One verify step drafting ``width`` nodes per sequence; returns the width verified (narrower
-        where the trees were trimmed: ``_kept_nodes``), or 0 when no draft was left to verify (the
+        where the trees were trimmed: ``_propose``), or 0 when no draft was left to verify (the
         caller runs a plain step)."""
         eng, runner = self.engine, self.engine.runner
         t0 = time.perf_counter()
@@ -381,7 +381,7 @@ class NgramSpecWorker:
         return width
 
     def _trims(self) -> bool:
-        """Whether to trim this step's trees (``_kept_nodes``): yes, unless switched off or the
+        """Whether to trim this step's trees (``_propose``): yes, unless switched off or the
         policy picked the width to time it (a step called off would leave the width untimed, and
         the policy would ask again at every step)."""
         return self.trim_trees and self.policy.reason != "time"
