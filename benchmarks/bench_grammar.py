@@ -178,3 +178,153 @@ def trim_row(ab: dict[str, Any]) -> list[Any]:
         ab["trimmed_nodes"],
         ab["grammar_pruned_nodes"],
     ]
+
+
+# ------------------------------------------------------------------ structured output (issue 29)
+PRODUCT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "category": {"enum": ["kitchen", "garden", "office", "toys"]},
+        "price": {"type": "number"},
+        "unit": {"enum": ["kg", "pcs", "box"]},
+        "in_stock": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+    },
+    "required": ["name", "category", "price", "unit", "in_stock", "tags"],
+    "additionalProperties": False,
+}
+PRODUCTS = [
+    "a kettle",
+    "a garden hose",
+    "a stapler",
+    "a wooden train",
+    "flour",
+    "a desk lamp",
+    "seeds",
+    "a kite",
+]
+ORDER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "item": {"type": "string"},
+        "quantity": {"type": "integer"},
+        "unit": {"enum": ["kg", "pcs", "box", "litre"]},
+        "priority": {"enum": ["low", "normal", "high"]},
+    },
+    "required": ["item", "quantity", "unit", "priority"],
+    "additionalProperties": False,
+}
+ORDERS = [
+    ("apples", 3, "kg", "normal"),
+    ("pens", 12, "pcs", "low"),
+    ("milk", 2, "litre", "high"),
+    ("nails", 1, "box", "normal"),
+    ("rice", 5, "kg", "low"),
+    ("chairs", 4, "pcs", "high"),
+    ("juice", 6, "litre", "normal"),
+    ("screws", 2, "box", "high"),
+]
+# (label, grammar_drafts, field memory on)
+DRAFT_VARIANTS = [("ngram+grammar", False, False), ("+forced", True, False), ("+forced+memory", True, True)]
+
+
+def open_schema_prompts(n: int) -> list[Any]:
+    return [
+        chat(f"Describe {PRODUCTS[i % len(PRODUCTS)]} for sale as a JSON product record.") for i in range(n)
+    ]
+
+
+def order_prompts(n: int) -> list[Any]:
+    out = []
+    for i in range(n):
+        item, qty, unit, prio = ORDERS[i % len(ORDERS)]
+        out.append(chat(f"Order: {qty} {unit} of {item}, priority {prio}. Extract the order as JSON."))
+    return out
+
+
+def _structured_run(llm: LLM, prompts: list[Any], params: SamplingParams) -> dict[str, Any]:
+    """One batch from an empty corpus (and field memory): tok/s, accept length, tokens per verify
+    step and per decode step (plain steps included), and the outputs' tokens."""
+    stats = llm.engine.stats
+    v0, e0, d0, s0 = stats.verify_steps, stats.verify_emitted, stats.decode_tokens, stats.spec_steps
+    trace: list[Any] = []
+    llm.engine.step_trace = trace
+    try:
+        tok_s, outs = run_chat(llm, prompts, params)
+    finally:
+        llm.engine.step_trace = None
+    decode_steps = sum(1 for r in trace if r.kind in ("decode", "chain", "verify"))
+    verify = stats.verify_steps - v0
+    return {
+        "tok_s": tok_s,
+        "accept_len": statistics.mean(o.metrics.get("spec_accept_length", 1.0) for o in outs),
+        "tokens_per_verify": (stats.verify_emitted - e0) / verify if verify else 1.0,
+        "tokens_per_decode_step": (stats.decode_tokens - d0) / max(decode_steps, 1),
+        "verify_steps": stats.spec_steps - s0,
+        "decode_steps": decode_steps,
+        "tokens": [o.outputs[0].token_ids for o in outs],
+    }
+
+
+def run_structured_benchmark(
+    plain: LLM, spec: LLM, batch_size: int = 1, max_tokens: int = 64, batch_job: int = 0
+) -> dict[str, Any]:
+    """Structured-output workloads: JSON extraction, open prompts with a schema and, with
+    ``batch_job`` > 0, that many same-schema order extractions in one batch. Per workload: plain +
+    grammar, NGRAM + grammar as before the draft proposer (n-gram drafts, pruned), with
+    grammar-forced drafts, and with field memory too (one run each: greedy, so the tokens per
+    step are deterministic given the policy's widths)."""
+    worker = spec.engine.spec
+    assert worker is not None
+    proposer = worker.proposer
+    memory = proposer.memory
+    workloads: dict[str, tuple[list[Any], dict[str, Any]]] = {}
+    if batch_size:
+        workloads["json-extraction"] = (extraction_prompts(batch_size), RECORD_SCHEMA)
+        workloads["open+schema"] = (open_schema_prompts(batch_size), PRODUCT_SCHEMA)
+    if batch_job:
+        workloads[f"batch-job x{batch_job}"] = (order_prompts(batch_job), ORDER_SCHEMA)
+    results: dict[str, Any] = {}
+    rows: list[list[Any]] = []
+    for name, (prompts, schema) in workloads.items():
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, json_schema=schema)
+        runs = {"plain+grammar": _structured_run(plain, prompts, params)}
+        for label, grammar_drafts, with_memory in DRAFT_VARIANTS:
+            proposer.grammar_drafts, proposer.memory = grammar_drafts, memory if with_memory else None
+            runs[label] = _structured_run(spec, prompts, params)
+        proposer.grammar_drafts, proposer.memory = True, memory
+        base, today = runs["plain+grammar"], runs["ngram+grammar"]
+        for label, r in runs.items():
+            rows.append(
+                [
+                    name,
+                    label,
+                    r["tok_s"],
+                    r["tok_s"] / base["tok_s"],
+                    r["accept_len"],
+                    r["tokens_per_verify"],
+                    r["tokens_per_verify"] / today["tokens_per_verify"],
+                    r["tokens_per_decode_step"],
+                    r["decode_steps"],
+                    r["tokens"] == base["tokens"],
+                ]
+            )
+            results[f"{name}/{label}"] = {k: v for k, v in r.items() if k != "tokens"}
+    print_table(
+        f"structured output (batch {batch_size or batch_job}, greedy, {max_tokens} tokens)",
+        [
+            "workload",
+            "variant",
+            "tok/s",
+            "vs plain",
+            "accept len",
+            "tok/verify",
+            "vs today",
+            "tok/decode step",
+            "decode steps",
+            "same tokens",
+        ],
+        rows,
+    )
+    return results

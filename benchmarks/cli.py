@@ -46,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--streams", type=int, default=8, help="long-arrivals: decoding streams")
     serve.add_argument("--arrivals", type=int, default=4, help="long-arrivals: long prompts that arrive")
     serve.add_argument("--arrival-every", type=float, default=3.0, help="long-arrivals: seconds apart")
+    bench.add_argument(
+        "--structured", action="store_true", help="grammar: the structured-output workloads (draft sources)"
+    )
+    bench.add_argument(
+        "--batch-job", type=int, default=0, help="grammar --structured: N same-schema requests"
+    )
     add_engine_args(bench)
     return bench
 
@@ -56,7 +62,9 @@ def _llm(args: argparse.Namespace, speculative: bool) -> Any:
     kw = engine_kwargs(args)
     kw["speculative"] = "ngram" if speculative else None
     if not speculative:
-        kw = {k: v for k, v in kw.items() if not k.startswith(("ngram_", "num_draft", "spec_"))}
+        kw = {
+            k: v for k, v in kw.items() if not k.startswith(("ngram_", "num_draft", "spec_", "draft_corpus"))
+        }
     elif "num_draft_tokens" not in kw:
         kw["num_draft_tokens"] = 8
     return LLM(**kw)
@@ -122,10 +130,22 @@ def run_benchmark(args: argparse.Namespace) -> int:
         from benchmarks.bench_grammar import run_grammar_benchmark
 
         plain, spec = _llm(args, False), _llm(args, True)
-        result = {
-            f"b{b}": run_grammar_benchmark(plain, spec, b, args.max_tokens or 96, args.repeats or 2, True)
-            for b in _sizes(args, (1,))
-        }
+        if args.structured:
+            from benchmarks.bench_grammar import run_structured_benchmark
+
+            result = {
+                f"b{b}": run_structured_benchmark(plain, spec, b, args.max_tokens or 64)
+                for b in _sizes(args, (1, 8))
+            }
+            if args.batch_job:
+                result["batch_job"] = run_structured_benchmark(
+                    plain, spec, 0, args.max_tokens or 64, args.batch_job
+                )
+        else:
+            result = {
+                f"b{b}": run_grammar_benchmark(plain, spec, b, args.max_tokens or 96, args.repeats or 2, True)
+                for b in _sizes(args, (1,))
+            }
     elif suite == "calibration":
         from benchmarks.bench_calibration import run_calibration
 

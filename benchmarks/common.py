@@ -89,10 +89,13 @@ def _fmt(x: Any) -> str:
 
 
 def forget_outputs(llm: Any) -> None:
-    """Empty the n-gram corpus so a repeated prompt cannot draft from its own earlier output."""
+    """Empty the n-gram corpus (and the field memory) so a repeated prompt cannot draft from its own
+    earlier output."""
     spec = llm.engine.spec
     if spec is not None:
         spec.corpus.reset()
+        if spec.proposer.memory is not None:
+            spec.proposer.memory.clear()
 
 
 def run_chat(llm: Any, prompts: list[Any], params: Any) -> tuple[float, list[Any]]:

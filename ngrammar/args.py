@@ -35,6 +35,10 @@ def _add_field(group: argparse._ArgumentGroup, name: str, f: dataclasses.Field[A
         )
     elif hint == bool | None:  # None: decided per device
         group.add_argument(_flag(flag_name), dest=flag_name, default=None, choices=list(_ON_OFF), help=help_)
+    elif hint == tuple[str, ...]:  # one or more values
+        group.add_argument(
+            _flag(flag_name), dest=flag_name, nargs="+", default=None, metavar="VALUE", help=help_
+        )
     else:
         kind = next((t for t in (int, float, str) if hint in (t, t | None)), None)
         if kind is None:
@@ -77,7 +81,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     for name, f, hint in _fields():
         value = getattr(args, _dest(name, f))
         if value is not None:
-            kw[name] = _ON_OFF[value] if hint == bool | None else value
+            kw[name] = (
+                _ON_OFF[value] if hint == bool | None else tuple(value) if isinstance(value, list) else value
+            )
     return kw
 
 

@@ -21,6 +21,10 @@ SPECULATIVE_ARGS = {
     "ngram_index_prompt": "index_prompt",
     "spec_accept_kernel": "accept_kernel",
     "spec_trim_trees": "trim_trees",
+    "spec_grammar_drafts": "grammar_drafts",
+    "spec_field_memory": "field_memory",
+    "draft_corpus": "draft_corpus",
+    "draft_corpus_max_tokens": "draft_corpus_max_tokens",
 }
 
 
@@ -57,8 +61,21 @@ class SpeculativeConfig:
     # (neither can be accepted), verify the rest at the narrowest captured width that holds them, and
     # run a plain step when no draft is left; False: verify the trees as drafted (an A/B switch).
     trim_trees: bool = True
+    grammar_drafts: bool = _opt(
+        True,
+        "under a grammar, draft the text it forces (hedged tokenizations), refill the drafts it forbids "
+        "and extend branches (speculative/proposer.py); off: n-gram drafts only, pruned",
+    )
+    field_memory: int = _opt(4096, "JSON values remembered per (schema, path) for drafting, in all (0: off)")
+    draft_corpus: tuple[str, ...] = _opt((), "text or JSONL files indexed as named external draft corpora")
+    draft_corpus_max_tokens: int = _opt(2_000_000, "largest external draft corpus, in tokens")
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "draft_corpus", tuple(self.draft_corpus))
+        if self.field_memory < 0:
+            raise ValueError(f"spec_field_memory must be >= 0, got {self.field_memory}")
+        if self.draft_corpus_max_tokens < 1:
+            raise ValueError("draft_corpus_max_tokens must be positive")
         if not 1 <= self.num_draft_tokens <= 64:
             raise ValueError(f"num_draft_tokens must be in [1, 64], got {self.num_draft_tokens}")
         if self.match_type not in ("BFS", "PROB"):

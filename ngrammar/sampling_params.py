@@ -46,6 +46,12 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None
     json_object: bool = False
+    # Speculation, per request (engines with NGRAM on): False never verifies drafts for this
+    # request (its batch decodes plainly while it runs); num_draft_tokens caps its draft tree
+    # (root included); draft_corpora names the external corpora it drafts from (None: all).
+    speculative: bool = True
+    num_draft_tokens: int | None = None
+    draft_corpora: tuple[str, ...] | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -60,6 +66,14 @@ class SamplingParams:
             ) from None
         if not all(map(_is_int, ids)):
             raise InvalidRequestError(f"stop_token_ids must be integers, got {ids!r}")
+        if self.draft_corpora is not None:
+            names = (self.draft_corpora,) if isinstance(self.draft_corpora, str) else self.draft_corpora
+            try:
+                object.__setattr__(self, "draft_corpora", tuple(names))
+            except TypeError:
+                raise InvalidRequestError(
+                    f"draft_corpora must be a list of corpus names, got {self.draft_corpora!r}"
+                ) from None
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
         if self.top_k == -1:
@@ -102,6 +116,14 @@ class SamplingParams:
             fail(
                 f"json_schema must be a JSON schema (an object, a boolean or its JSON text), got {self.json_schema!r}"
             )
+        if not isinstance(self.speculative, bool):
+            fail(f"speculative must be a boolean, got {self.speculative!r}")
+        if self.num_draft_tokens is not None and (
+            not _is_int(self.num_draft_tokens) or not 1 <= self.num_draft_tokens <= 64
+        ):
+            fail(f"num_draft_tokens must be an integer in [1, 64], got {self.num_draft_tokens!r}")
+        if self.draft_corpora is not None and not all(isinstance(n, str) for n in self.draft_corpora):
+            fail(f"draft_corpora must be corpus names, got {self.draft_corpora!r}")
         grammars = [
             self.json_schema is not None,
             self.regex is not None,

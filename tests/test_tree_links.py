@@ -280,7 +280,7 @@ def test_a_drafted_pad_token_with_children_is_not_padding() -> None:
 
 
 def test_the_nodes_that_are_not_padding_form_a_tree() -> None:
-    """Whatever the tokens, the nodes ``_kept_nodes`` starts from (all but padding) are closed
+    """Whatever the tokens, the nodes ``proposer.trim_drafted`` starts from (all but padding) are closed
     under ancestors: 500 random trees over tokens {0, 1, 2}, so token 0 appears at every depth."""
     rng = np.random.default_rng(17)
     for _ in range(500):

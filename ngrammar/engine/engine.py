@@ -187,9 +187,17 @@ class LLMEngine:
         self.replay: ReplayTarget | None = None  # benchmarks: recorded outputs decide (``set_replay``)
         self.spec: NgramSpecWorker | None = None
         if config.speculative is not None:
+            from ngrammar.speculative.forced import forced_text
             from ngrammar.speculative.worker import NgramSpecWorker
 
-            self.spec = NgramSpecWorker(config.speculative, self.runner, self.grammar_rows, self.stats)
+            self.spec = NgramSpecWorker(
+                config.speculative,
+                self.runner,
+                self.grammar_rows,
+                self.stats,
+                self.tokenizer,
+                forced=lambda: forced_text(self.grammar_backend, self.tokenizer),
+            )
         if config.cuda_graph and self.device.type == "cuda" and graph_capturable(self.runner.backend):
             self.enable_cuda_graphs(capture=True)
 
@@ -229,7 +237,7 @@ class LLMEngine:
 
         capture=False runs the same static-buffer and padding path eagerly (how it is tested on CPU).
         Widths are every D the draft policy may pick, or a trimmed tree be verified at
-        (``NgramSpecWorker._trimmed_width``); all graphs are captured here, up front, so no capture
+        (``DraftProposer.propose``); all graphs are captured here, up front, so no capture
         lands inside a timed step.
         """
         widths = [1] if self.spec is None else self.spec.graph_widths()
@@ -310,6 +318,10 @@ class LLMEngine:
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         validate_prompt(prompt_ids, self.max_model_len, self.kv_capacity_tokens)
+        if params.draft_corpora:
+            if self.spec is None:
+                raise InvalidRequestError("draft_corpora needs an engine with speculative decoding")
+            self.spec.check_corpora(params.draft_corpora)
 
     def add_request(
         self,

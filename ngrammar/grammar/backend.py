@@ -260,6 +260,14 @@ class GrammarMatcher:
         self._settled()
         return bool(self._m.is_completed())
 
+    def jump_forward(self) -> str:
+        """The text every continuation of the current state starts with (xgrammar's jump-forward
+        string): empty where the next character is not forced, or once completed or terminated."""
+        self._settled()
+        if self._m.is_terminated():
+            return ""
+        return str(self._m.find_jump_forward_string())
+
     def commit(self, tokens: Sequence[int]) -> tuple[int, bool]:
         """Accept verified tokens in order; returns (number retained, rejected?).
 

@@ -60,6 +60,7 @@ from ngrammar.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DraftCorpusRequest,
     ErrorInfo,
     ErrorResponse,
     GenerateMetaInfo,
@@ -92,6 +93,7 @@ _ENDPOINTS = frozenset(
         "/generate",
         "/server_info",
         "/metrics",
+        "/v1/draft_corpora",
     }
 )
 
@@ -131,6 +133,10 @@ def _as_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, (InvalidRequestError, GrammarError)):
+        return APIError(400, str(exc))
+    from ngrammar.speculative.external import DraftCorpusError
+
+    if isinstance(exc, DraftCorpusError):
         return APIError(400, str(exc))
     if isinstance(exc, QueueFull):
         return APIError(
@@ -890,6 +896,37 @@ def _install_routes(app: FastAPI, s: _Server) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(s.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/draft_corpora")
+    async def list_draft_corpora() -> Response:
+        return JSONResponse({"data": _draft_corpora(s).info()})
+
+    @app.post("/v1/draft_corpora")
+    async def add_draft_corpus(body: DraftCorpusRequest) -> Response:
+        from starlette.concurrency import run_in_threadpool
+
+        corpora = _draft_corpora(s)
+        # Tokenizing and indexing run on a worker thread; the engine keeps stepping meanwhile.
+        info = await run_in_threadpool(corpora.add, body.name, body.path, body.documents, body.replace)
+        return JSONResponse(info.as_dict())
+
+    @app.delete("/v1/draft_corpora/{name}")
+    async def remove_draft_corpus(name: str) -> Response:
+        corpora = _draft_corpora(s)
+        if name not in corpora.names():
+            raise APIError(404, f"unknown draft corpus {name!r}", "not_found_error")
+        corpora.remove(name)
+        return JSONResponse({"name": name, "removed": True})
+
+
+def _draft_corpora(s: _Server) -> Any:
+    """The engine's external draft corpora (``speculative.external.DraftCorpora``)."""
+    if not isinstance(s.engine, LLMEngine):  # ``distributed.router.ReplicaFront``: no engine here
+        raise APIError(400, "draft corpora are not served with --dp / --tp (each replica drafts on its own)")
+    spec = s.engine.spec
+    if spec is None or spec.proposer.corpora is None:
+        raise APIError(400, "draft corpora need a server started with --speculative ngram")
+    return spec.proposer.corpora
 
 
 def _chat_response(

@@ -169,6 +169,10 @@ class _OpenAIRequest(_RequestModel):
     regex: str | None = None
     ebnf: str | None = None
     json_schema: dict[str, Any] | bool | str | None = None
+    # Speculation per request (``SamplingParams``): opt out, cap the draft tree, name external corpora.
+    speculative: bool = True
+    num_draft_tokens: int | None = Field(default=None, ge=1, le=64)
+    draft_corpora: list[str] | None = None
     # Accepted only at their no-op values.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -203,6 +207,7 @@ class _OpenAIRequest(_RequestModel):
             "ignore_eos": self.ignore_eos,
             "regex": self.regex,
             "ebnf": self.ebnf,
+            **_speculation_kwargs(self.speculative, self.num_draft_tokens, self.draft_corpora),
         }
         kw.update(self._grammar_kwargs())
         return kw
@@ -217,6 +222,16 @@ class _OpenAIRequest(_RequestModel):
             return {"json_object": True}
         assert fmt.json_schema is not None  # checked by ResponseFormat
         return {"json_schema": fmt.json_schema.schema_}
+
+
+def _speculation_kwargs(
+    speculative: bool, num_draft_tokens: int | None, draft_corpora: list[str] | None
+) -> dict[str, Any]:
+    return {
+        "speculative": speculative,
+        "num_draft_tokens": num_draft_tokens,
+        "draft_corpora": None if draft_corpora is None else tuple(draft_corpora),
+    }
 
 
 def _stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -427,9 +442,13 @@ class NativeSamplingParams(_StrictModel):
     ebnf: str | None = None
     json_schema: dict[str, Any] | bool | str | None = None
     json_object: bool = False
+    speculative: bool = True
+    num_draft_tokens: int | None = Field(default=None, ge=1, le=64)
+    draft_corpora: list[str] | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         return {
+            **_speculation_kwargs(self.speculative, self.num_draft_tokens, self.draft_corpora),
             "max_tokens": self.max_new_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -489,3 +508,17 @@ class GenerateResponse(BaseModel):
     text: str
     output_ids: list[int]
     meta_info: GenerateMetaInfo
+
+
+# ------------------------------------------------------- external draft corpora
+
+
+class DraftCorpusRequest(BaseModel):
+    """Add a named external draft corpus from a file on the server or from documents."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    path: str | None = None
+    documents: list[str] | None = None
+    replace: bool = False

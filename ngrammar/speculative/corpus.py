@@ -35,11 +35,15 @@ from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from itertools import islice
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ngrammar.speculative.tree import PAD_TOKEN, DraftTree
 from ngrammar.speculative.trie import ABSENT, BULK_MIN_TOKENS, ROOT, Trie
+
+if TYPE_CHECKING:
+    from ngrammar.config import SpeculativeConfig
 
 MATCH_TYPES = ("BFS", "PROB")
 
@@ -97,6 +101,18 @@ class NgramCorpus:
         # tree drafted now only while the version is the same.
         self.version = 0
         self.reset()
+
+    @classmethod
+    def from_config(cls, c: SpeculativeConfig) -> NgramCorpus:
+        """A corpus with the trie and drafting settings of ``c``."""
+        return cls(
+            max_trie_depth=c.max_trie_depth,
+            min_bfs_breadth=c.min_bfs_breadth,
+            max_bfs_breadth=c.max_bfs_breadth,
+            draft_token_num=c.num_draft_tokens,
+            match_type=c.match_type,
+            capacity=c.capacity,
+        )
 
     # ----------------------------------------------------------------------------- public API
 

@@ -464,7 +464,7 @@ class AdaptiveDraftPolicy:
     def observe_vetoed(self, batch_size: int, width: int, constrained: bool, seq_ids: Sequence[str]) -> None:
         """A verify step of ``width`` nodes was called off before its launch: the members' trees held
         no draft to verify, only padding or drafts their grammars forbid
-        (``NgramSpecWorker._kept_nodes``), so each would have accepted nothing. That teaches
+        (``NgramSpecWorker._propose``), so each would have accepted nothing. That teaches
         acceptance as the step would have (a plain step runs instead and is timed as one), and a
         width that was re-tried waits for its next re-try."""
         self.acceptance.learn(

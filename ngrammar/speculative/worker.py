@@ -1,8 +1,9 @@
 """NGRAM speculative step: draft on the host, launch the tree verify, mask and accept, read back.
 
 One verify step for B sequences with D nodes each (``NgramSpecWorker.launch_verify``):
-  1. one draft call -> host DraftTree (tokens [B*D], ancestor mask [B, D, D]); trees drafted ahead
-     for this outcome (``prepare_next``) are taken as they are;
+  1. ``DraftProposer.propose`` -> host DraftTree (tokens [B*D], ancestor mask [B, D, D]): n-gram,
+     grammar-forced, field-memory and external-corpus drafts, trimmed (speculative/proposer.py);
+     n-gram trees drafted ahead for this outcome (``prepare_next``) are taken as they are;
   2. the verify forward is launched (host->device copies only; nothing is read back before it);
   3. while it runs: the corpus indexes the last step's tokens; host ``derive_tree_links`` + grammar
      DFS -> bitmask [B*D, V/32], copied in non-blocking and applied to all B*D logits rows;
@@ -28,6 +29,7 @@ from ngrammar.engine.grammar_rows import GrammarRows
 from ngrammar.engine.logprobs import logprob_tensors, unpack_logprobs
 from ngrammar.engine.sequence import Sequence
 from ngrammar.engine.stats import EngineStats, timed_forward
+from ngrammar.model.tokenizer import Tokenizer
 from ngrammar.outputs import TokenLogprob
 from ngrammar.runner.model_runner import ModelRunner, PendingRead, StepInput, move_kv_slots
 from ngrammar.runner.sampler import (
@@ -39,10 +41,14 @@ from ngrammar.runner.sampler import (
 )
 from ngrammar.runner.transfer import to_device
 from ngrammar.speculative.corpus import NgramCorpus
+from ngrammar.speculative.external import DraftCorpora
+from ngrammar.speculative.field_memory import FieldMemory
+from ngrammar.speculative.forced import ForcedText
 from ngrammar.speculative.policy import MAX_MATCH, make_policy
+from ngrammar.speculative.proposer import DraftProposer, Proposal
 from ngrammar.speculative.replay import ReplayTarget
 from ngrammar.speculative.shadow import ShadowDrafts
-from ngrammar.speculative.tree import DraftTree, carry_to_kept
+from ngrammar.speculative.tree import DraftTree
 from ngrammar.speculative.verify import (
     TreeAcceptResult,
     tree_speculative_sampling_target_only,
@@ -143,20 +149,28 @@ class _Prepared:
 
 class NgramSpecWorker:
     def __init__(
-        self, config: SpeculativeConfig, runner: ModelRunner, grammar: GrammarRows, stats: EngineStats
+        self,
+        config: SpeculativeConfig,
+        runner: ModelRunner,
+        grammar: GrammarRows,
+        stats: EngineStats,
+        tokenizer: Tokenizer,
+        forced: Callable[[], ForcedText] | None = None,
     ) -> None:
+        """``forced``: builds the grammar's forced-text helper on first use (only constrained
+        requests need it); ``tokenizer`` indexes the external draft corpora."""
         self.config = config
         self.runner = runner
         self.device = runner.device
         self.grammar = grammar
         self.stats = stats
-        self.corpus = NgramCorpus(
-            max_trie_depth=config.max_trie_depth,
-            min_bfs_breadth=config.min_bfs_breadth,
-            max_bfs_breadth=config.max_bfs_breadth,
-            draft_token_num=config.num_draft_tokens,
-            match_type=config.match_type,
-            capacity=config.capacity,
+        self.corpus = NgramCorpus.from_config(config)
+        self.proposer = DraftProposer(
+            self.corpus,
+            config.grammar_drafts,
+            forced=forced,
+            memory=FieldMemory(config.field_memory) if config.field_memory else None,
+            corpora=DraftCorpora(config, tokenizer),
         )
         self.policy = make_policy(config)
         self.shadows = ShadowDrafts(self.corpus, self.policy.widths[1:])
@@ -317,9 +331,21 @@ class NgramSpecWorker:
         ids = [s.seq_id for s in seqs]
         for seq_id in ids:
             self._prepared.pop(seq_id, None)
-        self.corpus.erase_match_state(ids)
+        self.proposer.on_finish(seqs)
         self.policy.forget(ids)
         self.shadows.forget(ids)
+
+    def check_corpora(self, names: tuple[str, ...]) -> None:
+        """Raise InvalidRequestError unless every named external corpus exists."""
+        from ngrammar.sampling_params import InvalidRequestError
+        from ngrammar.speculative.external import DraftCorpusError
+
+        corpora = self.proposer.corpora
+        assert corpora is not None
+        try:
+            corpora.check(names)
+        except DraftCorpusError as e:
+            raise InvalidRequestError(str(e)) from None
 
     # ------------------------------------------------------------- policy
     @property
@@ -329,7 +355,7 @@ class NgramSpecWorker:
 
     def graph_widths(self) -> list[int]:
         """The widths a decode or verify step may run at: every width the policy may pick, or a
-        trimmed tree be verified at (``_trimmed_width``)."""
+        trimmed tree be verified at (``DraftProposer.propose``)."""
         policy = self.policy
         narrower = policy.learns or self.trim_trees
         return policy.widths if narrower else [1, policy.max_width]
@@ -342,14 +368,27 @@ class NgramSpecWorker:
         (``AcceptanceModel.expected``); pricing each length at its bound, one longer, broke chains for
         verify steps the committed token then called off."""
         self._constrained = any(s.grammar is not None for s in seqs)
-        corpus, grow = self.corpus, int(ahead)
-        return self.policy.choose(
+        # A request that opted out never takes a verify step, so neither does its batch.
+        if not all(s.params.speculative for s in seqs):
+            return 1
+        proposer, grow = self.proposer, int(ahead)
+        width = self.policy.choose(
             [s.seq_id for s in seqs],
-            lambda: [corpus.match_length(s.token_ids, MAX_MATCH) for s in seqs],
+            lambda: [proposer.match_length(s, MAX_MATCH) for s in seqs],
             self._constrained,
             (lambda: [s.remaining_tokens - grow for s in seqs]) if draining else None,
             ahead,
         )
+        return self._asked_width(seqs, width)
+
+    def _asked_width(self, seqs: list[Sequence], width: int) -> int:
+        """At most the widest tree a member asked for (``SamplingParams.num_draft_tokens``): the
+        widest of the policy's widths that fits it (1: plain)."""
+        asked = [s.params.num_draft_tokens for s in seqs]
+        if width == 1 or any(a is None for a in asked):
+            return width
+        most = max(a for a in asked if a is not None)
+        return max((w for w in self.policy.widths if w <= min(width, most)), default=1)
 
     def observe_step(
         self,
@@ -410,20 +449,13 @@ class NgramSpecWorker:
         runner = self.runner
         chosen, t0 = width, time.perf_counter()
         with self._no_sync_region():
-            tree = self._trees_for(seqs, width)
-            self.stats.draft_seconds += time.perf_counter() - t0
-            drafted, keep = tree, None  # keep [B, D]: the drafted nodes a trimmed tree verifies
-            if self._trims():
-                keep = self._kept_nodes(seqs, tree)
-                if keep is None:
-                    return None
-                narrow = self._trimmed_width(keep, width)
-                if narrow < width:
-                    self.stats.trimmed_nodes += len(seqs) * (width - narrow)
-                    width = narrow
-                    tree = tree.keep_nodes(keep, width)
-                else:  # the dropped nodes stay: they cost nothing extra at this width
-                    keep = None
+            proposal = self._propose(seqs, width)
+            if proposal is None:
+                return None
+            tree = proposal.tree
+            if tree.draft_token_num < width:
+                self.stats.trimmed_nodes += len(seqs) * (width - tree.draft_token_num)
+                width = tree.draft_token_num
             depths = tree.depths()  # [B, D] host: the mask is host data, no device read
             step = self._step_input(seqs, tree, depths)
             greedy = all(s.params.greedy for s in seqs)
@@ -462,12 +494,11 @@ class NgramSpecWorker:
             packed = result.packed()
         lp = logprob_tensors(seqs, logits, result.accept_index, result.accept_tokens)
         read = runner.to_host_async(packed, *lp)
-        has_child, levels = self._as_drafted(drafted, keep, depths)
-        if prepare:
-            self.prepare_next(seqs, drafted, chosen)
+        if prepare and self.proposer.corpus_only(seqs, chosen):
+            self.prepare_next(seqs, tree, chosen)
         self.stats.spec_steps += 1
         self.stats.verify_seconds += time.perf_counter() - t0
-        return PendingVerify(seqs, chosen, width, read, has_child, levels, launched)
+        return PendingVerify(seqs, chosen, width, read, proposal.has_child, proposal.levels, launched)
 
     # ----------------------------------------------------------- drafting
     def _draft(self, seq_ids: list[str], contexts: list[list[int]], width: int) -> DraftTree:
@@ -555,77 +586,40 @@ class NgramSpecWorker:
 
         return int(token) == PAD_TOKEN
 
-    @staticmethod
-    def _as_drafted(
-        drafted: DraftTree, keep: np.ndarray | None, depths: np.ndarray
-    ) -> tuple[np.ndarray, list[int]]:
-        """What the policy learns from, of the trees as drafted (after the launch: host work that
-        overlaps the forward): whether each verified node had children there ([B, D'] bool: a run
-        ending at a childless node is censored, not a rejection; a trimmed tree would read a run the
-        grammar stopped as one that ran out of tree), and how many levels each tree had below its
-        root [B]. ``keep``: the drafted nodes the verified trees hold, None where they are the
-        drafted trees themselves (then ``depths`` [B, D] are theirs)."""
-        if keep is None:
-            return drafted.has_child(), depths.max(axis=1).tolist()
-        width = int(depths.shape[1])
-        return carry_to_kept(drafted.has_child(), keep, width, False), drafted.depths().max(axis=1).tolist()
-
     def _trims(self) -> bool:
-        """Whether to trim this step's trees (``_kept_nodes``): yes, unless switched off or the
+        """Whether to trim this step's trees (``_propose``): yes, unless switched off or the
         policy picked the width to time it (a step called off would leave the width untimed, and
         the policy would ask again at every step)."""
         return self.trim_trees and self.policy.reason != "time"
 
-    def _kept_nodes(self, seqs: list[Sequence], tree: DraftTree) -> np.ndarray | None:
-        """The nodes to verify [B, D] bool, decided before the launch: each member's tree less its
-        padding and less the drafts its grammar forbids.
-
-        Neither can be accepted: padding is there only to fill D (a corpus with few continuations
-        leaves trees with a handful of real nodes: 5 of 16 on average in one JSON run), and a
-        forbidden draft is masked out of its parent's logits by the bitmask. So the kept nodes are
-        verified at the narrowest captured width that holds every member's (``_trimmed_width``,
-        ``DraftTree.keep_nodes``; where none is narrower the trees stay as drafted), which accepts
-        exactly what the full trees would. None: no member kept a draft, so the step would emit one token per member at a
-        verify step's cost: the policy learns that each member accepted nothing (as that step
-        would have taught it) and the caller runs a plain step instead. A constrained batch's
-        grammars settle here, before the launch: ``grammar_valid_nodes`` is ``accept_token`` /
-        ``rollback`` calls only; the bitmask rows are still built while the forward runs."""
-        keep = ~tree.padding()
-        keep[:, 0] = True
+    def _propose(self, seqs: list[Sequence], width: int) -> Proposal | None:
+        """This step's trees (``DraftProposer.propose``), trimmed (``_trims``) to the narrowest
+        width that holds the nodes worth verifying: padding is there only to fill D, and a
+        forbidden draft is masked out of its parent's logits, so neither can be accepted. None: no
+        member kept a draft, so the step would emit one token per member at a verify step's cost:
+        the policy learns that each member accepted nothing (as that step would have taught it) and
+        the caller runs a plain step instead. A constrained batch's grammars settle here, before
+        the launch; the bitmask rows are still built while the forward runs."""
+        t = time.perf_counter()
         constrained = any(s.grammar is not None for s in seqs)
         if constrained:
-            self._keep_grammar_valid(seqs, tree, keep)
-        if not keep[:, 1:].any():
-            self.stats.vetoed_steps += 1
-            self.policy.observe_vetoed(len(seqs), tree.draft_token_num, constrained, [s.seq_id for s in seqs])
-            return None
-        return keep
-
-    def _keep_grammar_valid(self, seqs: list[Sequence], tree: DraftTree, keep: np.ndarray) -> None:
-        """Clear ``keep`` [B, D] at the drafts each member's grammar forbids (after settling it)."""
-        from ngrammar.grammar import grammar_valid_nodes
-
-        t = time.perf_counter()
-        self.grammar.settle(seqs)
-        tokens, parents = tree.tokens_2d().tolist(), tree.parents().tolist()
-        depth = CUDA_GRAMMAR_CHECK_DEPTH if self.device.type == "cuda" else None
-        for b, seq in enumerate(seqs):
-            if seq.is_finished:  # a grammar that failed to settle: nothing of its tree is committed
-                keep[b, 1:] = False
-            elif seq.grammar is not None:
-                drafted = int(keep[b].sum())
-                keep[b] &= grammar_valid_nodes(seq.grammar, tokens[b], parents[b], depth)
-                self.stats.grammar_pruned_nodes += drafted - int(keep[b].sum())
-        self.stats.grammar_seconds += time.perf_counter() - t
-
-    def _trimmed_width(self, keep: np.ndarray, width: int) -> int:
-        """The narrowest width that holds every member's kept nodes ([B, D] bool), at most the
-        drafted ``width``: one of the CUDA graphs' widths where there are graphs (an eager verify
-        step costs several graph replays on the H200), else one of the policy's."""
+            self.grammar.settle(seqs)
+            self.stats.grammar_seconds += time.perf_counter() - t
+        # Trees narrow to a CUDA graph's width where there are graphs (an eager verify step costs
+        # several graph replays on the H200), else to one of the policy's.
         graphs = self.runner.graphs
         widths = graphs.widths if graphs is not None else self.policy.widths
-        most = int(keep.sum(axis=1).max())
-        return min((w for w in widths if most <= w <= width), default=width)
+        depth = CUDA_GRAMMAR_CHECK_DEPTH if self.device.type == "cuda" else None
+        proposal = self.proposer.propose(
+            seqs, width, self._trims(), widths, depth, drafted=lambda: self._trees_for(seqs, width)
+        )
+        self.stats.draft_seconds += time.perf_counter() - t
+        if proposal is None:
+            self.stats.vetoed_steps += 1
+            self.policy.observe_vetoed(len(seqs), width, constrained, [s.seq_id for s in seqs])
+            return None
+        self.stats.grammar_pruned_nodes += proposal.pruned
+        return proposal
 
     @contextlib.contextmanager
     def _no_sync_region(self) -> Iterator[None]:
