@@ -195,7 +195,7 @@ def start_tensor_parallel(
         page_size=config.page_size,
         attention_backend=_backend_name(config.attention_backend, device),
         timeout_s=config.dist_timeout_s,
-        threads=max(1, (os.cpu_count() or 1) // per_node) if device.type == "cpu" else 0,
+        threads=_rank_threads(device, per_node),
         parent_pid=os.getpid(),
     )
     threads = torch.get_num_threads()
@@ -253,7 +253,7 @@ def run_node(config: EngineConfig) -> int:
         page_size=config.page_size,
         attention_backend=_backend_name(config.attention_backend, device),
         timeout_s=config.dist_timeout_s,
-        threads=max(1, (os.cpu_count() or 1) // per_node) if device.type == "cpu" else 0,
+        threads=_rank_threads(device, per_node),
         parent_pid=os.getpid(),
     )
     first = config.node_rank * per_node
@@ -297,6 +297,12 @@ def _wait_for(
                 f"within {timeout_s:.0f} s (--dist-timeout-s)"
             )
         time.sleep(_POLL_S)
+
+
+def _rank_threads(device: torch.device, per_node: int) -> int:
+    """A CPU rank's share of this process's threads (torch's default: the cores, or
+    ``OMP_NUM_THREADS``); 0 on CUDA (left as it is). Oversubscribed OpenMP threads spin."""
+    return max(1, torch.get_num_threads() // per_node) if device.type == "cpu" else 0
 
 
 def _address(addr: str | None) -> tuple[str, int]:

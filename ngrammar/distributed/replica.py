@@ -66,10 +66,11 @@ def replica_main(index: int, config: EngineConfig, conn: Connection) -> None:
         from ngrammar.engine.engine import LLMEngine
 
         own = replica_config(config, index)
-        if not own.device.startswith("cuda"):  # the replicas share the cores rather than oversubscribe them
+        if not own.device.startswith("cuda"):  # the replicas share the threads rather than oversubscribe
             import torch
 
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.data_parallel_size))
+            # torch's default: the cores, or OMP_NUM_THREADS (inherited from the server)
+            torch.set_num_threads(max(1, torch.get_num_threads() // config.data_parallel_size))
         engine = LLMEngine(own)
     except BaseException as e:  # noqa: BLE001 - reported to the server, which refuses to start
         traceback.print_exc()
