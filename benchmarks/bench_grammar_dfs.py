@@ -30,7 +30,8 @@ from ngrammar.grammar import (
 from ngrammar.grammar.tree_mask import fill_tree_bitmask, fill_tree_bitmask_native
 from ngrammar.model.loader import resolve_checkpoint
 from ngrammar.model.tokenizer import Tokenizer
-from ngrammar.speculative.tree import links_from_parents
+from tests.grammar_oracles import commit, fork
+from tests.tree_oracles import links_from_parents
 
 CITY_SCHEMA = {
     "type": "object",
@@ -96,7 +97,7 @@ def allowed_tokens(matcher: GrammarMatcher, vocab: int) -> list[int]:
 def draft_tree(matcher: GrammarMatcher, truth: list[int], d: int, vocab: int, rng: random.Random) -> Tree:
     """A BFS tree of d nodes below the matcher's committed state (root token = last committed)."""
     parents, tokens = [-1], [truth[0] if truth else 0]
-    states: list[GrammarMatcher | None] = [matcher.fork()]  # matcher after each node; None = invalid
+    states: list[GrammarMatcher | None] = [fork(matcher)]  # matcher after each node; None = invalid
     on_truth = [0]  # index into truth of the node's next true token, -1 when off the true path
     queue = [0]
     while queue and len(tokens) < d:
@@ -116,7 +117,7 @@ def draft_tree(matcher: GrammarMatcher, truth: list[int], d: int, vocab: int, rn
                 token, next_pos = rng.randrange(vocab), -1
             child_state = None
             if state is not None and not state.is_terminated():
-                child_state = state.fork()
+                child_state = fork(state)
                 if not child_state.accept_token(token):
                     child_state = None
             parents.append(node)
@@ -142,7 +143,7 @@ def trees_for_case(
     for _ in range(count):
         cut = rng.randrange(1, len(ids))  # committed = ids[:cut]; the root is ids[cut - 1]
         matcher = backend.new_matcher(compiled)
-        retained, rejected = matcher.commit(ids[:cut])
+        retained, rejected = commit(matcher, ids[:cut])
         assert retained == cut and not rejected, "the valid output must be accepted"
         out.append((matcher, draft_tree(matcher, ids[cut - 1 :], d, backend.vocab_size, rng)))
     return out
