@@ -27,10 +27,10 @@ from ngrammar.grammar import (
     grammar_spec_from_request,
     unpack_bitmask,
 )
-from ngrammar.grammar.tree_mask import fill_tree_bitmask, fill_tree_bitmask_native
+from ngrammar.grammar.tree_mask import fill_tree_bitmask
 from ngrammar.model.loader import resolve_checkpoint
 from ngrammar.model.tokenizer import Tokenizer
-from tests.grammar_oracles import commit, fork
+from tests.grammar_oracles import commit, dfs_tree_bitmask, fork
 from tests.tree_oracles import links_from_parents
 
 CITY_SCHEMA = {
@@ -162,19 +162,19 @@ def time_us(fn: Callable[[], None], repeats: int) -> float:
 
 def run_python(pairs: list[tuple[GrammarMatcher, Tree]], bitmask: torch.Tensor, vocab: int) -> None:
     for matcher, t in pairs:
-        fill_tree_bitmask(matcher, t.next_token, t.next_sibling, t.tokens, bitmask, 0, vocab)
+        dfs_tree_bitmask(matcher, t.next_token, t.next_sibling, t.tokens, bitmask, 0, vocab)
 
 
 def run_native(pairs: list[tuple[GrammarMatcher, Tree]], bitmask: torch.Tensor) -> None:
     for matcher, t in pairs:
-        fill_tree_bitmask_native(matcher, t.next_token, t.next_sibling, t.tokens, bitmask, 0)
+        fill_tree_bitmask(matcher, t.next_token, t.next_sibling, t.tokens, bitmask, 0)
 
 
 def masks_agree(pairs: list[tuple[GrammarMatcher, Tree]], vocab: int, d: int) -> bool:
     a, b = allocate_bitmask(d, vocab), allocate_bitmask(d, vocab)
     for matcher, t in pairs:
-        fill_tree_bitmask(matcher, t.next_token, t.next_sibling, t.tokens, a, 0, vocab)
-        fill_tree_bitmask_native(matcher, t.next_token, t.next_sibling, t.tokens, b, 0)
+        dfs_tree_bitmask(matcher, t.next_token, t.next_sibling, t.tokens, a, 0, vocab)
+        fill_tree_bitmask(matcher, t.next_token, t.next_sibling, t.tokens, b, 0)
         if not torch.equal(a, b):
             return False
     return True
@@ -186,7 +186,7 @@ def valid_fraction(pairs: list[tuple[GrammarMatcher, Tree]], vocab: int, d: int)
     words = bitmask.numpy()
     visited = 0
     for matcher, t in pairs:
-        fill_tree_bitmask(matcher, t.next_token, t.next_sibling, t.tokens, bitmask, 0, vocab)
+        dfs_tree_bitmask(matcher, t.next_token, t.next_sibling, t.tokens, bitmask, 0, vocab)
         visited += int(np.count_nonzero((words[1:] != -1).any(axis=1)))
     return visited / (len(pairs) * (d - 1))
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+import torch
+
 from ngrammar.grammar import GrammarBackend, GrammarMatcher, GrammarSpec
 
 
@@ -36,3 +39,67 @@ def cached_specs(backend: GrammarBackend) -> list[GrammarSpec]:
     """The backend's cached specs, least recently used first."""
     with backend._lock:
         return list(backend._cache)
+
+
+def _as_list(values: Sequence[int] | np.ndarray | torch.Tensor) -> list[int]:
+    if isinstance(values, (np.ndarray, torch.Tensor)):
+        return values.tolist()  # Python ints, one C call
+    return [int(v) for v in values]
+
+
+def _children_reversed(next_token: list[int], next_sibling: list[int], node: int) -> list[int]:
+    children = []
+    child = next_token[node]
+    while child != -1:
+        children.append(child)
+        child = next_sibling[child]
+    children.reverse()
+    return children
+
+
+def _bit_is_set(words: np.ndarray, row: int, token: int) -> bool:
+    return bool((int(words[row, token >> 5]) >> (token & 31)) & 1)
+
+
+def dfs_tree_bitmask(
+    matcher: GrammarMatcher,
+    next_token: Sequence[int] | np.ndarray | torch.Tensor,
+    next_sibling: Sequence[int] | np.ndarray | torch.Tensor,
+    draft_tokens: Sequence[int] | np.ndarray | torch.Tensor,
+    bitmask: torch.Tensor,
+    row_offset: int,
+    vocab_size: int,
+) -> None:
+    """Fill rows ``row_offset + i`` of a CPU bitmask with node i's next-token mask (the Python DFS ``fill_tree_bitmask`` must equal).
+
+    A child whose token is out of range or not allowed by its parent's row is skipped with its
+    subtree: its rows stay all-allowed, which is harmless because the parent's row already forbids
+    it, so verification can never reach it. A node after which the grammar is terminated (its token
+    was a stop token) gets no row and no subtree either. The D rows are reset to all-allowed first,
+    so a reused buffer holds no stale rows. The matcher ends in the state it started in.
+    """
+    nxt, sib, tok = _as_list(next_token), _as_list(next_sibling), _as_list(draft_tokens)
+    bitmask[row_offset : row_offset + len(tok)] = -1
+    if not tok or matcher.is_terminated():
+        return
+    words = bitmask.numpy()  # shares memory with the tensor: reads see the rows just filled
+    matcher.fill_bitmask(bitmask, row_offset)
+    depth = [0] * len(tok)  # tokens on the path from node 0 to a visited node (its tree depth)
+    accepted = 0  # tokens the matcher holds beyond the committed state (= depth of the last visit)
+    stack = [(child, 0) for child in _children_reversed(nxt, sib, 0)]  # pop order = pre-order
+    while stack:
+        node, parent = stack.pop()
+        matcher.rollback(accepted - depth[parent])  # back to the parent's state
+        accepted = depth[parent]
+        token = tok[node]
+        if not 0 <= token < vocab_size or not _bit_is_set(words, row_offset + parent, token):
+            continue
+        if not matcher.accept_token(token):
+            continue  # unreachable if xgrammar's mask and matcher agree; skipping stays safe
+        accepted += 1
+        depth[node] = accepted
+        if matcher.is_terminated():
+            continue
+        matcher.fill_bitmask(bitmask, row_offset + node)
+        stack.extend((child, node) for child in _children_reversed(nxt, sib, node))
+    matcher.rollback(accepted)

@@ -27,13 +27,8 @@ from ngrammar.grammar import (
     grammar_valid_nodes,
     unpack_bitmask,
 )
-from ngrammar.grammar.tree_mask import (
-    _version_tuple,
-    fill_tree_bitmask_native,
-    native_traverse_available,
-)
 from ngrammar.model.tokenizer import Tokenizer
-from tests.grammar_oracles import cached_specs, commit, fork, is_completed
+from tests.grammar_oracles import cached_specs, commit, dfs_tree_bitmask, fork, is_completed
 from tests.tree_oracles import links_from_parents
 
 VOCAB = 49152
@@ -462,15 +457,13 @@ def test_tree_masks_equal_naive_recomputation(
 
         python_rows = allocate_bitmask(d + 2, VOCAB)
         python_rows.fill_(7)  # stale contents must not survive
-        fill_tree_bitmask(matcher, nxt, sib, tokens, python_rows, 1, VOCAB)
+        dfs_tree_bitmask(matcher, nxt, sib, tokens, python_rows, 1, VOCAB)
         assert torch.equal(python_rows[1 : d + 1], expected)
         assert bool((python_rows[0] == 7).all() and (python_rows[d + 1] == 7).all())
 
         native_rows = allocate_bitmask(d, VOCAB)
         native_rows.fill_(7)
-        fill_tree_bitmask_native(
-            matcher, torch.tensor(nxt), torch.tensor(sib), torch.tensor(tokens), native_rows, 0
-        )
+        fill_tree_bitmask(matcher, torch.tensor(nxt), torch.tensor(sib), torch.tensor(tokens), native_rows, 0)
         assert torch.equal(native_rows, expected)
 
         reference = backend.new_matcher(compiled)
@@ -549,13 +542,12 @@ def test_build_tree_bitmask_batch(backend: GrammarBackend, tokenizer: Tokenizer)
     draft = torch.tensor([t for _, t in trees])
     expected = [naive_tree_bitmask(backend, compiled, committed, p, t) for p, t in trees]
 
-    for use_native in (None, True, False):
-        bitmask = torch.zeros(3 * d, (VOCAB + 31) // 32, dtype=torch.int32)  # stale: all forbidden
-        matchers = [matcher, None, matcher]
-        assert build_tree_bitmask(matchers, next_token, next_sibling, draft, bitmask, use_native=use_native)
-        for b in (0, 2):
-            assert torch.equal(bitmask[b * d : (b + 1) * d], expected[b])
-        assert bool((bitmask[d : 2 * d] == -1).all())
+    bitmask = torch.zeros(3 * d, (VOCAB + 31) // 32, dtype=torch.int32)  # stale: all forbidden
+    matchers = [matcher, None, matcher]
+    assert build_tree_bitmask(matchers, next_token, next_sibling, draft, bitmask)
+    for b in (0, 2):
+        assert torch.equal(bitmask[b * d : (b + 1) * d], expected[b])
+    assert bool((bitmask[d : 2 * d] == -1).all())
 
     bitmask.zero_()
     assert not build_tree_bitmask([None, None, None], next_token, next_sibling, draft, bitmask)
@@ -572,11 +564,9 @@ def test_terminal_node_row_stays_unconstrained(backend: GrammarBackend, tokenize
     for fill in ("python", "native"):
         rows = torch.zeros(4, (VOCAB + 31) // 32, dtype=torch.int32)
         if fill == "python":
-            fill_tree_bitmask(matcher, nxt, sib, tokens, rows, 0, VOCAB)
+            dfs_tree_bitmask(matcher, nxt, sib, tokens, rows, 0, VOCAB)
         else:
-            fill_tree_bitmask_native(
-                matcher, torch.tensor(nxt), torch.tensor(sib), torch.tensor(tokens), rows, 0
-            )
+            fill_tree_bitmask(matcher, torch.tensor(nxt), torch.tensor(sib), torch.tensor(tokens), rows, 0)
         unpacked = unpack_bitmask(rows, VOCAB)
         assert unpacked[0].sum() == 10 and torch.nonzero(unpacked[1]).flatten().tolist() == [EOS]
         assert unpacked[2].all() and unpacked[3].all(), fill
@@ -587,12 +577,6 @@ def test_spec_source_is_json_for_schema() -> None:
     spec = schema(CITY_SCHEMA)
     assert json.loads(spec.source) == CITY_SCHEMA
     assert list(json.loads(spec.source)["properties"]) == ["name", "population"]
-
-
-def test_native_traversal_gate() -> None:
-    assert native_traverse_available()  # xgrammar 0.2.9 in this environment
-    assert _version_tuple("0.2.9") == (0, 2, 9) and _version_tuple("0.3.0rc1") == (0, 3, 0)
-    assert _version_tuple("0.2.8") < (0, 2, 9) <= _version_tuple("0.10")
 
 
 # ------------------------------------------------------- deferred tokens
