@@ -176,11 +176,9 @@ class NgramSpecWorker:
         self.shadows = ShadowDrafts(self.corpus, self.policy.widths[1:])
         self.readback_links = False  # benchmark switch: the old path that reads links back first
         self.sync_debug = False  # GPU check: drafting -> verify launch runs under sync debug "error"
-        # Triton compiles for CUDA only; CPU graph-path runs (no capture) keep the torch ops.
-        self.accept_kernel = config.accept_kernel and self.device.type == "cuda"
-        # ``config.trim_trees``, switchable: equal-work benchmarks that must verify every tree
-        # at full width (the readback comparison) turn it off for their runs.
-        self.trim_trees = config.trim_trees
+        # CUDA-graph greedy verify steps accept with the one-launch Triton kernel (kernels/tree_accept.py,
+        # ~4x faster than the torch ops); Triton compiles for CUDA only, so a CPU keeps the torch ops.
+        self.accept_kernel = self.device.type == "cuda"
         self.last_drafts: dict[str, int] = {}  # seq id -> drafts it accepted in the last verify step
         self._constrained = False  # whether the last batch the policy chose for had a grammar
         # Past this many tokens a catch-up indexes only the last max_trie_depth positions, which
@@ -356,9 +354,7 @@ class NgramSpecWorker:
     def graph_widths(self) -> list[int]:
         """The widths a decode or verify step may run at: every width the policy may pick, or a
         trimmed tree be verified at (``DraftProposer.propose``)."""
-        policy = self.policy
-        narrower = policy.learns or self.trim_trees
-        return policy.widths if narrower else [1, policy.max_width]
+        return self.policy.widths
 
     def choose_width(self, seqs: list[Sequence], draining: bool, ahead: bool = False) -> int:
         """The next decode step's width. ``draining``: no request waits to join the batch (the
@@ -584,10 +580,10 @@ class NgramSpecWorker:
         return int(token) == PAD_TOKEN
 
     def _trims(self) -> bool:
-        """Whether to trim this step's trees (``_propose``): yes, unless switched off or the
-        policy picked the width to time it (a step called off would leave the width untimed, and
-        the policy would ask again at every step)."""
-        return self.trim_trees and self.policy.reason != "time"
+        """Whether to trim this step's trees (``_propose``): yes, unless the policy picked the width
+        to time it (a step called off would leave the width untimed, and the policy would ask again
+        at every step)."""
+        return self.policy.reason != "time"
 
     def _propose(self, seqs: list[Sequence], width: int) -> Proposal | None:
         """This step's trees (``DraftProposer.propose``), trimmed (``_trims``) to the narrowest
