@@ -96,3 +96,29 @@ def test_the_oracle_chain_bounds_the_corpus_drafts() -> None:
     ora, rep = accept_lengths([mixed], 8, oracle=True), accept_lengths([mixed], 8)
     assert ora["mixed"] > rep["mixed"]
     assert sum(oracle_steps(mixed, 8)) == sum(replay_steps(mixed, 8)) == 8
+
+
+def test_the_serve_plot_groups_levels_by_mode_in_concurrency_order(tmp_path: Any) -> None:
+    import json
+
+    from benchmarks.plot_serve import main, series
+
+    def level(mode: str, c: int, tok_s: float) -> dict[str, Any]:
+        return {
+            "mode": mode,
+            "speculative": mode != "off",
+            "concurrency": c,
+            "throughput_tok_s": tok_s,
+            "tpot_p50_ms": 10.0 * c,
+            "tpot_p99_ms": 20.0 * c,
+        }
+
+    log = {"result": {"levels": [level("off", 4, 40.0), level("ngram", 1, 12.0), level("off", 1, 10.0)]}}
+    assert series(log) == {
+        "off": [(1, 10.0, 10.0, 20.0), (4, 40.0, 40.0, 80.0)],
+        "ngram": [(1, 12.0, 10.0, 20.0)],
+    }
+    src, dst = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    src.write_text(json.dumps(log))
+    main(str(src), str(dst))
+    assert dst.stat().st_size > 0
