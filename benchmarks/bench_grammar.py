@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from benchmarks.common import chat, print_table, run_chat, switch_pairs
+from benchmarks.common import chat, print_table, run_chat
 from ngrammar import LLM, SamplingParams
 
 PEOPLE = [
@@ -69,12 +69,10 @@ def _rate(llm: LLM, prompts: list[Any], params: SamplingParams) -> tuple[float, 
 
 
 def run_grammar_benchmark(
-    plain: LLM, spec: LLM, batch_size: int = 1, max_tokens: int = 96, repeats: int = 2, trim_ab: bool = False
+    plain: LLM, spec: LLM, batch_size: int = 1, max_tokens: int = 96, repeats: int = 2
 ) -> dict[str, Any]:
     """Per workload: plain and NGRAM, without and with the grammar, and NGRAM + grammar with the
-    readback switch, each run ``repeats`` times in a row. With ``trim_ab`` also NGRAM + grammar
-    with its trees trimmed (padding and grammar-forbidden drafts dropped) against verified as
-    drafted (``trim_pairs``)."""
+    readback switch, each run ``repeats`` times in a row."""
     assert spec.engine.spec is not None
     workloads = {
         "json-extraction": (extraction_prompts(batch_size), dict(json_schema=RECORD_SCHEMA)),
@@ -82,7 +80,6 @@ def run_grammar_benchmark(
     }
     results: dict[str, Any] = {}
     rows: list[list[Any]] = []
-    trim_rows: list[list[Any]] = []
     for name, (prompts, grammar) in workloads.items():
         base = dict(max_tokens=max_tokens, temperature=0)
         variants = [
@@ -108,9 +105,6 @@ def run_grammar_benchmark(
                 "accept_len": acc,
             }
             rows.append([name, label, rate, acc, gms, fms, gms / fms if fms else 0.0])
-        if trim_ab:
-            ab = results[f"{name}/trim_ab"] = trim_pairs(spec, prompts, variants[3][2], repeats)
-            trim_rows.append([name, *trim_row(ab)])
     for name in workloads:
         r = results
         r[f"{name}/spec+grammar_vs_plain+grammar"] = (
@@ -129,55 +123,7 @@ def run_grammar_benchmark(
         ],
         rows,
     )
-    if trim_rows:
-        print_table(
-            f"spec+grammar, trees trimmed vs verified as drafted (batch {batch_size}, "
-            f"{repeats} interleaved pairs)",
-            ["workload", *TRIM_COLUMNS],
-            trim_rows,
-        )
     return results
-
-
-def trim_pairs(spec: LLM, prompts: list[Any], params: SamplingParams, repeats: int) -> dict[str, Any]:
-    """One NGRAM engine with tree trimming switched on and off between runs (``verify_pairs``:
-    interleaved pairs after a dropped warm-up pair; one engine, because two engines in one process
-    differed by up to 10% on the CPU box with the same settings). Adds, over the trimmed side's
-    runs, the verify steps called off, the tree nodes not computed and the drafts a grammar forbade."""
-    assert spec.engine.spec is not None
-    stats = spec.engine.stats
-    counts = ("vetoed_steps", "trimmed_nodes", "grammar_pruned_nodes")
-    start = {k: getattr(stats, k) for k in counts}
-    out = switch_pairs(spec, prompts, params, "trim_trees", ("trimmed", True), ("full", False), repeats)
-    out.update({k: getattr(stats, k) - start[k] for k in counts})
-    return out
-
-
-TRIM_COLUMNS = [
-    "trimmed tok/s",
-    "full tok/s",
-    "paired ratio",
-    "verify ms t/f",
-    "accept len",
-    "same tokens",
-    "steps called off",
-    "nodes trimmed",
-    "drafts forbidden",
-]
-
-
-def trim_row(ab: dict[str, Any]) -> list[Any]:
-    return [
-        ab["trimmed_tok_s"],
-        ab["full_tok_s"],
-        ab["ratio"],
-        f"{ab['trimmed_verify_ms']:.3g}/{ab['full_verify_ms']:.3g}",
-        ab["accept_len"],
-        ab["identical"],
-        ab["vetoed_steps"],
-        ab["trimmed_nodes"],
-        ab["grammar_pruned_nodes"],
-    ]
 
 
 # ------------------------------------------------------------------ structured output (issue 29)

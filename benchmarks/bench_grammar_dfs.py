@@ -27,10 +27,11 @@ from ngrammar.grammar import (
     grammar_spec_from_request,
     unpack_bitmask,
 )
-from ngrammar.grammar.tree_mask import fill_tree_bitmask, fill_tree_bitmask_native
+from ngrammar.grammar.tree_mask import fill_tree_bitmask
 from ngrammar.model.loader import resolve_checkpoint
 from ngrammar.model.tokenizer import Tokenizer
-from ngrammar.speculative.tree import links_from_parents
+from tests.grammar_oracles import commit, dfs_tree_bitmask, fork
+from tests.tree_oracles import links_from_parents
 
 CITY_SCHEMA = {
     "type": "object",
@@ -96,7 +97,7 @@ def allowed_tokens(matcher: GrammarMatcher, vocab: int) -> list[int]:
 def draft_tree(matcher: GrammarMatcher, truth: list[int], d: int, vocab: int, rng: random.Random) -> Tree:
     """A BFS tree of d nodes below the matcher's committed state (root token = last committed)."""
     parents, tokens = [-1], [truth[0] if truth else 0]
-    states: list[GrammarMatcher | None] = [matcher.fork()]  # matcher after each node; None = invalid
+    states: list[GrammarMatcher | None] = [fork(matcher)]  # matcher after each node; None = invalid
     on_truth = [0]  # index into truth of the node's next true token, -1 when off the true path
     queue = [0]
     while queue and len(tokens) < d:
@@ -116,7 +117,7 @@ def draft_tree(matcher: GrammarMatcher, truth: list[int], d: int, vocab: int, rn
                 token, next_pos = rng.randrange(vocab), -1
             child_state = None
             if state is not None and not state.is_terminated():
-                child_state = state.fork()
+                child_state = fork(state)
                 if not child_state.accept_token(token):
                     child_state = None
             parents.append(node)
@@ -142,7 +143,7 @@ def trees_for_case(
     for _ in range(count):
         cut = rng.randrange(1, len(ids))  # committed = ids[:cut]; the root is ids[cut - 1]
         matcher = backend.new_matcher(compiled)
-        retained, rejected = matcher.commit(ids[:cut])
+        retained, rejected = commit(matcher, ids[:cut])
         assert retained == cut and not rejected, "the valid output must be accepted"
         out.append((matcher, draft_tree(matcher, ids[cut - 1 :], d, backend.vocab_size, rng)))
     return out
@@ -161,19 +162,19 @@ def time_us(fn: Callable[[], None], repeats: int) -> float:
 
 def run_python(pairs: list[tuple[GrammarMatcher, Tree]], bitmask: torch.Tensor, vocab: int) -> None:
     for matcher, t in pairs:
-        fill_tree_bitmask(matcher, t.next_token, t.next_sibling, t.tokens, bitmask, 0, vocab)
+        dfs_tree_bitmask(matcher, t.next_token, t.next_sibling, t.tokens, bitmask, 0, vocab)
 
 
 def run_native(pairs: list[tuple[GrammarMatcher, Tree]], bitmask: torch.Tensor) -> None:
     for matcher, t in pairs:
-        fill_tree_bitmask_native(matcher, t.next_token, t.next_sibling, t.tokens, bitmask, 0)
+        fill_tree_bitmask(matcher, t.next_token, t.next_sibling, t.tokens, bitmask, 0)
 
 
 def masks_agree(pairs: list[tuple[GrammarMatcher, Tree]], vocab: int, d: int) -> bool:
     a, b = allocate_bitmask(d, vocab), allocate_bitmask(d, vocab)
     for matcher, t in pairs:
-        fill_tree_bitmask(matcher, t.next_token, t.next_sibling, t.tokens, a, 0, vocab)
-        fill_tree_bitmask_native(matcher, t.next_token, t.next_sibling, t.tokens, b, 0)
+        dfs_tree_bitmask(matcher, t.next_token, t.next_sibling, t.tokens, a, 0, vocab)
+        fill_tree_bitmask(matcher, t.next_token, t.next_sibling, t.tokens, b, 0)
         if not torch.equal(a, b):
             return False
     return True
@@ -185,7 +186,7 @@ def valid_fraction(pairs: list[tuple[GrammarMatcher, Tree]], vocab: int, d: int)
     words = bitmask.numpy()
     visited = 0
     for matcher, t in pairs:
-        fill_tree_bitmask(matcher, t.next_token, t.next_sibling, t.tokens, bitmask, 0, vocab)
+        dfs_tree_bitmask(matcher, t.next_token, t.next_sibling, t.tokens, bitmask, 0, vocab)
         visited += int(np.count_nonzero((words[1:] != -1).any(axis=1)))
     return visited / (len(pairs) * (d - 1))
 

@@ -143,7 +143,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
                 )
         else:
             result = {
-                f"b{b}": run_grammar_benchmark(plain, spec, b, args.max_tokens or 96, args.repeats or 2, True)
+                f"b{b}": run_grammar_benchmark(plain, spec, b, args.max_tokens or 96, args.repeats or 2)
                 for b in _sizes(args, (1,))
             }
     elif suite == "calibration":

@@ -11,7 +11,7 @@ kernel against the unfused ops, and whole steps with it on and off (``kernel_ste
 Part ``links``: host-derived tree links against the readback switch on equal work (NGRAM + grammar,
 the policy off so that both variants verify at every step and emit the same tokens).
 Part ``acceptor`` (not run by default): the greedy acceptor graph, torch ops against the one-launch
-kernel (``ngrammar.kernels.tree_accept``), alone and in the engine on equal work.
+kernel (``ngrammar.kernels.tree_accept``).
 Part ``overhead`` (not run by default; runs on a CPU too): plain against NGRAM with one draft width
 (corpus upkeep only, never a verify step) and NGRAM with D = 16 (``bench_spec_overhead``).
 
@@ -34,13 +34,8 @@ from typing import Any
 import torch
 
 from benchmarks.bench_grammar import (
-    LOG_REGEX,
     RECORD_SCHEMA,
-    TRIM_COLUMNS,
     extraction_prompts,
-    regex_prompts,
-    trim_pairs,
-    trim_row,
 )
 from benchmarks.common import (
     accept_length,
@@ -50,8 +45,6 @@ from benchmarks.common import (
     print_table,
     run_chat,
     switch_pairs,
-    verify_pairs,
-    verify_run,
 )
 from ngrammar import LLM, SamplingParams
 from ngrammar.config import EngineConfig
@@ -375,15 +368,10 @@ def links_equal_work(spec: LLM, prompts: list[Any], max_tokens: int, repeats: in
     worker = spec.engine.spec
     assert worker is not None and spec.engine.config.speculative.policy == "fixed"
     params = SamplingParams(max_tokens=max_tokens, temperature=0, json_schema=RECORD_SCHEMA)
-    # Tree trimming would call off or narrow steps (padding, drafts the schema forbids): off, so
-    # that every decode step verifies a D-node tree on both sides.
-    trim, worker.trim_trees = worker.trim_trees, False
-    try:
-        return switch_pairs(
-            spec, prompts, params, "readback_links", ("host_links", False), ("readback", True), repeats
-        )
-    finally:
-        worker.trim_trees = trim
+    # Both sides draft and trim the same trees: the same verify steps, the same tokens.
+    return switch_pairs(
+        spec, prompts, params, "readback_links", ("host_links", False), ("readback", True), repeats
+    )
 
 
 def bench_acceptor(batch_sizes: list[int], width: int = 16, vocab: int = 49152) -> dict[str, Any]:
@@ -449,79 +437,6 @@ def bench_acceptor(batch_sizes: list[int], width: int = 16, vocab: int = 49152) 
         f"greedy acceptor graph, D = {width} (µs per replay)",
         ["batch", "torch ops", "kernel", "agree"],
         [[k, v["torch_us"], v["kernel_us"], v["agree"]] for k, v in res.items()],
-    )
-    return res
-
-
-def bench_acceptor_engine(
-    model: str | None, batch_sizes: list[int], max_tokens: int, repeats: int
-) -> dict[str, Any]:
-    """NGRAM at D = 16 with the policy off (every decode step verifies) and the CUDA-graph acceptor
-    as the one-launch kernel or as torch ops (``spec_accept_kernel``), in interleaved pairs after a
-    dropped warm-up pair, per grounded category and batch size: tok/s, verify ms per step and
-    whether both emitted the same tokens."""
-    kw = dict(
-        _engine_kwargs(model, True),
-        speculative="ngram",
-        num_draft_tokens=16,
-        spec_policy="fixed",
-        spec_trim_trees=False,
-    )  # every step verifies 16 nodes
-    llms = {True: LLM(**kw), False: LLM(**kw, spec_accept_kernel=False)}
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    res: dict[str, Any] = {}
-    for cat, prompts in _categories().items():
-        for bs in batch_sizes:
-            batch = _batch(prompts, bs)
-            res[f"{cat}_b{bs}"] = verify_pairs(
-                ("kernel", lambda: verify_run(llms[True], batch, params)),
-                ("torch", lambda: verify_run(llms[False], batch, params)),
-                repeats,
-            )
-    print_table(
-        "NGRAM D = 16, policy off: acceptor kernel vs torch ops",
-        ["cell", "kernel tok/s", "torch tok/s", "ratio", "verify ms k/t", "accept", "same"],
-        [
-            [
-                k,
-                v["kernel_tok_s"],
-                v["torch_tok_s"],
-                v["ratio"],
-                f"{v['kernel_verify_ms']:.3f}/{v['torch_verify_ms']:.3f}",
-                v["accept_len"],
-                v["identical"],
-            ]
-            for k, v in res.items()
-        ],
-    )
-    return res
-
-
-def bench_trim_trees(
-    model: str | None, batch_sizes: list[int], max_tokens: int, repeats: int
-) -> dict[str, Any]:
-    """NGRAM at D = 16 with its trees trimmed before each verify launch (padding and
-    grammar-forbidden drafts dropped) or verified as drafted (``trim_pairs``: one engine, switched
-    between runs), with the draft policy on (the default engine) and off (every decode step
-    verifies), per workload (two grammars, the four spec categories) and batch size."""
-    kw = dict(_engine_kwargs(model, True), speculative="ngram", num_draft_tokens=16)
-    engines = {"policy": LLM(**kw), "fixed": LLM(**kw, spec_policy="fixed")}
-    base = dict(max_tokens=max_tokens, temperature=0)
-    workloads = {
-        "json_schema": (extraction_prompts, SamplingParams(**base, json_schema=RECORD_SCHEMA)),
-        "regex": (regex_prompts, SamplingParams(**base, regex=LOG_REGEX)),
-    }
-    for cat, prompts in _categories().items():
-        workloads[cat] = (lambda bs, p=prompts: _batch(p, bs), SamplingParams(**base, ignore_eos=True))
-    res: dict[str, Any] = {}
-    for mode, llm in engines.items():
-        for name, (make_prompts, params) in workloads.items():
-            for bs in batch_sizes:
-                res[f"{mode}/{name}_b{bs}"] = trim_pairs(llm, make_prompts(bs), params, repeats)
-    print_table(
-        "NGRAM D = 16: trees trimmed vs verified as drafted (policy on / fixed D)",
-        ["cell", *TRIM_COLUMNS],
-        [[k, *trim_row(v)] for k, v in res.items()],
     )
     return res
 
@@ -844,13 +759,6 @@ def main() -> int:
         )
     if "acceptor" in parts and torch.cuda.is_available():
         _safe("acceptor", lambda: bench_acceptor(sizes), log)
-        _safe(
-            "acceptor_engine",
-            lambda: bench_acceptor_engine(args.model, sizes, args.max_tokens, args.repeats),
-            log,
-        )
-    if "trim" in parts:
-        _safe("trim_trees", lambda: bench_trim_trees(args.model, sizes, args.max_tokens, args.repeats), log)
     if "overhead" in parts:
         _safe(
             "spec_overhead",

@@ -149,7 +149,7 @@ def r4_cache_bytes(root: Path) -> None:
         "b=GrammarBackend(T(c.tokenizer_dir,c.config.eos_token_ids),c.config.vocab_size,**kw);"
         "[b.compile(GrammarSpec('json_schema',json.dumps({'type':'object','properties':"
         "{f'q{k}_{i}':{'type':'string'} for i in range(1000)}}))) for k in range(8)];"
-        "print(len(b.cached_specs()),'entries',sum(b.compile(s).memory_size_bytes for s in b.cached_specs())"
+        "print(len(list(b._cache)),'entries',sum(b.compile(s).memory_size_bytes for s in list(b._cache))"
         "//2**20,'MiB cached; byte budget',kw.get('cache_max_bytes'))"
     )
     env = {**os.environ, "PYTHONPATH": str(root)}

@@ -19,8 +19,6 @@ SPECULATIVE_ARGS = {
     "spec_policy": "policy",
     "spec_threshold_match": "threshold_match",
     "ngram_index_prompt": "index_prompt",
-    "spec_accept_kernel": "accept_kernel",
-    "spec_trim_trees": "trim_trees",
     "spec_grammar_drafts": "grammar_drafts",
     "spec_field_memory": "field_memory",
     "draft_corpus": "draft_corpus",
@@ -54,13 +52,6 @@ class SpeculativeConfig:
     )
     threshold_match: int = _opt(2, "the threshold policy's shortest match worth a verify step")
     index_prompt: bool = _opt(True, "prompts feed the corpus at admission (prompt copying)")
-    # CUDA-graph greedy verify steps accept with the one-launch Triton kernel (kernels/tree_accept.py);
-    # False: with the torch ops of verify_tree_greedy (an A/B switch; CPU always uses the torch ops).
-    accept_kernel: bool = True
-    # Verify steps drop their trees' padding and the drafts a grammar forbids before the launch
-    # (neither can be accepted), verify the rest at the narrowest captured width that holds them, and
-    # run a plain step when no draft is left; False: verify the trees as drafted (an A/B switch).
-    trim_trees: bool = True
     grammar_drafts: bool = _opt(
         True,
         "under a grammar, draft the text it forces (hedged tokenizations), refill the drafts it forbids "

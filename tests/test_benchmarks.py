@@ -65,7 +65,7 @@ def test_links_equal_work_runs_both_link_paths_on_the_same_tokens(spec_llm: Any)
     assert out["host_links_tok_s"] > 0 and out["readback_tok_s"] > 0 and out["ratio"] > 0
     assert out["host_links_verify_ms"] > 0 and out["readback_verify_ms"] > 0
     assert stats.spec_steps >= steps + 4  # each of the four runs verified
-    assert spec_llm.engine.spec.readback_links is False and spec_llm.engine.spec.trim_trees
+    assert spec_llm.engine.spec.readback_links is False
 
 
 def test_draft_replay_accepts_copied_text_and_nothing_of_novel_text() -> None:
@@ -98,21 +98,27 @@ def test_the_oracle_chain_bounds_the_corpus_drafts() -> None:
     assert sum(oracle_steps(mixed, 8)) == sum(replay_steps(mixed, 8)) == 8
 
 
-def test_grammar_benchmark_pairs_trimmed_and_full_trees_on_the_same_tokens(llm: Any, spec_llm: Any) -> None:
-    """The trimming A/B of ``python -m benchmarks grammar`` switches one engine's tree trimming between
-    runs: greedy fp32 decoding is lossless on both sides, so both emit the same tokens; trimming
-    is on again afterwards."""
-    from benchmarks.bench_grammar import run_grammar_benchmark
+def test_the_serve_plot_groups_levels_by_mode_in_concurrency_order(tmp_path: Any) -> None:
+    import json
 
-    out = run_grammar_benchmark(llm, spec_llm, 1, max_tokens=12, repeats=1, trim_ab=True)
-    for name in ("json-extraction", "regex-logs"):
-        ab = out[f"{name}/trim_ab"]
-        assert ab["identical"] == 1.0 and ab["trimmed_tok_s"] > 0 and ab["full_tok_s"] > 0
-    assert (
-        sum(
-            out[f"{n}/trim_ab"]["trimmed_nodes"] + out[f"{n}/trim_ab"]["vetoed_steps"]
-            for n in ("json-extraction", "regex-logs")
-        )
-        > 0
-    )  # trimming happened
-    assert spec_llm.engine.spec.trim_trees
+    from benchmarks.plot_serve import main, series
+
+    def level(mode: str, c: int, tok_s: float) -> dict[str, Any]:
+        return {
+            "mode": mode,
+            "speculative": mode != "off",
+            "concurrency": c,
+            "throughput_tok_s": tok_s,
+            "tpot_p50_ms": 10.0 * c,
+            "tpot_p99_ms": 20.0 * c,
+        }
+
+    log = {"result": {"levels": [level("off", 4, 40.0), level("ngram", 1, 12.0), level("off", 1, 10.0)]}}
+    assert series(log) == {
+        "off": [(1, 10.0, 10.0, 20.0), (4, 40.0, 40.0, 80.0)],
+        "ngram": [(1, 12.0, 10.0, 20.0)],
+    }
+    src, dst = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    src.write_text(json.dumps(log))
+    main(str(src), str(dst))
+    assert dst.stat().st_size > 0

@@ -66,18 +66,15 @@ def test_speculative_flags_reach_the_engine_config() -> None:
             "16",
             "--spec-policy",
             "fixed",
-            "--no-spec-accept-kernel",
-            "--no-spec-trim-trees",
+            "--no-spec-grammar-drafts",
         ]
     )
     spec = build_engine_config(**engine_kwargs(args)).speculative
-    assert (
-        spec is not None and spec.num_draft_tokens == 16 and spec.policy == "fixed" and not spec.accept_kernel
-    )
-    assert not spec.trim_trees
+    assert spec is not None and spec.num_draft_tokens == 16 and spec.policy == "fixed"
+    assert not spec.grammar_drafts
     args = build_parser().parse_args(["generate", "hi", "--speculative", "ngram"])
     spec = build_engine_config(**engine_kwargs(args)).speculative
-    assert spec is not None and spec.policy == "adaptive" and spec.accept_kernel and spec.trim_trees
+    assert spec is not None and spec.policy == "adaptive" and spec.grammar_drafts
 
 
 def test_jsonl_rows_are_checked_and_take_every_sampling_field(

@@ -110,17 +110,10 @@ def test_config_validation() -> None:
         EngineConfig(cuda_graph_max_bs=0)
 
 
-def test_the_acceptor_kernel_is_a_cuda_only_switch(static_spec_llm: LLM) -> None:
-    from ngrammar.llm import build_engine_config
-
-    assert build_engine_config(speculative="ngram").speculative.accept_kernel  # type: ignore[union-attr]
-    off = build_engine_config(speculative="ngram", spec_accept_kernel=False)
-    assert not off.speculative.accept_kernel  # type: ignore[union-attr]
-    with pytest.raises(ValueError, match="need speculative"):
-        build_engine_config(spec_accept_kernel=False)
+def test_the_acceptor_kernel_is_cuda_only(static_spec_llm: LLM) -> None:
     # Triton compiles for CUDA only: a CPU engine's graph path (no capture) keeps the torch ops.
     worker = static_spec_llm.engine.spec
-    assert worker is not None and worker.config.accept_kernel and not worker.accept_kernel
+    assert worker is not None and not worker.accept_kernel
 
 
 def test_cpu_engines_stay_eager(llm: LLM) -> None:
@@ -372,7 +365,7 @@ def test_cuda_graph_capture_replay_matches_eager() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernel_acceptor_and_torch_acceptor_give_the_same_tokens() -> None:
-    # The CUDA-graph acceptor with the one-launch kernel (the default) against the torch ops, on
+    # The CUDA-graph acceptor (the one-launch kernel) against an eager engine's torch ops, on
     # prompts that copy (long accepted runs, KV moves) and at batch sizes that pad their bucket.
     kw = dict(
         device="cuda",
@@ -384,15 +377,15 @@ def test_kernel_acceptor_and_torch_acceptor_give_the_same_tokens() -> None:
         spec_policy="fixed",
     )
     fused = LLM(**kw)  # type: ignore[arg-type]
-    ops = LLM(**kw, spec_accept_kernel=False)  # type: ignore[arg-type]
-    assert fused.engine.spec.accept_kernel and not ops.engine.spec.accept_kernel
+    ops = LLM(**kw, cuda_graph=False)  # type: ignore[arg-type]
+    assert fused.engine.spec.accept_kernel and ops.engine.runner.graphs is None
     copy = [f"Repeat this list exactly: {', '.join(str(i) for i in range(k, k + 30))}." for k in range(5)]
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     for prompts in (copy[:1], copy[:3], copy + PROMPTS[:2]):
         want = [o.token_ids for o in ops.generate(prompts, params)]
         assert [o.token_ids for o in fused.generate(prompts, params)] == want
+    assert sum(_graphs(fused).accept_replays.values()) > 0
     for llm in (fused, ops):
-        assert sum(_graphs(llm).accept_replays.values()) > 0
         alloc = llm.engine.blocks.allocator
         alloc.check_integrity()
         assert alloc.num_free == alloc.num_pages

@@ -27,12 +27,8 @@ from ngrammar.grammar import (
     grammar_valid_nodes,
     unpack_bitmask,
 )
-from ngrammar.grammar.tree_mask import (
-    _version_tuple,
-    fill_tree_bitmask_native,
-    native_traverse_available,
-)
 from ngrammar.model.tokenizer import Tokenizer
+from tests.grammar_oracles import cached_specs, commit, dfs_tree_bitmask, fork, is_completed
 from tests.tree_oracles import links_from_parents
 
 VOCAB = 49152
@@ -99,20 +95,20 @@ def test_regex_kit_compiles_and_walks(
     assert re.fullmatch(pattern, text)
     matcher = backend.new_matcher(backend.compile(regex(pattern)))
     ids = tokenizer.encode(text)
-    assert matcher.commit(ids) == (len(ids), False)
-    assert matcher.is_completed() and not matcher.is_terminated()
+    assert commit(matcher, ids) == (len(ids), False)
+    assert is_completed(matcher) and not matcher.is_terminated()
     if pattern.endswith("+$"):
         assert EOS in allowed(matcher)  # complete, but the message may also go on
     else:
         assert allowed(matcher) == [EOS]  # a complete fixed-length match admits only the stop token
-    assert matcher.commit([EOS]) == (1, False)
+    assert commit(matcher, [EOS]) == (1, False)
     assert matcher.is_terminated()
 
 
 def test_city_schema_walk(backend: GrammarBackend, tokenizer: Tokenizer) -> None:
     matcher = backend.new_matcher(backend.compile(schema(CITY_SCHEMA)))
     ids = tokenizer.encode('{"name": "Paris", "population": 2148000}') + [EOS]
-    assert matcher.commit(ids) == (len(ids), False)
+    assert commit(matcher, ids) == (len(ids), False)
     assert matcher.is_terminated()
 
 
@@ -123,7 +119,7 @@ def test_schema_rejects_extra_and_missing_properties(backend: GrammarBackend, to
         '{"name": "Paris"}',
         '{"name": "a b", "population": 1}',
     ]:
-        retained, rejected = backend.new_matcher(compiled).commit(tokenizer.encode(text) + [EOS])
+        retained, rejected = commit(backend.new_matcher(compiled), tokenizer.encode(text) + [EOS])
         assert rejected, text
 
 
@@ -132,8 +128,8 @@ def test_schema_keeps_property_order(backend: GrammarBackend, tokenizer: Tokeniz
     props = {"zeta": {"type": "integer"}, "alpha": {"type": "integer"}}
     spec = schema({"type": "object", "properties": props, "required": ["zeta", "alpha"]})
     compiled = backend.compile(spec)
-    ok = backend.new_matcher(compiled).commit(tokenizer.encode('{"zeta": 1, "alpha": 2}') + [EOS])
-    bad = backend.new_matcher(compiled).commit(tokenizer.encode('{"alpha": 2, "zeta": 1}') + [EOS])
+    ok = commit(backend.new_matcher(compiled), tokenizer.encode('{"zeta": 1, "alpha": 2}') + [EOS])
+    bad = commit(backend.new_matcher(compiled), tokenizer.encode('{"alpha": 2, "zeta": 1}') + [EOS])
     assert ok[1] is False and bad[1] is True
 
 
@@ -141,11 +137,11 @@ def test_json_object_and_ebnf(backend: GrammarBackend, tokenizer: Tokenizer) -> 
     spec = grammar_spec_from_request(json_object=True)
     assert spec == GrammarSpec("json_object", "")
     ids = tokenizer.encode('{"a": [1, 2.5, "x"], "b": null}') + [EOS]
-    assert backend.new_matcher(backend.compile(spec)).commit(ids) == (len(ids), False)
+    assert commit(backend.new_matcher(backend.compile(spec)), ids) == (len(ids), False)
     ebnf = grammar_spec_from_request(ebnf='root ::= "yes" | "no"')
     assert ebnf is not None
     matcher = backend.new_matcher(backend.compile(ebnf))
-    assert matcher.commit(tokenizer.encode("no") + [EOS]) == (2, False)
+    assert commit(matcher, tokenizer.encode("no") + [EOS]) == (2, False)
 
 
 def test_spec_from_request() -> None:
@@ -198,7 +194,7 @@ def test_invalid_grammars_raise_grammar_error(
     assert ".cc:" not in str(info.value)  # xgrammar's source locations are stripped
     with pytest.raises(GrammarError, match=message):
         backend.compile_async(spec).result(timeout=30)
-    assert spec not in backend.cached_specs()
+    assert spec not in cached_specs(backend)
 
 
 def test_a_missing_module_is_not_reported_as_bad_input(
@@ -231,7 +227,7 @@ def test_compile_cache_hits_and_counts(tokenizer: Tokenizer) -> None:
         small.compile(b)
         small.compile(a)  # a becomes most recent, so c evicts b
         small.compile(c)
-        assert small.cached_specs() == [a, c]
+        assert cached_specs(small) == [a, c]
         assert small.compile_count == 3
         small.compile(b)
         assert small.compile_count == 4
@@ -284,29 +280,27 @@ def test_commit_retains_through_terminating_token(backend: GrammarBackend, token
     compiled = backend.compile(regex(r"^\d{3}$"))
     digits = [tokenizer.encode(c)[0] for c in "1234"]
     matcher = backend.new_matcher(compiled)
-    assert matcher.commit(digits[:3] + [EOS, digits[3], EOS]) == (4, False)
+    assert commit(matcher, digits[:3] + [EOS, digits[3], EOS]) == (4, False)
     assert matcher.is_terminated()
-    assert matcher.commit([EOS]) == (0, False)  # nothing follows the end
+    assert commit(matcher, [EOS]) == (0, False)  # nothing follows the end
 
     matcher = backend.new_matcher(compiled)
-    assert matcher.commit(digits[:2]) == (2, False)
-    assert matcher.commit([tokenizer.encode("a")[0], digits[2]]) == (0, True)
-    assert matcher.commit(digits[2:]) == (1, True)  # third digit ok, a fourth is rejected
-    assert not matcher.is_terminated() and matcher.is_completed()
-    assert matcher.commit([]) == (0, False)
+    assert commit(matcher, digits[:2]) == (2, False)
+    assert commit(matcher, [tokenizer.encode("a")[0], digits[2]]) == (0, True)
+    assert commit(matcher, digits[2:]) == (1, True)  # third digit ok, a fourth is rejected
+    assert not matcher.is_terminated() and is_completed(matcher)
+    assert commit(matcher, []) == (0, False)
 
 
 def test_commit_rejects_early_eos_and_out_of_range(backend: GrammarBackend, tokenizer: Tokenizer) -> None:
     matcher = backend.new_matcher(backend.compile(schema(CITY_SCHEMA)))
     ids = tokenizer.encode('{"name": "Rome"')
-    assert matcher.commit(ids + [EOS]) == (len(ids), True)
-    assert matcher.commit([VOCAB, -1]) == (0, True)
-    fork = matcher.fork()
+    assert commit(matcher, ids + [EOS]) == (len(ids), True)
+    assert commit(matcher, [VOCAB, -1]) == (0, True)
+    copy = fork(matcher)
     tail = tokenizer.encode(', "population": 2}') + [EOS]
-    assert fork.commit(tail) == (len(tail), False) and fork.is_terminated()
+    assert commit(copy, tail) == (len(tail), False) and copy.is_terminated()
     assert not matcher.is_terminated()  # the fork is independent
-    matcher.reset()
-    assert matcher.commit(ids) == (len(ids), False)
 
 
 # ---------------------------------------------------------------- bitmask ops
@@ -376,7 +370,7 @@ def test_apply_bitmask_rejects_short_mask() -> None:
 def random_tree(matcher: GrammarMatcher, d: int, rng: random.Random) -> tuple[list[int], list[int]]:
     """(parents, tokens) of a BFS tree with a mix of valid, invalid, stop and padding tokens."""
     parents, tokens = [-1], [rng.randrange(VOCAB)]
-    states: list[GrammarMatcher | None] = [matcher.fork()]
+    states: list[GrammarMatcher | None] = [fork(matcher)]
     queue = [0]
     while queue and len(tokens) < d:
         node = queue.pop(0)
@@ -397,7 +391,7 @@ def random_tree(matcher: GrammarMatcher, d: int, rng: random.Random) -> tuple[li
                 token = rng.randrange(VOCAB)
             child = None
             if live:
-                child = state.fork()  # type: ignore[union-attr]
+                child = fork(state)  # type: ignore[union-attr]
                 if not child.accept_token(token):
                     child = None
             parents.append(node)
@@ -424,10 +418,10 @@ def naive_tree_bitmask(
             walk = parents[walk]
         path.reverse()
         fresh = backend.new_matcher(compiled)
-        assert fresh.commit(committed) == (len(committed), False)
+        assert commit(fresh, committed) == (len(committed), False)
         if fresh.is_terminated():
             continue
-        retained, rejected = fresh.commit(path)
+        retained, rejected = commit(fresh, path)
         if retained == len(path) and not rejected and not fresh.is_terminated():
             fresh.fill_bitmask(out, node)
     return out
@@ -455,7 +449,7 @@ def test_tree_masks_equal_naive_recomputation(
         cut = rng.randrange(0, len(ids) + 1)  # cut == len(ids): already terminated
         committed = ids[:cut]
         matcher = backend.new_matcher(compiled)
-        matcher.commit(committed)
+        commit(matcher, committed)
         d = rng.choice([1, 2, 4, 8, 16])
         parents, tokens = random_tree(matcher, d, rng)
         nxt, sib = links_from_parents(parents)
@@ -463,19 +457,17 @@ def test_tree_masks_equal_naive_recomputation(
 
         python_rows = allocate_bitmask(d + 2, VOCAB)
         python_rows.fill_(7)  # stale contents must not survive
-        fill_tree_bitmask(matcher, nxt, sib, tokens, python_rows, 1, VOCAB)
+        dfs_tree_bitmask(matcher, nxt, sib, tokens, python_rows, 1, VOCAB)
         assert torch.equal(python_rows[1 : d + 1], expected)
         assert bool((python_rows[0] == 7).all() and (python_rows[d + 1] == 7).all())
 
         native_rows = allocate_bitmask(d, VOCAB)
         native_rows.fill_(7)
-        fill_tree_bitmask_native(
-            matcher, torch.tensor(nxt), torch.tensor(sib), torch.tensor(tokens), native_rows, 0
-        )
+        fill_tree_bitmask(matcher, torch.tensor(nxt), torch.tensor(sib), torch.tensor(tokens), native_rows, 0)
         assert torch.equal(native_rows, expected)
 
         reference = backend.new_matcher(compiled)
-        reference.commit(committed)
+        commit(reference, committed)
         assert matcher.is_terminated() == reference.is_terminated()
         if not matcher.is_terminated():
             assert allowed(matcher) == allowed(reference)
@@ -495,11 +487,11 @@ def naive_valid_nodes(
             path.append(tokens[walk])
             walk = parents[walk]
         fresh = backend.new_matcher(compiled)
-        fresh.commit(committed)
+        commit(fresh, committed)
         if fresh.is_terminated():
             out.append(False)
             continue
-        retained, rejected = fresh.commit(path[::-1])
+        retained, rejected = commit(fresh, path[::-1])
         out.append(retained == len(path) and not rejected)
     return out
 
@@ -516,7 +508,7 @@ def test_grammar_valid_nodes_equal_naive_recomputation(
     for _ in range(45):
         committed = ids[: rng.randrange(0, len(ids) + 1)]
         matcher = backend.new_matcher(compiled)
-        matcher.commit(committed)
+        commit(matcher, committed)
         parents, tokens = random_tree(matcher, rng.choice([1, 2, 4, 8, 16]), rng)
         valid = grammar_valid_nodes(matcher, tokens, parents)
         assert valid == naive_valid_nodes(backend, compiled, committed, parents, tokens)
@@ -529,7 +521,7 @@ def test_grammar_valid_nodes_equal_naive_recomputation(
                     expected[i] = expected[parents[i]]
             assert grammar_valid_nodes(matcher, tokens, parents, max_depth=limit) == expected
         reference = backend.new_matcher(compiled)  # the walk leaves the matcher as it found it
-        reference.commit(committed)
+        commit(reference, committed)
         assert matcher.is_terminated() == reference.is_terminated()
         if not matcher.is_terminated():
             assert allowed(matcher) == allowed(reference)
@@ -540,7 +532,7 @@ def test_build_tree_bitmask_batch(backend: GrammarBackend, tokenizer: Tokenizer)
     compiled = backend.compile(schema(CITY_SCHEMA))
     committed = tokenizer.encode('{"name": "Par')
     matcher = backend.new_matcher(compiled)
-    matcher.commit(committed)
+    commit(matcher, committed)
     rng = random.Random(7)
     d = 8
     trees = [random_tree(matcher, d, rng) for _ in range(3)]
@@ -550,13 +542,12 @@ def test_build_tree_bitmask_batch(backend: GrammarBackend, tokenizer: Tokenizer)
     draft = torch.tensor([t for _, t in trees])
     expected = [naive_tree_bitmask(backend, compiled, committed, p, t) for p, t in trees]
 
-    for use_native in (None, True, False):
-        bitmask = torch.zeros(3 * d, (VOCAB + 31) // 32, dtype=torch.int32)  # stale: all forbidden
-        matchers = [matcher, None, matcher]
-        assert build_tree_bitmask(matchers, next_token, next_sibling, draft, bitmask, use_native=use_native)
-        for b in (0, 2):
-            assert torch.equal(bitmask[b * d : (b + 1) * d], expected[b])
-        assert bool((bitmask[d : 2 * d] == -1).all())
+    bitmask = torch.zeros(3 * d, (VOCAB + 31) // 32, dtype=torch.int32)  # stale: all forbidden
+    matchers = [matcher, None, matcher]
+    assert build_tree_bitmask(matchers, next_token, next_sibling, draft, bitmask)
+    for b in (0, 2):
+        assert torch.equal(bitmask[b * d : (b + 1) * d], expected[b])
+    assert bool((bitmask[d : 2 * d] == -1).all())
 
     bitmask.zero_()
     assert not build_tree_bitmask([None, None, None], next_token, next_sibling, draft, bitmask)
@@ -567,33 +558,25 @@ def test_terminal_node_row_stays_unconstrained(backend: GrammarBackend, tokenize
     # Root "12" committed; node 1 = "3", node 2 = EOS under it, node 3 = "4" under the EOS.
     matcher = backend.new_matcher(backend.compile(regex(r"^\d{3}$")))
     one, two, three, four = (tokenizer.encode(c)[0] for c in "1234")
-    matcher.commit([one, two])
+    commit(matcher, [one, two])
     tokens = [two, three, EOS, four]
     nxt, sib = [1, 2, 3, -1], [-1, -1, -1, -1]
     for fill in ("python", "native"):
         rows = torch.zeros(4, (VOCAB + 31) // 32, dtype=torch.int32)
         if fill == "python":
-            fill_tree_bitmask(matcher, nxt, sib, tokens, rows, 0, VOCAB)
+            dfs_tree_bitmask(matcher, nxt, sib, tokens, rows, 0, VOCAB)
         else:
-            fill_tree_bitmask_native(
-                matcher, torch.tensor(nxt), torch.tensor(sib), torch.tensor(tokens), rows, 0
-            )
+            fill_tree_bitmask(matcher, torch.tensor(nxt), torch.tensor(sib), torch.tensor(tokens), rows, 0)
         unpacked = unpack_bitmask(rows, VOCAB)
         assert unpacked[0].sum() == 10 and torch.nonzero(unpacked[1]).flatten().tolist() == [EOS]
         assert unpacked[2].all() and unpacked[3].all(), fill
-    assert matcher.commit([three, EOS]) == (2, False)
+    assert commit(matcher, [three, EOS]) == (2, False)
 
 
 def test_spec_source_is_json_for_schema() -> None:
     spec = schema(CITY_SCHEMA)
     assert json.loads(spec.source) == CITY_SCHEMA
     assert list(json.loads(spec.source)["properties"]) == ["name", "population"]
-
-
-def test_native_traversal_gate() -> None:
-    assert native_traverse_available()  # xgrammar 0.2.9 in this environment
-    assert _version_tuple("0.2.9") == (0, 2, 9) and _version_tuple("0.3.0rc1") == (0, 3, 0)
-    assert _version_tuple("0.2.8") < (0, 2, 9) <= _version_tuple("0.10")
 
 
 # ------------------------------------------------------- deferred tokens
@@ -628,7 +611,7 @@ def test_settle_reports_the_first_rejected_token(backend: GrammarBackend, tokeni
         matcher.accept_masked(token)
     assert not matcher.is_terminated()
     assert matcher.settle() == letter  # the digit before it was accepted, the one after dropped
-    assert matcher.commit(digits[1:] + [EOS]) == (3, False)
+    assert commit(matcher, digits[1:] + [EOS]) == (3, False)
 
     matcher = backend.new_matcher(backend.compile(regex(r"^\d{3}$")))
     matcher.accept_masked(letter)

@@ -250,7 +250,7 @@ def test_ngram_with_overlap_is_lossless() -> None:
     assert stats.spec_steps > 0 and stats.chained_steps > 0  # both kinds of step ran
     assert stats.shadow_samples > 0  # plain steps taught the policy through shadow drafts ...
     assert (
-        spec.engine.spec is not None and len(spec.engine.spec.shadows) == 0
+        spec.engine.spec is not None and len(spec.engine.spec.upkeep.shadows) == 0
     )  # ... and none outlives its request
     assert spec.engine.blocks.allocator.num_free == spec.engine.blocks.allocator.num_pages
 

@@ -24,6 +24,7 @@ from ngrammar.speculative.external import DraftCorpusError
 from ngrammar.speculative.field_memory import FieldMemory, JsonPath
 from ngrammar.speculative.forced import ForcedText, forced_text
 from ngrammar.speculative.proposer import DraftProposer
+from tests.grammar_oracles import fork
 
 # ----------------------------------------------------------------------------- random schemas
 _NAMES = st.sampled_from(["name", "unit", "qty", "id", "city", "tags", "kind", "note"])
@@ -144,7 +145,7 @@ def test_forced_branches_match_a_token_by_token_walk_of_the_matcher(
             seen_forced += 1
             canonical = forced.canonical(text)
             assert forced.decode(canonical) == text.encode()
-            walk = m.fork()
+            walk = fork(m)
             done = b""
             for t in canonical:
                 assert walk.accept_token(t)
@@ -154,7 +155,7 @@ def test_forced_branches_match_a_token_by_token_walk_of_the_matcher(
             assert alternatives[0] == canonical and len(set(alternatives)) == len(alternatives)
             for alt in alternatives:
                 assert forced.decode(alt) == text.encode()
-                walk = m.fork()
+                walk = fork(m)
                 assert all(walk.accept_token(t) for t in alt)
         seq = _Seq([1] + tokens[:i], m)
         proposal = proposer.propose([seq], 16, trim=False, widths=[1, 4, 8, 16])
@@ -164,7 +165,7 @@ def test_forced_branches_match_a_token_by_token_walk_of_the_matcher(
             p for p, j in zip(_paths(tree_tokens, parents), range(1, 16)) if not proposal.tree.padding()[0, j]
         ]
         for path in real:
-            walk = m.fork()
+            walk = fork(m)
             assert all(walk.accept_token(t) for t in path), path
         if text and len(forced.canonical(text)) < 16:
             assert list(forced.canonical(text)) in real  # the canonical branch is in the tree
@@ -206,7 +207,7 @@ def test_grammar_forbidden_corpus_drafts_are_refilled(
     root = 7
     # After the root token the corpus saw "c" first, then 5 continuations the grammar forbids.
     for t in [c, *range(200, 205)]:
-        assert t == c or not m.fork().accept_token(t)
+        assert t == c or not fork(m).accept_token(t)
         corpus.index_prompt(("doc", t), [root, t, 5])
     seq = _Seq([1, root], m)
     off = DraftProposer(corpus, grammar_drafts=False).propose([seq], 4, trim=True, widths=[1, 4])

@@ -34,6 +34,7 @@ from ngrammar.server import create_app
 from ngrammar.server.config import ServerConfig
 from ngrammar.server.engine_loop import AsyncEngine
 from ngrammar.server.http import uvicorn_kwargs
+from tests.grammar_oracles import cached_specs
 
 ENGINE_KWARGS: dict[str, Any] = dict(device="cpu", dtype="float32", kv_cache_tokens=4096)
 CHAT = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2, "temperature": 0}
@@ -205,11 +206,11 @@ def test_grammar_cache_is_bounded_by_bytes_and_keeps_pinned_entries(engine: LLME
     first = backend.compile(specs[0])
     for spec in specs[1:3]:
         backend.compile(spec)
-    assert backend.cached_specs() == specs[1:3]  # the oldest went: three do not fit in 2.5
+    assert cached_specs(backend) == specs[1:3]  # the oldest went: three do not fit in 2.5
     assert backend.cache_bytes <= backend.cache_max_bytes
     backend.pin(specs[0], first)  # back in, and kept while pinned whatever else arrives
     backend.compile(specs[3])
-    assert specs[0] in backend.cached_specs()
+    assert specs[0] in cached_specs(backend)
     backend.unpin(specs[0])
     assert backend.cache_bytes <= backend.cache_max_bytes
     backend.close()

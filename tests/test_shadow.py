@@ -178,7 +178,7 @@ def test_an_engine_with_nothing_to_pick_drafts_no_shadows() -> None:
             max_len=llm.engine.max_model_len,
         )
         worker.on_admit(seq)  # indexes the prompt: its last tokens have a match
-        worker._shadow_step([seq], budget=1.0)
+        worker.upkeep._shadow_step([seq], budget=1.0)
         assert llm.engine.stats.shadow_trees == trees, kw
 
 

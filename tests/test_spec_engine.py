@@ -12,9 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ngrammar import LLM, SamplingParams
+from ngrammar.config import SpeculativeConfig
 from ngrammar.engine.sequence import Sequence
+from ngrammar.engine.stats import EngineStats
+from ngrammar.speculative.corpus import NgramCorpus
 from ngrammar.speculative.policy import REASONS, AdaptiveDraftPolicy, bucket_of
-from ngrammar.speculative.worker import NgramSpecWorker
+from ngrammar.speculative.upkeep import CorpusUpkeep
 
 GROUNDED = [
     "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the river bank.\n",
@@ -109,27 +112,20 @@ def test_the_step_trace_records_every_step_by_kind(spec_llm: LLM) -> None:
 def test_trees_are_trimmed_to_their_drafts_before_the_verify_launch(spec_llm: LLM, llm: LLM) -> None:
     """Padding cannot be accepted: a tree with few real drafts is verified at the narrowest width
     that holds them (the fixture drafts D = 8), a step with none runs plain, and the output is
-    plain decoding's either way; with trimming off every verify step is D wide."""
+    plain decoding's either way."""
     eng = spec_llm.engine
-    worker = eng.spec
-    assert worker is not None and worker.trim_trees
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    expected = [o.token_ids for o in llm.generate(OPEN_ENDED[:2] + GROUNDED[:1], params)]
-    widths: dict[bool, set[int]] = {}
-    for trim in (True, False):
-        worker.trim_trees = trim
-        trimmed, vetoed = eng.stats.trimmed_nodes, eng.stats.vetoed_steps
-        eng.step_trace = trace = []
-        try:
-            outs = [spec_llm.generate(p, params)[0] for p in OPEN_ENDED[:2] + GROUNDED[:1]]  # batch 1
-        finally:
-            eng.step_trace = None
-            worker.trim_trees = True
-        assert [o.token_ids for o in outs] == expected
-        widths[trim] = {r.width for r in trace if r.kind == "verify"}
-        assert (eng.stats.trimmed_nodes > trimmed) == trim
-        assert trim or eng.stats.vetoed_steps == vetoed  # as drafted, every scheduled verify step runs
-    assert widths[False] == {8} and min(widths[True]) < 8
+    prompts = OPEN_ENDED[:2] + GROUNDED[:1]
+    expected = [o.token_ids for o in llm.generate(prompts, params)]
+    trimmed = eng.stats.trimmed_nodes
+    eng.step_trace = trace = []
+    try:
+        outs = [spec_llm.generate(p, params)[0] for p in prompts]  # batch 1
+    finally:
+        eng.step_trace = None
+    assert [o.token_ids for o in outs] == expected
+    widths = {r.width for r in trace if r.kind == "verify"}
+    assert eng.stats.trimmed_nodes > trimmed and min(widths) < 8 and max(widths) <= 8
 
 
 def test_the_policy_says_why_it_chose_a_width() -> None:
@@ -621,29 +617,30 @@ def test_plain_steps_skip_indexing_where_it_would_cost_a_share_of_the_step() -> 
         spec_policy="fixed",
         num_draft_tokens=1,
     )
-    worker = spec.engine.spec
+    upkeep = spec.engine.spec.upkeep
     calls = []
-    index = worker.index_outputs
-    worker.index_outputs = lambda seqs, budget=None: (calls.append(len(seqs)), index(seqs, budget))  # type: ignore[method-assign]
+    index = upkeep.index_outputs
+    upkeep.index_outputs = lambda seqs, budget=None: (calls.append(len(seqs)), index(seqs, budget))  # type: ignore[method-assign]
     prompts = [GROUNDED[1], GROUNDED[2]]
     spec.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert calls == [2] * 11  # cheap next to a CPU step: every decode step indexes
     calls.clear()
-    worker._index_cost = 10.0  # seconds per token: a host far slower than the step
+    upkeep._index_cost = 10.0  # seconds per token: a host far slower than the step
     spec.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert calls == []  # the plain step cost is known by now: no step indexes
     # ... until PLAIN_INDEX_RETRY skipped steps re-measure it on one sequence: cheap after all, so
     # the steps after that index the whole batch again.
     spec.generate(prompts, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     assert calls[0] == 1 and calls[1:] and set(calls[1:]) == {2}
-    assert worker._index_cost < 1.0
+    assert upkeep._index_cost < 1.0
 
 
 def test_plain_steps_index_while_the_host_would_wait_for_the_device(spec_llm: LLM) -> None:
     # With overlap on a GPU the host waits for the device on every chained step (LLMEngine.read_wait):
     # indexing there is free, however dear next to the step, as long as it fits in the wait.
     eng = spec_llm.engine
-    worker = eng.spec
+    config = eng.config.speculative
+    assert config is not None
     policy = AdaptiveDraftPolicy(max_width=16)
     for _ in range(2):
         policy.observe(2, 1, 0.004)  # a plain step: 4 ms at batch 2
@@ -659,92 +656,75 @@ def test_plain_steps_index_while_the_host_would_wait_for_the_device(spec_llm: LL
         )
         for i in range(2)
     ]
-    saved = (
-        worker.stats,
-        worker.device,
-        worker.policy,
-        worker._constrained,
-        worker._plain_skips,
-        worker._index_cost,
-        worker._plain_host_seconds,
-    )
     stats = copy.copy(eng.stats)
     stats.last_step_seconds = 0.004  # the last plain step took a plain step's time: its work was hidden
     stub = SimpleNamespace(read_wait=0.0)  # what the engine's last commit waited for the device
 
-    def indexed() -> list[int]:
-        return [len(s.token_ids) - worker.corpus.indexed_length(s.seq_id) for s in seqs]  # tokens behind
+    # The engine's own upkeep is left alone: this one has its own corpus, policy, stats and device.
+    upkeep = CorpusUpkeep(config, NgramCorpus.from_config(config), policy, stats, torch.device("cpu"))
 
-    try:
-        worker.stats, worker.device, worker.policy = stats, torch.device("cpu"), policy
-        worker._constrained, worker._plain_skips, worker._plain_host_seconds = False, 0, 0.0
-        worker._index_cost = 1e-3  # 1 ms per token: 2 ms for the batch, half the step
-        worker.index_plain_step(seqs, stub.read_wait)
-        assert indexed() == [30, 30]  # no wait: skipped
-        stub.read_wait = 0.0035  # the host waited 3.5 ms: 2 ms of indexing fits, with the 1 ms margin
-        worker.index_plain_step(seqs, stub.read_wait)
-        assert indexed() == [0, 0]
-        for s in seqs:
-            s.token_ids.append(7)
-        worker._index_cost, stub.read_wait = (
-            1e-3,
-            0.001,
-        )  # what indexing left of the wait, plus its own time: too little
-        worker._plain_host_seconds = 0.0005
-        worker.index_plain_step(seqs, stub.read_wait)
-        assert indexed() == [1, 1]
-        # The last engine step's own work counts as idle time when it was hidden (the step took a
-        # plain step's time): 1 + 2.5 - 1 ms leaves room for 2 ms of indexing ...
-        worker._index_cost, stub.read_wait, worker._plain_host_seconds = 1e-3, 0.001, 0.0025
-        worker._plain_host_step = stats.steps - 1
-        worker.index_plain_step(seqs, stub.read_wait)
-        assert indexed() == [0, 0]
-        # ... not when that step took longer than plain steps do (the work delayed it) ...
-        for s in seqs:
-            s.token_ids.append(7)
-        stats.last_step_seconds = 0.0065
-        worker._index_cost, stub.read_wait, worker._plain_host_seconds = 1e-3, 0.001, 0.0025
-        worker._plain_host_step = stats.steps - 1
-        worker.index_plain_step(seqs, stub.read_wait)
-        assert indexed() == [1, 1]
-        stats.last_step_seconds = 0.004
-        # ... and not when it was spent before the last engine step (a prefill or verify step since).
-        worker._index_cost, stub.read_wait, worker._plain_host_seconds = 1e-3, 0.001, 0.0025
-        worker._plain_host_step = stats.steps - 2
-        worker.index_plain_step(seqs, stub.read_wait)
-        assert indexed() == [1, 1]
-        # A host-bound step (no wait) whose indexing took long: that time was not idle, no indexing.
-        worker._plain_host_seconds, stub.read_wait, worker._index_cost = 0.01, 0.0, 1e-3
-        worker.index_plain_step(seqs, stub.read_wait)
-        assert indexed() == [1, 1]
-        # On CUDA the time allowed is the catch-up's budget too: the idle time less the margin, and
-        # never more than a plain step's (a prefill's commit waited for the whole prefill).
-        budgets: list[float | None] = []
-        worker.index_outputs = lambda seqs, budget=None: budgets.append(budget)  # type: ignore[method-assign]
-        worker.device = torch.device("cuda")
-        for wait in (0.0035, 0.05):
-            stub.read_wait, worker._index_cost, worker._plain_host_seconds = wait, 1e-3, 0.0
-            worker.index_plain_step(seqs, stub.read_wait)
-        assert budgets == [pytest.approx(0.0025), pytest.approx(0.003)]
-    finally:
-        worker.__dict__.pop("index_outputs", None)  # the class's method again
-        (
-            worker.stats,
-            worker.device,
-            worker.policy,
-            worker._constrained,
-            worker._plain_skips,
-            worker._index_cost,
-            worker._plain_host_seconds,
-        ) = saved
-        worker.on_finish(seqs)
+    def indexed() -> list[int]:
+        return [len(s.token_ids) - upkeep.corpus.indexed_length(s.seq_id) for s in seqs]  # tokens behind
+
+    upkeep._index_cost = 1e-3  # 1 ms per token: 2 ms for the batch, half the step
+    upkeep.index_plain_step(seqs, stub.read_wait, False)
+    assert indexed() == [30, 30]  # no wait: skipped
+    stub.read_wait = 0.0035  # the host waited 3.5 ms: 2 ms of indexing fits, with the 1 ms margin
+    upkeep.index_plain_step(seqs, stub.read_wait, False)
+    assert indexed() == [0, 0]
+    for s in seqs:
+        s.token_ids.append(7)
+    upkeep._index_cost, stub.read_wait = (
+        1e-3,
+        0.001,
+    )  # what indexing left of the wait, plus its own time: too little
+    upkeep._plain_host_seconds = 0.0005
+    upkeep.index_plain_step(seqs, stub.read_wait, False)
+    assert indexed() == [1, 1]
+    # The last engine step's own work counts as idle time when it was hidden (the step took a
+    # plain step's time): 1 + 2.5 - 1 ms leaves room for 2 ms of indexing ...
+    upkeep._index_cost, stub.read_wait, upkeep._plain_host_seconds = 1e-3, 0.001, 0.0025
+    upkeep._plain_host_step = stats.steps - 1
+    upkeep.index_plain_step(seqs, stub.read_wait, False)
+    assert indexed() == [0, 0]
+    # ... not when that step took longer than plain steps do (the work delayed it) ...
+    for s in seqs:
+        s.token_ids.append(7)
+    stats.last_step_seconds = 0.0065
+    upkeep._index_cost, stub.read_wait, upkeep._plain_host_seconds = 1e-3, 0.001, 0.0025
+    upkeep._plain_host_step = stats.steps - 1
+    upkeep.index_plain_step(seqs, stub.read_wait, False)
+    assert indexed() == [1, 1]
+    stats.last_step_seconds = 0.004
+    # ... and not when it was spent before the last engine step (a prefill or verify step since).
+    upkeep._index_cost, stub.read_wait, upkeep._plain_host_seconds = 1e-3, 0.001, 0.0025
+    upkeep._plain_host_step = stats.steps - 2
+    upkeep.index_plain_step(seqs, stub.read_wait, False)
+    assert indexed() == [1, 1]
+    # A host-bound step (no wait) whose indexing took long: that time was not idle, no indexing.
+    upkeep._plain_host_seconds, stub.read_wait, upkeep._index_cost = 0.01, 0.0, 1e-3
+    upkeep.index_plain_step(seqs, stub.read_wait, False)
+    assert indexed() == [1, 1]
+    # On CUDA the time allowed is the catch-up's budget too: the idle time less the margin, and
+    # never more than a plain step's (a prefill's commit waited for the whole prefill).
+    budgets: list[float | None] = []
+    upkeep.index_outputs = lambda seqs, budget=None: budgets.append(budget)  # type: ignore[method-assign]
+    upkeep.device = torch.device("cuda")
+    for wait in (0.0035, 0.05):
+        stub.read_wait, upkeep._index_cost, upkeep._plain_host_seconds = wait, 1e-3, 0.0
+        upkeep.index_plain_step(seqs, stub.read_wait, False)
+    assert budgets == [pytest.approx(0.0025), pytest.approx(0.003)]
 
 
 def test_a_budgeted_catch_up_indexes_the_sequences_furthest_behind_first(spec_llm: LLM) -> None:
     # A verify step on a GPU indexes only while its forward runs (the budget); the members cut off
     # stay behind and must come first next time, or the same members would never be indexed.
     eng = spec_llm.engine
-    worker = eng.spec
+    config = eng.config.speculative
+    assert config is not None
+    upkeep = CorpusUpkeep(
+        config, NgramCorpus.from_config(config), AdaptiveDraftPolicy(16), EngineStats(), eng.device
+    )
     seqs = [
         Sequence(
             f"budget-{i}",
@@ -757,30 +737,29 @@ def test_a_budgeted_catch_up_indexes_the_sequences_furthest_behind_first(spec_ll
         )
         for i in range(3)
     ]
-    corpus = worker.corpus
-    try:
-        for turn in range(3):
-            worker.index_outputs(seqs, budget=0.0)  # spent at once: one sequence per call
-            assert [corpus.indexed_length(s.seq_id) > 0 for s in seqs] == [i <= turn for i in range(3)]
-        seqs[0].token_ids.append(7)
-        seqs[2].token_ids.extend([7, 8, 9])
-        worker.index_outputs(seqs, budget=0.0)
-        assert [corpus.indexed_length(s.seq_id) == len(s.token_ids) for s in seqs] == [False, True, True]
-        worker.index_outputs(seqs, budget=None)
-        assert all(corpus.indexed_length(s.seq_id) == len(s.token_ids) for s in seqs)
-    finally:
-        worker.on_finish(seqs)
+    corpus = upkeep.corpus
+    for turn in range(3):
+        upkeep.index_outputs(seqs, budget=0.0)  # spent at once: one sequence per call
+        assert [corpus.indexed_length(s.seq_id) > 0 for s in seqs] == [i <= turn for i in range(3)]
+    seqs[0].token_ids.append(7)
+    seqs[2].token_ids.extend([7, 8, 9])
+    upkeep.index_outputs(seqs, budget=0.0)
+    assert [corpus.indexed_length(s.seq_id) == len(s.token_ids) for s in seqs] == [False, True, True]
+    upkeep.index_outputs(seqs, budget=None)
+    assert all(corpus.indexed_length(s.seq_id) == len(s.token_ids) for s in seqs)
 
 
 def test_the_catch_up_budget_is_a_plain_step_at_the_batch_size_and_only_on_cuda() -> None:
     policy = AdaptiveDraftPolicy(max_width=16)
     for _ in range(2):
         policy.observe(6, 1, 0.003)  # 3 ms for 6 sequences: 4 ms per step of the bucket of 8
-    stub = SimpleNamespace(device=torch.device("cuda"), policy=policy, _constrained=False)
-    assert NgramSpecWorker._index_budget(stub, 5) == pytest.approx(0.0025)  # type: ignore[arg-type]
-    assert NgramSpecWorker._index_budget(stub, 16) is None  # type: ignore[arg-type]  # bucket not timed
-    stub.device = torch.device("cpu")
-    assert NgramSpecWorker._index_budget(stub, 5) is None  # type: ignore[arg-type]
+    config = SpeculativeConfig()
+    stats = EngineStats()
+    upkeep = CorpusUpkeep(config, NgramCorpus.from_config(config), policy, stats, torch.device("cuda"))
+    assert upkeep.index_budget(5, False) == pytest.approx(0.0025)
+    assert upkeep.index_budget(16, False) is None  # bucket not timed
+    cpu = CorpusUpkeep(config, NgramCorpus.from_config(config), policy, stats, torch.device("cpu"))
+    assert cpu.index_budget(5, False) is None
 
 
 def test_freed_pages_are_never_read(spec_llm: LLM, llm: LLM) -> None:

@@ -16,9 +16,7 @@ from ngrammar.grammar.tree_mask import (
     bitmask_width,
     build_tree_bitmask,
     fill_tree_bitmask,
-    fill_tree_bitmask_native,
     grammar_valid_nodes,
-    native_traverse_available,
     unpack_bitmask,
 )
 
@@ -35,9 +33,7 @@ __all__ = [
     "build_tree_bitmask",
     "check_json_schema",
     "fill_tree_bitmask",
-    "fill_tree_bitmask_native",
     "grammar_spec_from_request",
     "grammar_valid_nodes",
-    "native_traverse_available",
     "unpack_bitmask",
 ]

@@ -21,7 +21,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -183,7 +183,7 @@ class GrammarMatcher:
     """One request's parser state in its grammar; a thin wrapper over ``xgrammar.GrammarMatcher``.
 
     Invariant kept by the engine: the matcher has accepted exactly the request's committed output
-    tokens (through ``commit``, or ``accept_masked`` and ``settle``); draft exploration
+    tokens (through ``accept_masked`` and ``settle``); draft exploration
     (``tree_mask``) always rolls back what it accepts.
 
     Deferred tokens: a token sampled under this matcher's own bitmask is allowed by construction,
@@ -197,7 +197,7 @@ class GrammarMatcher:
     def __init__(self, inner: xgr.GrammarMatcher, vocab_size: int, stop_token_ids: frozenset[int]) -> None:
         self._m = inner
         self.vocab_size = vocab_size
-        self._stop = stop_token_ids  # the stop tokens the grammar was compiled with
+        self.stop_token_ids = stop_token_ids  # the stop tokens the grammar was compiled with
         self._pending: list[int] = []  # accept_masked tokens not yet given to xgrammar, in order
 
     def accept_token(self, token: int) -> bool:
@@ -242,7 +242,7 @@ class GrammarMatcher:
     def is_terminated(self) -> bool:
         """True once a stop token ended the grammar; no further token is accepted."""
         if self._pending:  # nothing is accepted after a stop token, so only the last can be one
-            return self._pending[-1] in self._stop
+            return self._pending[-1] in self.stop_token_ids
         return bool(self._m.is_terminated())
 
     def allows_any_token(self) -> bool:
@@ -255,11 +255,6 @@ class GrammarMatcher:
         self._m.fill_next_token_bitmask(bitmask, 0)  # (not fill_bitmask: the step profilers count those)
         return bool(bitmask.any())
 
-    def is_completed(self) -> bool:
-        """True when the text so far is a complete match (a stop token would be accepted now)."""
-        self._settled()
-        return bool(self._m.is_completed())
-
     def jump_forward(self) -> str:
         """The text every continuation of the current state starts with (xgrammar's jump-forward
         string): empty where the next character is not forced, or once completed or terminated."""
@@ -267,32 +262,6 @@ class GrammarMatcher:
         if self._m.is_terminated():
             return ""
         return str(self._m.find_jump_forward_string())
-
-    def commit(self, tokens: Sequence[int]) -> tuple[int, bool]:
-        """Accept verified tokens in order; returns (number retained, rejected?).
-
-        Stops right after the token that terminates the grammar (that token is retained, the rest
-        are past the end and are not a rejection), or before the first forbidden token (rejected).
-        A matcher that is already terminated retains nothing.
-        """
-        if self.is_terminated():
-            return 0, False
-        for i, token in enumerate(tokens):
-            if not self.accept_token(int(token)):
-                return i, True
-            if self.is_terminated():
-                return i + 1, False
-        return len(tokens), False
-
-    def fork(self) -> GrammarMatcher:
-        """An independent copy of the current state (same compiled grammar)."""
-        self._settled()
-        return GrammarMatcher(self._m.fork(), self.vocab_size, self._stop)
-
-    def reset(self) -> None:
-        """Back to the grammar's start, as if nothing had been accepted."""
-        self._pending = []
-        self._m.reset()
 
     @property
     def xgrammar_matcher(self) -> xgr.GrammarMatcher:
@@ -443,11 +412,6 @@ class GrammarBackend:
     def new_matcher(self, compiled: xgr.CompiledGrammar) -> GrammarMatcher:
         """A fresh matcher at the grammar's start; the stop tokens are the tokenizer's EOS ids."""
         return GrammarMatcher(self._xgr.GrammarMatcher(compiled), self.vocab_size, self.stop_token_ids)
-
-    def cached_specs(self) -> list[GrammarSpec]:
-        """Cached specs, least recently used first."""
-        with self._lock:
-            return list(self._cache)
 
     def close(self) -> None:
         """Stop the compile threads (pending compilations finish first)."""

@@ -13,11 +13,9 @@ mask the target's logits at every node and accept only grammar-valid paths.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from functools import lru_cache
 
-import numpy as np
 import torch
 
 from ngrammar.grammar.backend import GrammarMatcher
@@ -68,54 +66,6 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     logits.masked_fill_(_forbidden(bitmask, vocab), float("-inf"))
 
 
-def _bit_is_set(words: np.ndarray, row: int, token: int) -> bool:
-    return bool((int(words[row, token >> 5]) >> (token & 31)) & 1)
-
-
-def fill_tree_bitmask(
-    matcher: GrammarMatcher,
-    next_token: Sequence[int] | np.ndarray | torch.Tensor,
-    next_sibling: Sequence[int] | np.ndarray | torch.Tensor,
-    draft_tokens: Sequence[int] | np.ndarray | torch.Tensor,
-    bitmask: torch.Tensor,
-    row_offset: int,
-    vocab_size: int,
-) -> None:
-    """Fill rows ``row_offset + i`` of a CPU bitmask with node i's next-token mask (Python DFS).
-
-    A child whose token is out of range or not allowed by its parent's row is skipped with its
-    subtree: its rows stay all-allowed, which is harmless because the parent's row already forbids
-    it, so verification can never reach it. A node after which the grammar is terminated (its token
-    was a stop token) gets no row and no subtree either. The D rows are reset to all-allowed first,
-    so a reused buffer holds no stale rows. The matcher ends in the state it started in.
-    """
-    nxt, sib, tok = _as_list(next_token), _as_list(next_sibling), _as_list(draft_tokens)
-    bitmask[row_offset : row_offset + len(tok)] = -1
-    if not tok or matcher.is_terminated():
-        return
-    words = bitmask.numpy()  # shares memory with the tensor: reads see the rows just filled
-    matcher.fill_bitmask(bitmask, row_offset)
-    depth = [0] * len(tok)  # tokens on the path from node 0 to a visited node (its tree depth)
-    accepted = 0  # tokens the matcher holds beyond the committed state (= depth of the last visit)
-    stack = [(child, 0) for child in _children_reversed(nxt, sib, 0)]  # pop order = pre-order
-    while stack:
-        node, parent = stack.pop()
-        matcher.rollback(accepted - depth[parent])  # back to the parent's state
-        accepted = depth[parent]
-        token = tok[node]
-        if not 0 <= token < vocab_size or not _bit_is_set(words, row_offset + parent, token):
-            continue
-        if not matcher.accept_token(token):
-            continue  # unreachable if xgrammar's mask and matcher agree; skipping stays safe
-        accepted += 1
-        depth[node] = accepted
-        if matcher.is_terminated():
-            continue
-        matcher.fill_bitmask(bitmask, row_offset + node)
-        stack.extend((child, node) for child in _children_reversed(nxt, sib, node))
-    matcher.rollback(accepted)
-
-
 def grammar_valid_nodes(
     matcher: GrammarMatcher, tokens: Sequence[int], parents: Sequence[int], max_depth: int | None = None
 ) -> list[bool]:
@@ -160,23 +110,7 @@ def grammar_valid_nodes(
     return valid
 
 
-def _as_list(values: Sequence[int] | np.ndarray | torch.Tensor) -> list[int]:
-    if isinstance(values, (np.ndarray, torch.Tensor)):
-        return values.tolist()  # Python ints, one C call
-    return [int(v) for v in values]
-
-
-def _children_reversed(next_token: list[int], next_sibling: list[int], node: int) -> list[int]:
-    children = []
-    child = next_token[node]
-    while child != -1:
-        children.append(child)
-        child = next_sibling[child]
-    children.reverse()
-    return children
-
-
-def fill_tree_bitmask_native(
+def fill_tree_bitmask(
     matcher: GrammarMatcher,
     next_token: torch.Tensor,
     next_sibling: torch.Tensor,
@@ -184,10 +118,13 @@ def fill_tree_bitmask_native(
     bitmask: torch.Tensor,
     row_offset: int,
 ) -> None:
-    """``fill_tree_bitmask`` done by xgrammar's C++ ``traverse_draft_tree`` (same rows, same end state).
+    """Fill rows ``row_offset + i`` of a CPU bitmask with node i's next-token mask, by xgrammar's C++
+    ``traverse_draft_tree`` (a DFS over the tree; tests/grammar_oracles.py holds the same DFS in Python).
 
-    The links and tokens are 1-D CPU int64 tensors of length D. Tokens out of the matcher's vocab
-    are rejected by xgrammar like grammar-invalid ones.
+    A child whose token is out of range or not allowed by its parent's row is skipped with its
+    subtree: its rows stay all-allowed, harmless because the parent's row already forbids it. The D
+    rows are reset to all-allowed first, so a reused buffer holds no stale rows. The matcher ends in
+    the state it started in. The links and tokens are 1-D CPU int64 tensors of length D.
     """
     d = draft_tokens.shape[0]
     rows = bitmask[row_offset : row_offset + d]
@@ -200,7 +137,7 @@ def fill_tree_bitmask_native(
     # xgrammar writes an empty row for a rejected node (unreachable either way) and for a node
     # that terminated the grammar. The latter is reachable: after an accepted stop token the bonus
     # would be drawn from all -inf logits (NaN probabilities), so such rows become unconstrained,
-    # as in the Python DFS; commit() drops whatever follows the stop token.
+    # and the commit drops whatever follows the stop token.
     words = rows.numpy()
     words[~words.any(axis=1)] = -1
 
@@ -215,60 +152,21 @@ def build_tree_bitmask(
     next_sibling: torch.Tensor,
     draft_tokens: torch.Tensor,
     bitmask: torch.Tensor,
-    *,
-    use_native: bool | None = None,
 ) -> bool:
     """Fill a batch's tree masks: request b owns rows [b*D, (b+1)*D) of ``bitmask`` [bs*D, W].
 
     ``next_token``, ``next_sibling`` and ``draft_tokens`` are CPU int64 [bs, D]. Rows of requests
     without a matcher are set to all-allowed. Returns whether any request has a grammar (if not,
-    the caller can skip applying the mask). ``use_native`` picks xgrammar's C++ traversal (the
-    faster one, see benchmarks/bench_grammar_dfs.py) or the Python DFS; None = native if usable.
+    the caller can skip applying the mask).
     """
     bs, d = draft_tokens.shape
     if bitmask.shape[0] != bs * d:
         raise ValueError(f"bitmask has {bitmask.shape[0]} rows, expected bs*D = {bs * d}")
-    native = native_traverse_available() if use_native is None else use_native
     any_grammar = False
     for b, matcher in enumerate(matchers):
         if matcher is None:
             bitmask[b * d : (b + 1) * d] = -1
             continue
         any_grammar = True
-        if native:
-            fill_tree_bitmask_native(matcher, next_token[b], next_sibling[b], draft_tokens[b], bitmask, b * d)
-        else:
-            fill_tree_bitmask(
-                matcher, next_token[b], next_sibling[b], draft_tokens[b], bitmask, b * d, matcher.vocab_size
-            )
+        fill_tree_bitmask(matcher, next_token[b], next_sibling[b], draft_tokens[b], bitmask, b * d)
     return any_grammar
-
-
-# traverse_draft_tree's behaviour (out-of-range tokens, rollback after a rejected token, rows it
-# writes) is pinned by tests against the Python DFS from this version on; older ones use the DFS.
-_NATIVE_MIN_VERSION = (0, 2, 9)
-
-
-@lru_cache(maxsize=1)
-def native_traverse_available() -> bool:
-    """Whether the installed xgrammar has a ``traverse_draft_tree`` we verified."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    import xgrammar as xgr
-
-    try:
-        installed = _version_tuple(version("xgrammar"))
-    except PackageNotFoundError:
-        return False
-    return hasattr(xgr.GrammarMatcher, "traverse_draft_tree") and installed >= _NATIVE_MIN_VERSION
-
-
-def _version_tuple(text: str) -> tuple[int, ...]:
-    """Leading numeric release parts: "0.2.9" -> (0, 2, 9), "0.3.0rc1" -> (0, 3, 0)."""
-    parts = []
-    for piece in text.split(".")[:3]:
-        digits = re.match(r"\d+", piece)
-        if digits is None:
-            break
-        parts.append(int(digits.group()))
-    return tuple(parts)

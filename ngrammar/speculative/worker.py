@@ -47,8 +47,8 @@ from ngrammar.speculative.forced import ForcedText
 from ngrammar.speculative.policy import MAX_MATCH, make_policy
 from ngrammar.speculative.proposer import DraftProposer, Proposal
 from ngrammar.speculative.replay import ReplayTarget
-from ngrammar.speculative.shadow import ShadowDrafts
 from ngrammar.speculative.tree import DraftTree
+from ngrammar.speculative.upkeep import CorpusUpkeep
 from ngrammar.speculative.verify import (
     TreeAcceptResult,
     tree_speculative_sampling_target_only,
@@ -56,27 +56,12 @@ from ngrammar.speculative.verify import (
     verify_tree_greedy_from_logits,
 )
 
-# Plain steps index their tokens while that costs at most this share of a plain step, or fits in
-# the host's idle time (``index_plain_step``); one in PLAIN_INDEX_RETRY skipped steps indexes one
-# sequence anyway, re-measuring the cost.
-PLAIN_INDEX_SHARE = 0.03
-PLAIN_INDEX_RETRY = 32
-# Of a plain step's idle host time, this share is kept free when indexing fills the rest: the
-# wait varies from step to step, and a step whose host work outlasts its forward delays the chain.
-IDLE_MARGIN = 0.25
-# A commit that waited less than this share of a plain step: the host is the bottleneck.
-HOST_BOUND = 0.05
-# A plain step that took at most this many plain steps' time hid its host work (``_idle_seconds``).
-HIDDEN_SLACK = 1.1
 # On CUDA a constrained step's grammar check before the launch covers the first level of each
 # tree only: walking whole 16-node trees made batch-32 verify steps ~7 ms longer on the H200 host
 # (the device idles meanwhile), and a member none of whose first drafts its grammar allows is what
 # calls a step off. On a CPU the forward waits for the host anyway and costs ~1 ms a token: the
 # whole tree is checked, so trimming narrows the verify as far as it can.
 CUDA_GRAMMAR_CHECK_DEPTH = 1
-# Shadow drafts (``ShadowDrafts``) may take this share of a plain step where the host has no idle
-# time (a CPU, or a host-bound step): about one member's trees per step at batch 1 on a CPU.
-SHADOW_SHARE = 0.005
 
 
 @dataclass
@@ -173,159 +158,26 @@ class NgramSpecWorker:
             corpora=DraftCorpora(config, tokenizer),
         )
         self.policy = make_policy(config)
-        self.shadows = ShadowDrafts(self.corpus, self.policy.widths[1:])
+        self.upkeep = CorpusUpkeep(config, self.corpus, self.policy, stats, self.device)
         self.readback_links = False  # benchmark switch: the old path that reads links back first
         self.sync_debug = False  # GPU check: drafting -> verify launch runs under sync debug "error"
-        # Triton compiles for CUDA only; CPU graph-path runs (no capture) keep the torch ops.
-        self.accept_kernel = config.accept_kernel and self.device.type == "cuda"
-        # ``config.trim_trees``, switchable: equal-work benchmarks that must verify every tree
-        # at full width (the readback comparison) turn it off for their runs.
-        self.trim_trees = config.trim_trees
+        # CUDA-graph greedy verify steps accept with the one-launch Triton kernel (kernels/tree_accept.py,
+        # ~4x faster than the torch ops); Triton compiles for CUDA only, so a CPU keeps the torch ops.
+        self.accept_kernel = self.device.type == "cuda"
         self.last_drafts: dict[str, int] = {}  # seq id -> drafts it accepted in the last verify step
         self._constrained = False  # whether the last batch the policy chose for had a grammar
-        # Past this many tokens a catch-up indexes only the last max_trie_depth positions, which
-        # costs ~depth^2/2 window inserts instead of depth per token (at batch 32 on a GPU, the first
-        # verify step after a plain stretch spent 6 ms here with a limit of 2 * depth).
-        self._max_catch_up = config.max_trie_depth // 2
-        self._index_cost: float | None = None  # seconds per token indexed (moving average)
-        self._plain_skips = 0  # plain steps that skipped indexing (every PLAIN_INDEX_RETRY-th re-measures)
-        self._plain_host_seconds = 0.0  # host time the last plain step spent indexing and shadow drafting
-        self._plain_host_step = -2  # ``EngineStats.steps`` when it was spent (during that engine step)
         self._prepared: dict[str, _Prepared] = {}  # seq id -> its next tree, drafted ahead
         self.on_prepare: Callable[[], None] | None = None  # test hook: called when trees are drafted ahead
         self.replay: ReplayTarget | None = None  # benchmarks: recorded outputs decide acceptance
 
     # ------------------------------------------------------- corpus upkeep
     def on_admit(self, seq: Sequence) -> None:
-        if self.config.index_prompt:
-            self.corpus.index_prompt(seq.seq_id, seq.prompt_token_ids)
-
-    def index_outputs(self, seqs: list[Sequence], budget: float | None = None) -> None:
-        """Insert the windows ending at each sequence's tokens committed since it was last indexed.
-
-        Called right after a verify forward is launched (and after a plain one, see
-        ``index_plain_step``), so on a GPU the insertion runs while the device computes; a step's
-        drafts see the trie as of the previous step (only windows ending in the newest tokens are
-        missing, which a draft almost never needs). After a stretch longer than ``max_catch_up``
-        tokens went unindexed only its positions among the last ``max_trie_depth`` are indexed,
-        so a catch-up stays one step's worth of work.
-
-        ``budget`` (seconds): the sequences furthest behind go first, and indexing stops once the
-        budget is spent (after one sequence at least). A sequence left out stays behind, so it
-        comes earlier next time; if it falls more than ``max_catch_up`` tokens behind, the stretch
-        before its last ``max_trie_depth`` positions is never indexed (as after any long plain
-        stretch). A catch-up after a plain stretch of a batch of 32 took ~4 ms of host time on the
-        H200, past the end of the verify forward it was meant to hide behind."""
-        t = time.perf_counter()
-        corpus, depth = self.corpus, self.config.max_trie_depth
-        tokens = 0
-        if budget is not None:
-            seqs = sorted(seqs, key=lambda s: corpus.indexed_length(s.seq_id) - len(s.token_ids))
-        for seq in seqs:
-            tokens += min(len(seq.token_ids) - corpus.indexed_length(seq.seq_id), depth)
-            corpus.update(seq.seq_id, seq.token_ids, self._max_catch_up)
-            if budget is not None and time.perf_counter() - t >= budget:
-                break
-        seconds = time.perf_counter() - t
-        self.stats.draft_seconds += seconds
-        if tokens > 0:
-            # Indexing time only spikes upwards (a page fault, a GC pause): follow a cheaper
-            # sample at once, a dearer one slowly.
-            per_token = seconds / tokens
-            old = self._index_cost
-            self._index_cost = per_token if old is None or per_token < old else old + 0.2 * (per_token - old)
+        self.upkeep.on_admit(seq)
 
     def index_plain_step(self, seqs: list[Sequence], read_wait: float) -> None:
-        """Index a plain step's batch (its forward just launched) when that is cheap next to the step.
-
-        A request that starts repeating itself while decoding plainly must find its repetition in
-        the corpus, or its match length stays 0 and it never speculates again. But the insertion
-        is host Python, and on a GPU at batch 32 a plain step can be host-bound: indexing 32
-        tokens made it 12% slower (2.37 vs 2.11 ms on the H200, before overlap scheduling). So a
-        plain step indexes while the measured cost stays under ``PLAIN_INDEX_SHARE`` of the step,
-        or fits in the host's idle time (``_idle_seconds``): with overlap the host waits for
-        the device on every chained step (0.4-0.8 ms of a ~1 ms step at batch 8 on the H200), and
-        indexing there is free. On CUDA that time is a budget too (``index_outputs``). What plain
-        steps leave unindexed, the next plain step or verify step catches up (bounded by
-        ``max_catch_up``). Every ``PLAIN_INDEX_RETRY`` skipped steps one sequence of the batch
-        (in turn) is indexed anyway, so that one inflated measurement cannot switch plain-step
-        indexing off for good (a batch that never verifies would never re-measure it); one,
-        because a whole batch's catch-up is what the rule keeps off a host-bound step. What the
-        indexing leaves of the idle time goes to shadow drafts (``_shadow_step``). ``read_wait``:
-        what the engine's last commit waited for the device (``LLMEngine.read_wait``)."""
-        plain = self.policy.costs.plain_seconds(len(seqs), self._constrained)
-        cost = self._index_cost
-        idle = 0.0 if plain is None else self._idle_seconds(plain, read_wait)
-        allowed = None if plain is None else max(PLAIN_INDEX_SHARE * plain, idle)
-        t = time.perf_counter()
-        if allowed is None or cost is None or cost * len(seqs) <= allowed:
-            # On CUDA the time allowed is also the budget: after a stretch of skipped steps every
-            # member is behind, and catching all of them up at once is one step's worth of work
-            # or more (it would stall the chain); the furthest behind go first, the rest later.
-            self.index_outputs(seqs, allowed if self.device.type == "cuda" else None)
-        else:
-            self._plain_skips += 1
-            if self._plain_skips % PLAIN_INDEX_RETRY == 0:
-                self.index_outputs([seqs[(self._plain_skips // PLAIN_INDEX_RETRY) % len(seqs)]])
-        if plain is not None:  # shadows share the idle time with indexing, or have their own small share
-            self._shadow_step(seqs, max(SHADOW_SHARE * plain, idle - (time.perf_counter() - t)))
-        self._plain_host_seconds = time.perf_counter() - t
-        self._plain_host_step = self.stats.steps
-
-    def _shadow_step(self, seqs: list[Sequence], budget: float) -> None:
-        """Walk the members' shadow trees against their committed tokens, teach the policy what
-        the decided ones would have accepted, and draft new ones in ``budget`` seconds
-        (``ShadowDrafts``). Only an adaptive policy with a draft width to pick learns; a fixed
-        width, or D = 1, needs nothing."""
-        if not self.policy.learns or not self.shadows.widths:
-            return
-        c = self.config
-        if c.threshold_single < 1.0 or c.threshold_acc < 1.0:
-            # Lenient thresholds accept more than the target's own choice would: a sampled
-            # member's walk would price its verify steps low. Greedy members are unaffected.
-            seqs = [s for s in seqs if s.params.greedy]
-        t = time.perf_counter()
-        shadows, stats = self.shadows, self.stats
-        if len(shadows):
-            samples = shadows.resolve(seqs)
-            stats.shadow_samples += len(samples)
-            for width in shadows.widths:
-                self.policy.observe_shadow(
-                    width,
-                    [
-                        (s.seq_id, s.match_length, s.accepted, s.censored, s.depth)
-                        for s in samples
-                        if s.width == width
-                    ],
-                )
-        stats.shadow_trees += shadows.draft(seqs, budget - (time.perf_counter() - t))
-        stats.shadow_seconds += time.perf_counter() - t
-
-    def _idle_seconds(self, plain: float, wait: float) -> float:
-        """Host time a plain step can spend indexing without delaying the device: what the last
-        commit waited for it (``wait``: ``LLMEngine.read_wait``) plus what the last plain step spent
-        indexing and shadow drafting (it would have waited that long too) if that work was hidden,
-        at most a plain step (after a prefill the wait was that forward's), less ``IDLE_MARGIN`` of
-        a plain step. A wait under ``HOST_BOUND`` of a plain step says the host is the bottleneck:
-        nothing is idle. That work counts only if it was the engine's last step's (a prefill or a
-        verify step in between spends none) and was hidden: that step took no longer than
-        ``HIDDEN_SLACK`` plain steps: work that lengthened its step was not hidden, and counting
-        it as idle would keep every later step that long."""
-        if wait <= HOST_BOUND * plain:
-            return 0.0
-        stats = self.stats
-        last = stats.steps == self._plain_host_step + 1 and stats.last_step_seconds <= HIDDEN_SLACK * plain
-        return min(wait + (self._plain_host_seconds if last else 0.0), plain) - IDLE_MARGIN * plain
-
-    def _index_budget(self, batch_size: int) -> float | None:
-        """Host seconds a verify step may spend indexing: a plain step's time at this batch size,
-        a lower bound of the verify forward's that the indexing hides behind (the grammar masks
-        and the KV compaction queue after it, in what remains of the forward). None: not timed
-        yet, or not on CUDA, where the forward has finished before indexing starts (a CPU), so a
-        budget would only lose n-grams."""
-        if self.device.type != "cuda":
-            return None
-        return self.policy.costs.plain_seconds(batch_size, self._constrained)
+        """Index a plain step's batch (its forward just launched) when that is cheap next to the
+        step (``CorpusUpkeep.index_plain_step``)."""
+        self.upkeep.index_plain_step(seqs, read_wait, self._constrained)
 
     def on_finish(self, seqs: list[Sequence]) -> None:
         ids = [s.seq_id for s in seqs]
@@ -333,7 +185,7 @@ class NgramSpecWorker:
             self._prepared.pop(seq_id, None)
         self.proposer.on_finish(seqs)
         self.policy.forget(ids)
-        self.shadows.forget(ids)
+        self.upkeep.forget(ids)
 
     def check_corpora(self, names: tuple[str, ...]) -> None:
         """Raise InvalidRequestError unless every named external corpus exists."""
@@ -356,9 +208,7 @@ class NgramSpecWorker:
     def graph_widths(self) -> list[int]:
         """The widths a decode or verify step may run at: every width the policy may pick, or a
         trimmed tree be verified at (``DraftProposer.propose``)."""
-        policy = self.policy
-        narrower = policy.learns or self.trim_trees
-        return policy.widths if narrower else [1, policy.max_width]
+        return self.policy.widths
 
     def choose_width(self, seqs: list[Sequence], draining: bool, ahead: bool = False) -> int:
         """The next decode step's width. ``draining``: no request waits to join the batch (the
@@ -477,7 +327,8 @@ class NgramSpecWorker:
                 t for s, pos in zip(seqs, step.positions) for t in replay.targets(s.prompt_token_ids, pos)
             ]
             replay.apply(logits[: len(targets)], targets)
-        self.index_outputs(seqs, self._index_budget(len(seqs)))
+        upkeep = self.upkeep
+        upkeep.index_outputs(seqs, upkeep.index_budget(len(seqs), self._constrained))
         self.grammar.apply_tree(seqs, tree, logits)
         deepest = int(depths.max())  # levels below the deepest root of the verified trees
         # The accepted paths' KV moves next to their prefixes on the device, before the read: the
@@ -587,10 +438,10 @@ class NgramSpecWorker:
         return int(token) == PAD_TOKEN
 
     def _trims(self) -> bool:
-        """Whether to trim this step's trees (``_propose``): yes, unless switched off or the
-        policy picked the width to time it (a step called off would leave the width untimed, and
-        the policy would ask again at every step)."""
-        return self.trim_trees and self.policy.reason != "time"
+        """Whether to trim this step's trees (``_propose``): yes, unless the policy picked the width
+        to time it (a step called off would leave the width untimed, and the policy would ask again
+        at every step)."""
+        return self.policy.reason != "time"
 
     def _propose(self, seqs: list[Sequence], width: int) -> Proposal | None:
         """This step's trees (``DraftProposer.propose``), trimmed (``_trims``) to the narrowest
