@@ -31,8 +31,8 @@ def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_tiny_hf_folder_at_tp2_on_the_static_graph_path(tiny_folder: Path) -> None:
     kw = dict(model=str(tiny_folder), device="cpu", dtype="float32", kv_cache_tokens=1024)
-    # every decode step verifies a tree as drafted (a random model rarely repeats what the corpus saw)
-    spec = dict(speculative="ngram", num_draft_tokens=4, spec_policy="fixed", spec_trim_trees=False)
+    # every decode step with a draft verifies a tree (fixed policy)
+    spec = dict(speculative="ngram", num_draft_tokens=4, spec_policy="fixed")
     one = LLM(**kw, **spec)  # type: ignore[arg-type]
     two = LLM(**kw, **spec, tensor_parallel_size=2)  # type: ignore[arg-type]
     try:
@@ -45,14 +45,15 @@ def test_tiny_hf_folder_at_tp2_on_the_static_graph_path(tiny_folder: Path) -> No
         # an accepted path moved from the graph runner's static slots, on every rank
         ref, got = verify_then_decode_logits(one, ids), verify_then_decode_logits(two, ids)
         assert (got - ref).abs().max().item() < 1e-4
-        prompts = [ids, ids[:10] * 3]
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        cont = list(one.generate([ids], params)[0].outputs[0].token_ids)
+        # A random model never repeats itself: the second prompt holds the first's greedy
+        # continuation (after the first's last tokens), so the corpus drafts it for the first.
+        prompts = [ids, [5, 6, 7, *ids[-8:], *cont]]
         want = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+        stats = two.engine.stats
         assert [o.outputs[0].token_ids for o in two.generate(prompts, params)] == want
-        assert two.engine.stats.verify_steps > 0
-        print(
-            "tiny TP=2 verify: emitted", two.engine.stats.verify_emitted, "in", two.engine.stats.verify_steps
-        )
+        assert stats.verify_emitted > stats.verify_steps > 0  # drafts were accepted
     finally:
         two.engine.close()
 
