@@ -1,4 +1,4 @@
-"""``python -m benchmarks [engine|spec|policy|grammar|serve|profile|host|verify-host|calibration|drafts]``: build the engines once and run a suite."""
+"""``python -m benchmarks [engine|spec|policy|grammar|serve|profile|host|verify-host|calibration|drafts|tp]``: build the engines once and run a suite."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ SUITES = (
     "verify-host",
     "calibration",
     "drafts",
+    "tp",
 )
 
 
@@ -153,6 +154,19 @@ def run_benchmark(args: argparse.Namespace) -> int:
         from benchmarks.bench_draft_quality import run_draft_quality
 
         result = run_draft_quality(_llm(args, False), args.max_tokens or 128)
+    elif suite == "tp":  # --tp N (default 3: SmolLM2's 9 heads / 3 KV heads) and --dp N (default 2)
+        from benchmarks.bench_tp import run_tp_benchmark
+
+        kw = engine_kwargs(args)
+        kw.pop("speculative", None)
+        result = run_tp_benchmark(
+            kw,
+            kw.get("tensor_parallel_size", 3),
+            kw.get("data_parallel_size", 2),
+            _sizes(args, (1, 8, 32)),
+            args.max_tokens or 16,
+            args.repeats or 8,
+        )
     elif suite == "host":
         from benchmarks.bench_host import run_host_benchmark
 

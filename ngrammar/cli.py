@@ -70,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "node_rank", None):  # another node of a multi-node engine: its ranks only
+            from ngrammar.distributed.driver import run_node
+            from ngrammar.llm import build_engine_config
+
+            return run_node(build_engine_config(**engine_kwargs(args)))
         if args.command == "generate":
             return _generate(args)
         from ngrammar.server.app import serve

@@ -135,6 +135,14 @@ class EngineConfig:
     pipeline_verify: bool | None = _opt(
         None, "commit each verify step in the next engine step, drafting ahead meanwhile (auto: overlap)"
     )
+    # Parallelism (ngrammar/distributed/): one process per tensor-parallel rank, rank 0 the engine;
+    # data-parallel replicas are whole engines (each tensor_parallel_size ranks) behind one server.
+    tensor_parallel_size: int = _opt(1, "tensor-parallel ranks (one process and device each)", flag="tp")
+    data_parallel_size: int = _opt(1, "data-parallel engine replicas behind the server", flag="dp")
+    nnodes: int = _opt(1, "nodes the tensor-parallel ranks span (each node runs tp / nnodes ranks)")
+    node_rank: int = _opt(0, "this node's index: 0 runs the engine, the others only worker ranks")
+    dist_init_addr: str | None = _opt(None, "host:port of rank 0's rendezvous (default: a free local port)")
+    dist_timeout_s: float = _opt(600.0, "seconds a collective may wait for a rank before failing")
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -167,3 +175,26 @@ class EngineConfig:
             raise ValueError("grammar_cache_size and grammar_cache_mb must be positive")
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be positive, got {self.cuda_graph_max_bs}")
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tp must be a positive integer, got {self.tensor_parallel_size}")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"--dp must be a positive integer, got {self.data_parallel_size}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"need nnodes >= 1 and 0 <= node_rank < nnodes, got {self.nnodes}, {self.node_rank}"
+            )
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"--tp {self.tensor_parallel_size} does not divide over {self.nnodes} nodes (ranks per node)"
+            )
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ValueError("several nodes need --dist-init-addr host:port (rank 0's node)")
+        if self.nnodes > 1 and self.data_parallel_size > 1:
+            raise ValueError("--dp with several nodes is not supported: run one server per node group")
+        if self.dist_init_addr is not None and self.dist_init_addr.rpartition(":")[2].isdigit() is False:
+            raise ValueError(f"--dist-init-addr must be host:port, got {self.dist_init_addr!r}")
+        if self.dist_timeout_s <= 0:
+            raise ValueError("dist_timeout_s must be positive")

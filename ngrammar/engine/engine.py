@@ -30,11 +30,11 @@ from ngrammar.engine.scheduler import Scheduler
 from ngrammar.engine.sequence import Sequence
 from ngrammar.engine.stats import EngineStats, StepKind, StepRecord, timed_forward
 from ngrammar.model.config import ModelConfig
-from ngrammar.model.loader import resolve_checkpoint
+from ngrammar.model.loader import Checkpoint, resolve_checkpoint
 from ngrammar.model.tokenizer import Message, Tokenizer
 from ngrammar.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from ngrammar.runner.attention import AttentionBackend, TorchSDPABackend
-from ngrammar.runner.cuda_graph import CUDAGraphRunner, graph_capturable
+from ngrammar.runner.cuda_graph import graph_capturable
 from ngrammar.runner.model_runner import (
     ModelRunner,
     PendingRead,
@@ -54,6 +54,50 @@ if TYPE_CHECKING:
     from ngrammar.speculative.worker import NgramSpecWorker, PendingVerify, VerifyResult
 
 __all__ = ["EngineStats", "LLMEngine", "Request", "StepKind", "StepRecord"]
+
+
+def tokenize_prompt(
+    tokenizer: Tokenizer, vocab_size: int, prompt: str | list[int] | Seq[Message]
+) -> list[int]:
+    """A prompt's token ids: text (encoded), chat messages (templated) or ids (range-checked)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("prompt is empty")
+        return tokenizer.encode_prompt(prompt)
+    if prompt and all(isinstance(m, dict) for m in prompt):
+        for m in prompt:  # (a message the template cannot render failed inside jinja)
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):  # type: ignore[union-attr]
+                raise InvalidRequestError(f"a chat message needs a string role and content, got {m!r}")
+        return tokenizer.apply_chat_template(prompt)  # type: ignore[arg-type]
+    ids = [int(t) for t in prompt]  # type: ignore[arg-type]
+    if any(not 0 <= t < vocab_size for t in ids):
+        raise InvalidRequestError("prompt token ids must be in [0, vocab_size)")
+    return ids
+
+
+def validate_prompt(prompt_ids: list[int], max_model_len: int, kv_capacity_tokens: int) -> None:
+    """A prompt must be non-empty, leave room for one output in the context and fit the KV pool."""
+    if not prompt_ids:
+        raise InvalidRequestError("prompt is empty")
+    if len(prompt_ids) >= max_model_len:
+        raise InvalidRequestError(
+            f"prompt is {len(prompt_ids)} tokens; the model's context is {max_model_len} tokens"
+        )
+    if len(prompt_ids) + 1 > kv_capacity_tokens:
+        raise InvalidRequestError(
+            f"prompt is {len(prompt_ids)} tokens; the KV cache holds {kv_capacity_tokens} tokens"
+        )
+
+
+def attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """The backend ``EngineConfig.attention_backend`` names ("auto": Triton on CUDA, SDPA elsewhere)."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "sdpa"
+    if name == "triton":
+        from ngrammar.kernels.triton_attention import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    return TorchSDPABackend()
 
 
 @dataclass
@@ -85,6 +129,11 @@ class _InFlight:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        if config.data_parallel_size > 1:
+            raise ValueError(
+                f"data_parallel_size {config.data_parallel_size}: replicas run behind the server "
+                "(ngrammar serve --dp N); one engine is one replica"
+            )
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -93,18 +142,16 @@ class LLMEngine:
         self.model_name = checkpoint.name
         self.tokenizer = Tokenizer(checkpoint.tokenizer_dir, checkpoint.config.eos_token_ids)
         self.max_model_len = self._context_length(config.max_model_len, checkpoint.config)
+        quantization = resolve_quantization(config.quantization, config.dtype, self.device)
+        if config.tensor_parallel_size > 1:  # before any process starts or weight is read
+            from ngrammar.distributed.parallel import check_tensor_parallel, tensor_parallel_quantization
+
+            check_tensor_parallel(checkpoint.config, config.tensor_parallel_size, self.device, config.nnodes)
+            quantization = tensor_parallel_quantization(quantization, config.tensor_parallel_size)
         num_pages = self._num_pages()
         # The pool gets one page past the allocator's range (page ``num_pages``): no sequence ever
         # owns it, so CUDA-graph padding rows write their K/V there.
-        self.runner = ModelRunner(
-            checkpoint,
-            self.device,
-            self.dtype,
-            num_pages + 1,
-            config.page_size,
-            self._backend(),
-            resolve_quantization(config.quantization, config.dtype, self.device),
-        )
+        self.runner = self._runner(checkpoint, num_pages + 1, quantization)
         self.blocks = BlockManager(PageAllocator(num_pages, config.page_size), config.prefix_cache)
         self.scheduler = Scheduler(
             self.blocks,
@@ -161,15 +208,29 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.replay = target
 
-    def _backend(self) -> AttentionBackend:
-        name = self.config.attention_backend
-        if name == "auto":
-            name = "triton" if self.device.type == "cuda" else "sdpa"
-        if name == "triton":
-            from ngrammar.kernels.triton_attention import TritonAttentionBackend
+    def _runner(self, checkpoint: Checkpoint, num_pages: int, quantization: str) -> ModelRunner:
+        """This process's runner; with ``tensor_parallel_size`` > 1, rank 0's, which starts the other
+        ranks and sends them every step (``ngrammar.distributed``)."""
+        if self.config.tensor_parallel_size == 1:
+            return ModelRunner(
+                checkpoint,
+                self.device,
+                self.dtype,
+                num_pages,
+                self.config.page_size,
+                self._backend(),
+                quantization,
+            )
+        from ngrammar.distributed.driver import start_tensor_parallel
 
-            return TritonAttentionBackend()
-        return TorchSDPABackend()
+        return start_tensor_parallel(self.config, checkpoint, self.device, self.dtype, num_pages)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (idempotent; also done at interpreter exit)."""
+        self.runner.close()
+
+    def _backend(self) -> AttentionBackend:
+        return attention_backend(self.config.attention_backend, self.device)
 
     def enable_cuda_graphs(self, capture: bool = True) -> None:
         """Serve uniform decode / verify steps from static buffers, replaying captured CUDA graphs.
@@ -180,18 +241,17 @@ class LLMEngine:
         lands inside a timed step.
         """
         widths = [1] if self.spec is None else self.spec.graph_widths()
-        graphs = CUDAGraphRunner(
-            self.runner,
+        # With tensor parallelism the greedy acceptor stays eager: each rank moves its own KV shard
+        # (``distributed.driver.DriverRunner.compact_accepted_kv``), which a rank-0-only graph would not.
+        one_rank = self.config.tensor_parallel_size == 1
+        self.runner.attach_graphs(
             widths,
             max_batch_size=min(self.config.cuda_graph_max_bs, self.config.max_running_requests),
             kv_len_bound=self.max_model_len + max(widths),
             dummy_page=self.blocks.allocator.num_pages,
             capture=capture,
-            acceptor=None if self.spec is None else self.spec.graph_acceptor,
+            acceptor=self.spec.graph_acceptor if self.spec is not None and one_rank else None,
         )
-        if capture:
-            graphs.capture_all()
-        self.runner.graphs = graphs
 
     def _mixed_step_tokens(self) -> int | None:
         """The token budget of a mixed step (None: no mixed steps)."""
@@ -225,7 +285,8 @@ class LLMEngine:
         if tokens is None:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
-                tokens = int(free * c.gpu_memory_utilization) // kv_bytes_per_token(
+                # each rank's pool holds its share of the KV heads
+                tokens = int(free * c.gpu_memory_utilization * c.tensor_parallel_size) // kv_bytes_per_token(
                     self.model_config, self.dtype
                 )
             else:
@@ -249,35 +310,14 @@ class LLMEngine:
 
     # ------------------------------------------------------------- requests
     def tokenize(self, prompt: str | list[int] | Seq[Message]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty")
-            return self.tokenizer.encode_prompt(prompt)
-        if prompt and all(isinstance(m, dict) for m in prompt):
-            for m in prompt:  # (a message the template cannot render failed inside jinja)
-                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):  # type: ignore[union-attr]
-                    raise InvalidRequestError(f"a chat message needs a string role and content, got {m!r}")
-            return self.tokenizer.apply_chat_template(prompt)  # type: ignore[arg-type]
-        ids = [int(t) for t in prompt]  # type: ignore[union-attr, arg-type]
-        if any(not 0 <= t < self.model_config.vocab_size for t in ids):
-            raise InvalidRequestError("prompt token ids must be in [0, vocab_size)")
-        return ids
+        return tokenize_prompt(self.tokenizer, self.model_config.vocab_size, prompt)
 
     @property
     def kv_capacity_tokens(self) -> int:
         return self.blocks.allocator.num_pages * self.blocks.page_size
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_ids:
-            raise InvalidRequestError("prompt is empty")
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt is {len(prompt_ids)} tokens; the model's context is {self.max_model_len} tokens"
-            )
-        if len(prompt_ids) + 1 > self.kv_capacity_tokens:
-            raise InvalidRequestError(
-                f"prompt is {len(prompt_ids)} tokens; the KV cache holds {self.kv_capacity_tokens} tokens"
-            )
+        validate_prompt(prompt_ids, self.max_model_len, self.kv_capacity_tokens)
         if params.draft_corpora:
             if self.spec is None:
                 raise InvalidRequestError("draft_corpora needs an engine with speculative decoding")

@@ -7,14 +7,16 @@ runs two GEMMs fewer (the CPU decode step is bound by those weight reads). Norms
 projections go through ``ops`` (``ngrammar.model.ops``): torch on the CPU, fused Triton kernels on
 CUDA, where the residual add rides along with the next norm and, in one-token steps, the norm and
 SiLU·mul ride inside the projection that consumes them. RoPE is applied by the attention
-backend, which can fuse it into its K/V write.
+backend, which can fuse it into its K/V write. With tensor parallelism (``tp``) the module is built
+from the rank's share of the config (``distributed.parallel.local_model_config``): o and down end
+in one all-reduce each, the embedding and the logits are vocab-parallel.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +26,9 @@ from ngrammar.model.config import ModelConfig
 from ngrammar.model.ops import LayerOps, TorchOps
 from ngrammar.model.quant import PackedWeight, Q4Weight
 from ngrammar.runner.attention import AttentionBackend
+
+if TYPE_CHECKING:
+    from ngrammar.distributed.parallel import TensorParallel
 
 
 class RMSNorm(nn.Module):
@@ -82,11 +87,14 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps) -> None:
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps, tp: TensorParallel | None = None
+    ) -> None:
         super().__init__()
         self.config = config
         self.backend = backend
         self.ops = ops
+        self.tp = tp
         self.qkv_proj = nn.Linear(
             config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias
         )
@@ -110,29 +118,34 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         out = self.backend.forward(q, k, v, layer_cache, plan, self.scale, rope)
-        return self.ops.linear(out.reshape(-1, c.q_size), self.o_proj.weight)
+        h = self.ops.linear(out.reshape(-1, c.q_size), self.o_proj.weight)
+        return h if self.tp is None else self.tp.all_reduce(h)  # row-parallel: partial sums
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, ops: LayerOps) -> None:
+    def __init__(self, config: ModelConfig, ops: LayerOps, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.ops = ops
+        self.tp = tp
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 * intermediate] -> [T, hidden]
         """gate_up: gate_up_proj of the normed input (the layer fuses the two)."""
-        return self.ops.silu_mul_linear(gate_up, self.down_proj.weight)
+        h = self.ops.silu_mul_linear(gate_up, self.down_proj.weight)
+        return h if self.tp is None else self.tp.all_reduce(h)  # row-parallel: partial sums
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps) -> None:
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps, tp: TensorParallel | None = None
+    ) -> None:
         super().__init__()
         self.ops = ops
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.self_attn = Attention(config, backend, ops)
+        self.self_attn = Attention(config, backend, ops, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.mlp = MLP(config, ops)
+        self.mlp = MLP(config, ops, tp)
 
     def forward(
         self,
@@ -157,12 +170,19 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,  # with ``tp``: this rank's share (``local_model_config``)
+        backend: AttentionBackend,
+        ops: LayerOps | None = None,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
         ops = ops or TorchOps()
         self.config = config
+        self.tp = tp
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend, ops) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, backend, ops, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.rotary = RotaryEmbedding(config)
         self.lm_head = (
@@ -181,7 +201,10 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: torch.Tensor,  # [layers, 2, pages, page_size, Hkv, d]
         plan: Any,  # the attention backend's plan for this step
     ) -> torch.Tensor:  # [T, hidden]
-        h = self.embed_tokens(input_ids)
+        if self.tp is None:
+            h = self.embed_tokens(input_ids)
+        else:
+            h = self.tp.embed(input_ids, self.embed_tokens.weight)
         rope = self.rotary.table(positions)
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
@@ -193,7 +216,8 @@ class LlamaForCausalLM(nn.Module):
         if self.packed_head is not None:
             return self.packed_head(hidden).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight)
+        return (logits if self.tp is None else self.tp.gather_logits(logits)).float()
 
     @torch.no_grad()
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -23,6 +23,7 @@ from ngrammar.runner.attention import AttentionBackend, AttentionMetadata, Torch
 from ngrammar.runner.transfer import to_device
 
 if TYPE_CHECKING:
+    from ngrammar.distributed.parallel import TensorParallel
     from ngrammar.runner.cuda_graph import CUDAGraphRunner
 
 
@@ -131,19 +132,31 @@ class ModelRunner:
         page_size: int,
         backend: AttentionBackend | None = None,
         quantization: str = "none",
+        tp: TensorParallel | None = None,
     ) -> None:
-        """``quantization``: as ``resolve_quantization`` returns it."""
-        self.config = checkpoint.config
+        """``quantization``: as ``resolve_quantization`` returns it (``none`` with ``tp``)."""
+        if tp is not None and quantization != "none":
+            raise ValueError("4-bit weights are not sharded for tensor parallelism (quantization none)")
+        self.config = checkpoint.config  # the whole model's (vocab_size: the logits' width)
         self.device = device
         self.dtype = dtype
         self.page_size = page_size
         self.backend = backend or TorchSDPABackend()
+        self.tp = tp
+        c = self.config
+        weights = iter_weights(checkpoint)
+        if tp is not None:  # this rank's heads, KV heads, MLP columns and vocabulary rows only
+            from ngrammar.distributed.parallel import local_model_config
+            from ngrammar.distributed.sharding import iter_shard_weights
+
+            c = local_model_config(c, tp.size)
+            weights = iter_shard_weights(checkpoint, tp.rank, tp.size)
         with torch.device("meta"):
-            model = LlamaForCausalLM(self.config, self.backend, default_ops(device))
+            model = LlamaForCausalLM(c, self.backend, default_ops(device), tp)
         model = model.to_empty(device=device).to(dtype)
-        model.rotary.__init__(self.config)  # type: ignore[misc]  # buffers were created on meta; rebuild them for real
+        model.rotary.__init__(c)  # type: ignore[misc]  # buffers were created on meta; rebuild them for real
         model.rotary.to(device)
-        model.load_hf_weights(iter_weights(checkpoint))
+        model.load_hf_weights(weights)
         if device.type == "cpu":
             column_major_weights(model)
         # The cheapest kernel per row count when projections are quantized (None: dense weights).
@@ -151,7 +164,6 @@ class ModelRunner:
         if quantization != "none":
             self.kernel_table = apply_quantization(model, load_gguf_q4(checkpoint), quantization, dtype)
         self.model = model.eval()
-        c = self.config
         self.kv_cache = torch.zeros(
             (c.num_layers, 2, num_pages, page_size, c.num_kv_heads, c.head_dim), dtype=dtype, device=device
         )
@@ -164,6 +176,35 @@ class ModelRunner:
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
+
+    def attach_graphs(
+        self,
+        widths: list[int],
+        max_batch_size: int,
+        kv_len_bound: int,
+        dummy_page: int,
+        capture: bool,
+        acceptor: Callable[..., Any] | None = None,
+    ) -> None:
+        """Serve uniform decode / verify steps from a ``CUDAGraphRunner``'s static buffers (captured
+        here when ``capture``). Tensor-parallel ranks all build the same graphs, in the same order."""
+        from ngrammar.runner.cuda_graph import CUDAGraphRunner
+
+        graphs = CUDAGraphRunner(
+            self,
+            widths,
+            max_batch_size=max_batch_size,
+            kv_len_bound=kv_len_bound,
+            dummy_page=dummy_page,
+            capture=capture,
+            acceptor=acceptor,
+        )
+        if capture:
+            graphs.capture_all()
+        self.graphs = graphs
+
+    def close(self) -> None:
+        """Release what outlives the object (nothing for one process; the ranks with TP)."""
 
     def _tensor(self, values: Sequence[int] | np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return to_device(values, dtype, self.device)

@@ -921,6 +921,8 @@ def _install_routes(app: FastAPI, s: _Server) -> None:
 
 def _draft_corpora(s: _Server) -> Any:
     """The engine's external draft corpora (``speculative.external.DraftCorpora``)."""
+    if not isinstance(s.engine, LLMEngine):  # ``distributed.router.ReplicaFront``: no engine here
+        raise APIError(400, "draft corpora are not served with --dp / --tp (each replica drafts on its own)")
     spec = s.engine.spec
     if spec is None or spec.proposer.corpora is None:
         raise APIError(400, "draft corpora need a server started with --speculative ngram")
@@ -983,12 +985,22 @@ def create_app(
         config = dataclasses.replace(config, api_key=api_key)
     if max_queue is not None:
         config = dataclasses.replace(config, max_queue=max_queue)
-    llm_engine = (
-        engine if isinstance(engine, LLMEngine) else LLMEngine(build_engine_config(**dict(engine or {})))
-    )
-    _ = llm_engine.grammar_backend  # build it now: handler threads must share one, not race to create it
     metrics = ServerMetrics()
-    server = _Server(llm_engine, AsyncEngine(llm_engine, config.max_queue, metrics), metrics, config)
+    if isinstance(engine, LLMEngine):
+        llm_engine: LLMEngine | None = engine
+    else:
+        engine_config = build_engine_config(**dict(engine or {}))
+        several = engine_config.data_parallel_size > 1 or engine_config.tensor_parallel_size > 1
+        llm_engine = None if several else LLMEngine(engine_config)
+    if llm_engine is None:
+        # Replica processes behind a router with AsyncEngine's interface (ngrammar/distributed/)
+        from ngrammar.distributed.router import start_replicas
+
+        front, router = start_replicas(engine_config, config.max_queue, metrics)
+        server = _Server(front, router, metrics, config)  # type: ignore[arg-type]
+    else:
+        _ = llm_engine.grammar_backend  # build it now: handler threads must share one, not race to create it
+        server = _Server(llm_engine, AsyncEngine(llm_engine, config.max_queue, metrics), metrics, config)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

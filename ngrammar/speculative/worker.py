@@ -311,7 +311,10 @@ class NgramSpecWorker:
             greedy = all(s.params.greedy for s in seqs)
             # Greedy verify steps served by a CUDA graph accept from its static buffers (one replay);
             # everything else copies the drafts and mask in for the eager acceptance.
-            graph_accept = greedy and runner.graphs is not None and runner.graphs.accepts(step)
+            graphs = runner.graphs  # (no acceptor with tensor parallelism: every rank moves its own KV)
+            graph_accept = (
+                greedy and graphs is not None and graphs.acceptor is not None and graphs.accepts(step)
+            )
             if not graph_accept:
                 meta_mask = to_device(tree.mask, torch.bool, self.device)
                 candidates = to_device(tree.tokens.reshape(len(seqs), width), torch.int64, self.device)
