@@ -246,7 +246,7 @@ def test_grammar_pruning_keeps_outputs_and_calls_off_hopeless_verify_steps(llm: 
     are verified at a narrower width. Here the prompt's lowercase words are what the corpus
     drafts, and the grammar allows only capitals."""
     eng = spec_llm.engine
-    assert eng.spec is not None and eng.spec.config.trim_trees
+    assert eng.spec is not None
     prompts = [_chat("Repeat exactly: apples, bananas, cherries, apples, bananas, cherries"), CITY_PROMPT]
     params = [
         SamplingParams(

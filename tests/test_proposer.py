@@ -23,6 +23,7 @@ from ngrammar.speculative.corpus import NgramCorpus
 from ngrammar.speculative.external import DraftCorpusError
 from ngrammar.speculative.field_memory import FieldMemory, JsonPath
 from ngrammar.speculative.forced import ForcedText, forced_text
+from ngrammar.speculative.policy import AdaptiveDraftPolicy, FixedWidthPolicy, ThresholdDraftPolicy
 from ngrammar.speculative.proposer import DraftProposer
 from tests.grammar_oracles import fork
 
@@ -414,6 +415,20 @@ def test_a_request_caps_its_own_draft_width(forced_llm: LLM) -> None:
     assert all(r.width <= 4 for r in trace if r.kind == "verify")
     with pytest.raises(InvalidRequestError, match="num_draft_tokens"):
         SamplingParams(num_draft_tokens=0)
+
+
+def test_a_capped_batch_times_and_prices_only_the_widths_it_can_use() -> None:
+    # Regression: with every member asking for 4-node trees, the policy kept asking to time widths
+    # 8 and 16, which the cap lowered to 4, so they were never timed and every step said "time".
+    for policy in (AdaptiveDraftPolicy(16), FixedWidthPolicy(16), ThresholdDraftPolicy(16)):
+        reasons = []
+        for _ in range(12):
+            w = policy.choose(["a", "b"], lambda: [3, 3], cap=4)
+            assert w in (1, 4)
+            reasons.append(policy.reason)
+            policy.observe(2, w, 0.010 if w == 1 else 0.011, None if w == 1 else {"a": 3, "b": 3})
+        assert reasons[-1] != "time", (type(policy).__name__, reasons)
+    assert AdaptiveDraftPolicy(16).choose(["a"], lambda: [3], cap=1) == 1
 
 
 def test_external_corpora_errors_and_removal(forced_llm: LLM, tmp_path: Path) -> None:

@@ -106,6 +106,7 @@ class DraftPolicy(Protocol):
         constrained: bool = False,
         remaining: Callable[[], Sequence[int]] | None = None,
         ahead: bool = False,
+        cap: int | None = None,
     ) -> int: ...
 
     def observe(
@@ -179,9 +180,10 @@ class FixedWidthPolicy(_TimedPolicy):
         constrained: bool = False,
         remaining: Callable[[], Sequence[int]] | None = None,
         ahead: bool = False,
+        cap: int | None = None,
     ) -> int:
         self.reason = "fixed" if seq_ids else "empty"
-        return self.max_width if seq_ids else 1
+        return _capped(self.widths, cap)[-1] if seq_ids else 1
 
 
 class ThresholdDraftPolicy(_TimedPolicy):
@@ -199,6 +201,7 @@ class ThresholdDraftPolicy(_TimedPolicy):
         constrained: bool = False,
         remaining: Callable[[], Sequence[int]] | None = None,
         ahead: bool = False,
+        cap: int | None = None,
     ) -> int:
         if not seq_ids:
             self.reason = "empty"
@@ -207,7 +210,7 @@ class ThresholdDraftPolicy(_TimedPolicy):
         need = self.min_match - int(ahead)
         long_enough = self.max_width > 1 and max(match_lengths()) >= need
         self.reason = "threshold" if long_enough else "short"
-        return self.max_width if long_enough else 1
+        return _capped(self.widths, cap)[-1] if long_enough else 1
 
 
 class AdaptiveDraftPolicy:
@@ -252,6 +255,7 @@ class AdaptiveDraftPolicy:
         constrained: bool = False,
         remaining: Callable[[], Sequence[int]] | None = None,
         ahead: bool = False,
+        cap: int | None = None,
     ) -> int:
         """The draft width for a decode step over these sequences (``constrained``: some have a grammar).
 
@@ -260,7 +264,8 @@ class AdaptiveDraftPolicy:
         count (``_drafts``). ``ahead``: a token per member is still in flight, so the lengths are
         one token old and each member is priced by what that token may make of it
         (``AcceptanceModel.expected``); such estimates do not feed the members' outlooks."""
-        width, self.reason = self._decide(seq_ids, match_lengths, constrained, remaining, ahead)
+        widths = _capped(self.widths, cap)
+        width, self.reason = self._decide(seq_ids, match_lengths, constrained, remaining, ahead, widths)
         return width
 
     def _decide(
@@ -270,15 +275,17 @@ class AdaptiveDraftPolicy:
         constrained: bool,
         remaining: Callable[[], Sequence[int]] | None,
         ahead: bool,
+        widths: list[int],
     ) -> tuple[int, str]:
+        """``widths``: the policy's widths up to the batch's cap; only those are timed and priced."""
         if not seq_ids:
             return 1, "empty"
-        if self.max_width == 1:
+        if len(widths) == 1:
             return 1, "fixed"
         b = bucket_of(len(seq_ids), constrained)
         now = self._steps.get(b, 0)
         costs = self.costs.bucket_costs(b)
-        for w in self.widths:  # plain first, then each width with no cost known or borrowable, twice
+        for w in widths:  # plain first, then each width with no cost known or borrowable, twice
             if costs[w] is None:
                 if w > 1:
                     self._probe(seq_ids, match_lengths, ahead)
@@ -287,7 +294,7 @@ class AdaptiveDraftPolicy:
         assert plain is not None  # every width has a cost from here on
         # The widest width at parity with plain, if any (``AdaptiveParams.parity``).
         par = max(
-            (w for w in self.widths[1:] if (c := costs[w]) is not None and c <= self.params.parity * plain),
+            (w for w in widths[1:] if (c := costs[w]) is not None and c <= self.params.parity * plain),
             default=None,
         )
         if now < self._probe_at.get(b, 0):
@@ -299,18 +306,18 @@ class AdaptiveDraftPolicy:
         if (
             exploring
             and self._shadowed - self._shadow_mark.get(b, 0) >= self.params.shadow_enough
-            and now - max(self._last.get((b, w), -self.params.cost_refresh) for w in self.widths[1:])
+            and now - max(self._last.get((b, w), -self.params.cost_refresh) for w in widths[1:])
             < self.params.cost_refresh
         ):
             # Shadow walks kept the acceptance estimates current since the bucket last skipped a
             # re-try, and a verify step timed the bucket lately: no re-try is needed.
             self._shadow_mark[b] = self._shadowed
-            self._explore_at[b] = now + self._explore_gap(b, self.widths[-1])
+            self._explore_at[b] = now + self._explore_gap(b, widths[-1])
             exploring = False
         if not exploring:
             first, p = self.acceptance.best_rates(seq_ids)
             if par is None and not any(
-                _rate(costs[w], w, run_length2(first, p, w - 1)) > bar for w in self.widths[1:]
+                _rate(costs[w], w, run_length2(first, p, w - 1)) > bar for w in widths[1:]
             ):
                 return 1, "hopeless"  # no width could win even at the best match length: skip the probe
         probed = time.perf_counter()
@@ -320,7 +327,7 @@ class AdaptiveDraftPolicy:
             return 1, "no match"
         rem = None if remaining is None else remaining()
         critical = None if rem is None else self._critical(seq_ids, rem)
-        rates = {w: _rate(costs[w], w, self._drafts(expected[w], critical)) for w in self.widths[1:]}
+        rates = {w: _rate(costs[w], w, self._drafts(expected[w], critical)) for w in widths[1:]}
         best = max(rates, key=rates.__getitem__)
         exploit = rates[best] > bar
         if exploit or par is not None:
@@ -539,3 +546,8 @@ def make_policy(config: SpeculativeConfig) -> DraftPolicy:
     if config.policy == "threshold":
         return ThresholdDraftPolicy(config.num_draft_tokens, config.threshold_match)
     return AdaptiveDraftPolicy(config.num_draft_tokens)
+
+
+def _capped(widths: list[int], cap: int | None) -> list[int]:
+    """``widths`` (1 first, ascending) up to ``cap`` (None: all)."""
+    return widths if cap is None else [w for w in widths if w <= cap]

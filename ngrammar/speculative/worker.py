@@ -221,24 +221,32 @@ class NgramSpecWorker:
         # A request that opted out never takes a verify step, so neither does its batch.
         if not all(s.params.speculative for s in seqs):
             return 1
+        cap = self._width_cap(seqs)
+        if cap == 1:
+            return 1
         proposer, grow = self.proposer, int(ahead)
-        width = self.policy.choose(
+        return self.policy.choose(
             [s.seq_id for s in seqs],
             lambda: [proposer.match_length(s, MAX_MATCH) for s in seqs],
             self._constrained,
             (lambda: [s.remaining_tokens - grow for s in seqs]) if draining else None,
             ahead,
+            cap,
         )
-        return self._asked_width(seqs, width)
 
-    def _asked_width(self, seqs: list[Sequence], width: int) -> int:
-        """At most the widest tree a member asked for (``SamplingParams.num_draft_tokens``): the
-        widest of the policy's widths that fits it (1: plain)."""
+    def _width_cap(self, seqs: list[Sequence]) -> int | None:
+        """The widest step worth choosing when every member asked for a tree size
+        (``SamplingParams.num_draft_tokens``; None: some member did not): the narrowest of the
+        policy's widths that holds the largest tree asked for (each member's own size bounds its
+        tree: ``proposer._cap``), so the policy times and prices only widths the batch can use.
+        1: no member asked for a draft."""
         asked = [s.params.num_draft_tokens for s in seqs]
-        if width == 1 or any(a is None for a in asked):
-            return width
+        if any(a is None for a in asked):
+            return None
         most = max(a for a in asked if a is not None)
-        return max((w for w in self.policy.widths if w <= min(width, most)), default=1)
+        if most <= 1:
+            return 1
+        return min((w for w in self.policy.widths if w >= most), default=self.policy.max_width)
 
     def observe_step(
         self,
