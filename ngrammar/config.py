@@ -23,6 +23,7 @@ SPECULATIVE_ARGS = {
     "spec_field_memory": "field_memory",
     "draft_corpus": "draft_corpus",
     "draft_corpus_max_tokens": "draft_corpus_max_tokens",
+    "draft_corpus_max_count": "draft_corpus_max_count",
 }
 
 
@@ -60,9 +61,14 @@ class SpeculativeConfig:
     field_memory: int = _opt(4096, "JSON values remembered per (schema, path) for drafting, in all (0: off)")
     draft_corpus: tuple[str, ...] = _opt((), "text or JSONL files indexed as named external draft corpora")
     draft_corpus_max_tokens: int = _opt(2_000_000, "largest external draft corpus, in tokens")
+    draft_corpus_max_count: int = _opt(16, "most external draft corpora at once (start-up and run time)")
 
     def __post_init__(self) -> None:
+        if isinstance(self.draft_corpus, str):  # tuple("a.txt") would be five one-letter paths
+            raise ValueError("draft_corpus is a list of files, got a string")
         object.__setattr__(self, "draft_corpus", tuple(self.draft_corpus))
+        if self.draft_corpus_max_count < 0:
+            raise ValueError(f"draft_corpus_max_count must be >= 0, got {self.draft_corpus_max_count}")
         if self.field_memory < 0:
             raise ValueError(f"spec_field_memory must be >= 0, got {self.field_memory}")
         if self.draft_corpus_max_tokens < 1:

@@ -669,3 +669,47 @@ def test_prefix_cache_hits_reach_usage_server_info_and_metrics(
     assert (
         after[("ngrammar_prefix_cache_queries_total", ())] >= after[("ngrammar_prefix_cache_hits_total", ())]
     )
+
+
+def test_draft_corpus_endpoints_read_files_only_inside_the_configured_folder(
+    live: LiveServer, tmp_path: Any
+) -> None:
+    """POST /v1/draft_corpora indexes documents from the body; a server file only from inside
+    --draft-corpus-dir (a client must not index, and probe through speculation statistics, the
+    server's other files). Bad bodies are 400s; DELETE of an unknown corpus is a 404."""
+    from ngrammar.server.config import ServerConfig
+
+    inside = tmp_path / "corpora"
+    inside.mkdir()
+    (inside / "units.txt").write_text("weight: 12 kg, count: 40 pcs, weight: 7 kg, count: 3 pcs")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not for clients")
+    closed = TestClient(create_app(live.state.engine))
+    open_ = TestClient(create_app(live.state.engine, config=ServerConfig(draft_corpus_dir=str(inside))))
+    corpora = live.state.engine.spec.proposer.corpora
+    try:
+        assert (
+            "draft-corpus-dir"
+            in assert_error(closed.post("/v1/draft_corpora", json={"name": "u", "path": "units.txt"}), 403)[
+                "message"
+            ]
+        )
+        for path in ("../secret.txt", str(secret), "missing.txt"):
+            assert_error(open_.post("/v1/draft_corpora", json={"name": "u", "path": path}), 400)
+        assert corpora.names() == []
+        r = open_.post("/v1/draft_corpora", json={"name": "units", "path": "units.txt"})
+        assert r.status_code == 200, r.text
+        r = closed.post("/v1/draft_corpora", json={"name": "docs", "documents": ["alpha beta gamma delta"]})
+        assert r.status_code == 200, r.text
+        assert [c["name"] for c in closed.get("/v1/draft_corpora").json()["data"]] == ["docs", "units"]
+        assert_error(
+            closed.post("/v1/draft_corpora", json={"name": "x", "documents": ["a b"], "replace": "yes"}), 400
+        )
+        assert_error(
+            closed.post("/v1/draft_corpora", json={"name": "x", "documents": ["a b"], "extra": 1}), 400
+        )
+        assert closed.delete("/v1/draft_corpora/units").json() == {"name": "units", "removed": True}
+        assert_error(closed.delete("/v1/draft_corpora/units"), 404)
+    finally:
+        for name in corpora.names():
+            corpora.remove(name)

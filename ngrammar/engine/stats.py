@@ -27,7 +27,7 @@ class StepRecord:
     seconds: float  # the engine step's wall time
     host_seconds: float  # of which host drafting / corpus indexing and grammar masks
     reason: str = ""  # decode steps with NGRAM: why the draft policy chose the width (``policy.REASONS``)
-    shadow_seconds: float = 0.0  # of ``host_seconds``, shadow drafts (``NgramSpecWorker._shadow_step``)
+    shadow_seconds: float = 0.0  # of ``host_seconds``, shadow drafts (``CorpusUpkeep._shadow_step``)
 
 
 @dataclass

@@ -78,6 +78,7 @@ if TYPE_CHECKING:
     import argparse
 
     from ngrammar.model.tokenizer import Tokenizer
+    from ngrammar.speculative.external import DraftCorpora
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +223,8 @@ class _CountRequests:
             await self.app(scope, receive, send_and_note)
         finally:
             path = scope.get("path", "")
+            if path.startswith("/v1/draft_corpora/"):  # DELETE /v1/draft_corpora/{name}
+                path = "/v1/draft_corpora"
             self.metrics.observe_http(path if path in _ENDPOINTS else "other", status)
 
 
@@ -906,21 +909,42 @@ def _install_routes(app: FastAPI, s: _Server) -> None:
         from starlette.concurrency import run_in_threadpool
 
         corpora = _draft_corpora(s)
+        path = None if body.path is None else _corpus_path(s.config.draft_corpus_dir, body.path)
         # Tokenizing and indexing run on a worker thread; the engine keeps stepping meanwhile.
-        info = await run_in_threadpool(corpora.add, body.name, body.path, body.documents, body.replace)
+        info = await run_in_threadpool(corpora.add, body.name, path, body.documents, body.replace)
         return JSONResponse(info.as_dict())
 
     @app.delete("/v1/draft_corpora/{name}")
     async def remove_draft_corpus(name: str) -> Response:
-        corpora = _draft_corpora(s)
-        if name not in corpora.names():
-            raise APIError(404, f"unknown draft corpus {name!r}", "not_found_error")
-        corpora.remove(name)
+        from ngrammar.speculative.external import DraftCorpusError
+
+        try:  # one call: a corpus removed meanwhile is a 404 too
+            _draft_corpora(s).remove(name)
+        except DraftCorpusError:
+            raise APIError(404, f"unknown draft corpus {name!r}", "not_found_error") from None
         return JSONResponse({"name": name, "removed": True})
 
 
-def _draft_corpora(s: _Server) -> Any:
-    """The engine's external draft corpora (``speculative.external.DraftCorpora``)."""
+def _corpus_path(root: str | None, path: str) -> str:
+    """A file an HTTP client may have indexed: only inside ``--draft-corpus-dir`` (a client must
+    not read the server's other files into a corpus whose n-grams speculation statistics reveal)."""
+    from pathlib import Path
+
+    if root is None:
+        raise APIError(
+            403,
+            "indexing server files is off: send the documents, or start the server with --draft-corpus-dir",
+            "permission_error",
+        )
+    base = Path(root).resolve()
+    full = (base / path).resolve()
+    if not full.is_relative_to(base) or not full.is_file():
+        raise APIError(400, "path must name a file inside --draft-corpus-dir", param="path")
+    return str(full)
+
+
+def _draft_corpora(s: _Server) -> DraftCorpora:
+    """The engine's external draft corpora."""
     if not isinstance(s.engine, LLMEngine):  # ``distributed.router.ReplicaFront``: no engine here
         raise APIError(400, "draft corpora are not served with --dp / --tp (each replica drafts on its own)")
     spec = s.engine.spec

@@ -14,6 +14,10 @@ class ServerConfig:
     host: str = _opt("127.0.0.1", "address to listen on")
     port: int = _opt(30000, "port to listen on")
     api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' everywhere but /health (docs too)")
+    draft_corpus_dir: str | None = _opt(
+        None,
+        "folder whose files POST /v1/draft_corpora may index by path (unset: documents in the body only)",
+    )
     docs: bool = _opt(True, "serve /docs, /redoc and /openapi.json (behind the key when one is set)")
     max_queue: int = _opt(256, "sequences (prompts x n) admitted and unfinished; more: 503, retry later")
     max_prompts: int = _opt(64, "prompts in one request; more: 400")

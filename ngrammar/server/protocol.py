@@ -513,10 +513,11 @@ class GenerateResponse(BaseModel):
 # ------------------------------------------------------- external draft corpora
 
 
-class DraftCorpusRequest(BaseModel):
-    """Add a named external draft corpus from a file on the server or from documents."""
+class DraftCorpusRequest(_RequestModel):
+    """Add a named external draft corpus from documents, or from a file in the server's
+    ``--draft-corpus-dir`` (``path`` relative to it)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     name: str
     path: str | None = None

@@ -86,6 +86,7 @@ class DraftCorpora:
             raise DraftCorpusError("give exactly one of a file path and documents")
         if not replace and name in self._table:
             raise DraftCorpusError(f"draft corpus {name!r} exists; remove it first")
+        self._check_room(name)
         docs = _read(path, self.max_tokens) if path is not None else _documents(documents)
         token_docs = []
         total = 0
@@ -109,8 +110,16 @@ class DraftCorpora:
         with self._lock:
             if not replace and name in self._table:
                 raise DraftCorpusError(f"draft corpus {name!r} exists; remove it first")
+            self._check_room(name)
             self._table = {**self._table, name: _Entry(corpus, info)}
         return info
+
+    def _check_room(self, name: str) -> None:
+        """Each corpus costs memory and a lookup per decode step: at most ``draft_corpus_max_count``."""
+        if name not in self._table and len(self._table) >= self.config.draft_corpus_max_count:
+            raise DraftCorpusError(
+                f"{len(self._table)} draft corpora exist, the most allowed (draft_corpus_max_count); remove one first"
+            )
 
     def remove(self, name: str) -> None:
         with self._lock:
@@ -177,12 +186,18 @@ def _read(path: str, max_tokens: int) -> list[str]:
     p = Path(path)
     if not p.is_file():
         raise DraftCorpusError(f"draft corpus file {path!r} does not exist or is not a file")
-    if p.stat().st_size > MAX_BYTES_PER_TOKEN * max_tokens:  # refused before reading it all
-        raise DraftCorpusError(
-            f"draft corpus file {path!r} is over {max_tokens} tokens (draft_corpus_max_tokens)"
-        )
+    limit = MAX_BYTES_PER_TOKEN * max_tokens
+    too_big = DraftCorpusError(
+        f"draft corpus file {path!r} is over {max_tokens} tokens (draft_corpus_max_tokens)"
+    )
+    if p.stat().st_size > limit:  # refused before reading it all
+        raise too_big
     try:
-        text = p.read_text(encoding="utf-8")
+        with p.open("rb") as f:  # the read is bounded too: a file's size can lie (procfs, a growing file)
+            raw = f.read(limit + 1)
+        if len(raw) > limit:
+            raise too_big
+        text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise DraftCorpusError(f"cannot read draft corpus file {path!r}: {e}") from None
     if p.suffix.lower() != ".jsonl":

@@ -20,9 +20,8 @@ roll back), so a tree holds only drafts the grammar allows; the matcher ends as 
 Nothing reaches the output without the target model's verification, so the drafts change speed,
 never the output. A proposer proposes: it never touches the KV cache or the scheduler.
 
-A batch with nothing but the shared corpus to draft from (no grammar, no external corpus, no
-narrower per-request width), or any batch with ``grammar_drafts`` off, takes the corpus' trees as
-one batched draft (``NgramCorpus.batch_get``, or the caller's trees drafted ahead) less their
+A batch with nothing but the shared corpus to draft from (no grammar, or ``grammar_drafts`` off; no
+external corpus; no narrower per-request width) takes the corpus' trees as one batched draft (``NgramCorpus.batch_get``, or the caller's trees drafted ahead) less their
 padding and the drafts a grammar forbids (``trim_drafted``): what building them node by node would
 give, without the per-node host work.
 """
@@ -109,10 +108,11 @@ class _Builder:
         while k < len(chain) and k < len(self.path) and chain[k] == self.path[k]:
             k += 1
         self.matcher.rollback(len(self.path) - k)
+        self.path = chain[:k]  # what the matcher holds at every point, so ``finish`` rolls back exactly
         for n in chain[k:]:
             if not self.matcher.accept_token(self.tokens[n]):  # accepted when the node was added
                 raise RuntimeError("a draft node's token no longer fits its grammar state")
-        self.path = chain
+            self.path.append(n)
 
     def add(self, parent: int, token: int, counted: bool = False) -> int | None:
         """The node for ``token`` under ``parent``: an existing one, a new one the grammar allows,
@@ -146,11 +146,12 @@ class _Builder:
             self.path = self.path + [node]
         return node
 
-    def add_path(self, parent: int, tokens: Sequence[int]) -> list[int]:
-        """Add ``tokens`` as a chain below ``parent``; the nodes added or reused, up to the first refusal."""
+    def add_path(self, parent: int, tokens: Sequence[int], counted: bool = False) -> list[int]:
+        """Add ``tokens`` as a chain below ``parent``; the nodes added or reused, up to the first
+        refusal (``counted``: as in ``add``)."""
         out = []
         for token in tokens:
-            node = self.add(parent, int(token))
+            node = self.add(parent, int(token), counted)
             if node is None:
                 break
             out.append(node)
@@ -277,12 +278,11 @@ class DraftProposer:
         return Proposal(tree, has_child, levels, pruned)
 
     def corpus_only(self, seqs: Sequence[Seq], width: int) -> bool:
-        """Whether the shared corpus is the batch's only draft source at ``width``."""
-        if not self.grammar_drafts:
-            return True
+        """Whether the shared corpus is the batch's only draft source at ``width`` (a grammar
+        only checks its drafts where ``grammar_drafts`` is off)."""
         corpora = self.corpora
         return all(
-            s.grammar is None
+            (s.grammar is None or not self.grammar_drafts)
             and _cap(s, width) == width
             and (corpora is None or not corpora.selects(_corpus_names(s)))
             for s in seqs
@@ -298,8 +298,8 @@ class DraftProposer:
         builder = _Builder(root, cap - 1, matcher)
         if seq.is_finished or builder.dead[0] or cap == 1:
             return [root], [-1], [False], 0
-        try:
-            self._fill(seq, builder, matcher is not None)
+        try:  # with grammar_drafts off a grammar only checks the drafts (no forced text, memory, refill)
+            self._fill(seq, builder, matcher is not None and self.grammar_drafts)
         finally:
             tokens, parents, had = builder.finish()
         self.source_nodes["total"] = self.source_nodes.get("total", 0) + len(tokens) - 1
@@ -315,7 +315,7 @@ class DraftProposer:
         if self.memory is not None and constrained and not builder.full:
             n = len(builder.tokens)
             for value in self.memory.values(seq):
-                builder.add_path(0, value)
+                builder.add_path(0, value, counted=True)
             self._count("memory", builder, n)
         n = len(builder.tokens)
         wide = builder.budget + 1
@@ -336,8 +336,7 @@ class DraftProposer:
         self._extend(seq, builder, leaves)
         self._count("extension", builder, n)
         n = len(builder.tokens)
-        assert self.forced is not None
-        if not builder.full and leaves:
+        if self.forced is not None and not builder.full and leaves:
             builder.goto(0)
             assert builder.matcher is not None
             for alt in self.forced.alternatives(builder.matcher.jump_forward(), 1 + ALTERNATIVES)[1:]:

@@ -58,8 +58,8 @@ class CorpusUpkeep:
         self.device = device
         self.shadows = ShadowDrafts(corpus, policy.widths[1:])
         # Past this many tokens a catch-up indexes only the last max_trie_depth positions, which
-        # costs ~depth^2/2 window inserts instead of depth per token (at batch 32 on a GPU, the first
-        # verify step after a plain stretch spent 6 ms here with a limit of 2 * depth).
+        # costs ~depth^2/2 window inserts instead of depth per token: a long catch-up at a large
+        # batch outlasts the verify forward it hides behind.
         self._max_catch_up = config.max_trie_depth // 2
         self._index_cost: float | None = None  # seconds per token indexed (moving average)
         self._plain_skips = 0  # plain steps that skipped indexing (every PLAIN_INDEX_RETRY-th re-measures)
@@ -84,8 +84,8 @@ class CorpusUpkeep:
         budget is spent (after one sequence at least). A sequence left out stays behind, so it
         comes earlier next time; if it falls more than ``max_catch_up`` tokens behind, the stretch
         before its last ``max_trie_depth`` positions is never indexed (as after any long plain
-        stretch). A catch-up after a plain stretch of a batch of 32 took ~4 ms of host time on the
-        H200, past the end of the verify forward it was meant to hide behind."""
+        stretch). Without a budget a large batch's catch-up after a plain stretch outlasts the
+        verify forward it is meant to hide behind."""
         t = time.perf_counter()
         corpus, depth = self.corpus, self.config.max_trie_depth
         tokens = 0
@@ -110,11 +110,11 @@ class CorpusUpkeep:
 
         A request that starts repeating itself while decoding plainly must find its repetition in
         the corpus, or its match length stays 0 and it never speculates again. But the insertion
-        is host Python, and on a GPU at batch 32 a plain step can be host-bound: indexing 32
-        tokens made it 12% slower (2.37 vs 2.11 ms on the H200, before overlap scheduling). So a
+        is host Python, and on a GPU at a large batch a plain step can be host-bound: indexing its
+        tokens makes it measurably slower (benchmarks/results/LOG.md). So a
         plain step indexes while the measured cost stays under ``PLAIN_INDEX_SHARE`` of the step,
         or fits in the host's idle time (``_idle_seconds``): with overlap the host waits for
-        the device on every chained step (0.4-0.8 ms of a ~1 ms step at batch 8 on the H200), and
+        the device on every chained step (a large share of it at small batches on an H200), and
         indexing there is free. On CUDA that time is a budget too (``index_outputs``). What plain
         steps leave unindexed, the next plain step or verify step catches up (bounded by
         ``max_catch_up``). Every ``PLAIN_INDEX_RETRY`` skipped steps one sequence of the batch

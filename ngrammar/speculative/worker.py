@@ -161,8 +161,8 @@ class NgramSpecWorker:
         self.upkeep = CorpusUpkeep(config, self.corpus, self.policy, stats, self.device)
         self.readback_links = False  # benchmark switch: the old path that reads links back first
         self.sync_debug = False  # GPU check: drafting -> verify launch runs under sync debug "error"
-        # CUDA-graph greedy verify steps accept with the one-launch Triton kernel (kernels/tree_accept.py,
-        # ~4x faster than the torch ops); Triton compiles for CUDA only, so a CPU keeps the torch ops.
+        # CUDA-graph greedy verify steps accept with the one-launch Triton kernel (kernels/tree_accept.py:
+        # four kernels instead of ~100 small ops); Triton compiles for CUDA only, so a CPU keeps the ops.
         self.accept_kernel = self.device.type == "cuda"
         self.last_drafts: dict[str, int] = {}  # seq id -> drafts it accepted in the last verify step
         self._constrained = False  # whether the last batch the policy chose for had a grammar
@@ -459,11 +459,12 @@ class NgramSpecWorker:
         the policy learns that each member accepted nothing (as that step would have taught it) and
         the caller runs a plain step instead. A constrained batch's grammars settle here, before
         the launch; the bitmask rows are still built while the forward runs."""
-        t = time.perf_counter()
         constrained = any(s.grammar is not None for s in seqs)
         if constrained:
+            t = time.perf_counter()
             self.grammar.settle(seqs)
             self.stats.grammar_seconds += time.perf_counter() - t
+        t = time.perf_counter()  # drafting: the proposer's walks included, the settling not
         # Trees narrow to a CUDA graph's width where there are graphs (an eager verify step costs
         # several graph replays on the H200), else to one of the policy's.
         graphs = self.runner.graphs
