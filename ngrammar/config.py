@@ -99,9 +99,9 @@ class EngineConfig:
     # Weight-only 4-bit projections on a CPU (model/quant.py), each step on the kernel measured
     # cheapest at its row count. auto: on a CPU with dtype auto, the model's own 4-bit (GGUF Q4_0 /
     # Q4_1) weights, or a notice that it has none; otherwise none. An explicit dtype keeps its weights.
-    # Default none: no end-to-end run has shown the 4-bit path faster yet (see the README).
+    # Default auto: end to end on a CPU the 4-bit path is faster, plain and NGRAM (BENCHMARKS.md).
     quantization: str = _opt(
-        "none",
+        "auto",
         "int4: 4-bit weights (a GGUF's own, else quantized at load; CPU only); none: the checkpoint's "
         "weights in dtype; auto: int4 on a CPU when dtype is auto and the model has 4-bit weights",
         ["auto", "none", "int4"],

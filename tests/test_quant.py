@@ -149,8 +149,11 @@ def test_a_model_without_4bit_weights_says_so(tmp_path: Path, capfd: pytest.Capt
     assert auto.engine.runner.kernel_table is None
     LLM(model=str(folder), device="cpu", dtype="float32", kv_cache_tokens=256, quantization="auto")
     assert "ngrammar:" not in capfd.readouterr().err  # an explicit dtype asks for no quantization
-    LLM(model=str(folder), device="cpu", kv_cache_tokens=256)
-    assert "ngrammar:" not in capfd.readouterr().err  # the default asks for none
+    LLM(model=str(folder), device="cpu", kv_cache_tokens=256, quantization="none")
+    assert "ngrammar:" not in capfd.readouterr().err  # none asks for nothing
+    LLM(model=str(folder), device="cpu", kv_cache_tokens=256)  # the default is auto: the notice again
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("ngrammar:")]
+    assert len(lines) == 1 and "no 4-bit" in lines[0]
     q = LLM(model=str(folder), device="cpu", kv_cache_tokens=256, quantization="int4")
     lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("ngrammar:")]
     assert len(lines) == 1 and "quantizing 8 of 8 projections" in lines[0]
