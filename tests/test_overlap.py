@@ -291,7 +291,12 @@ def test_a_decision_ahead_sees_the_committed_match_lengths(spec_llm: LLM) -> Non
     seen: list[tuple[list[int], bool]] = []
 
     def record(
-        seq_ids: Any, lengths: Any, constrained: bool = False, remaining: Any = None, ahead: bool = False
+        seq_ids: Any,
+        lengths: Any,
+        constrained: bool = False,
+        remaining: Any = None,
+        ahead: bool = False,
+        cap: Any = None,
     ) -> int:
         seen.append((list(lengths()), ahead))
         return 1
