@@ -66,6 +66,7 @@ class Proposal:
     has_child: np.ndarray  # [B, D'] bool: a node had children as drafted (a run ending there is not censored)
     levels: list[int]  # [B] levels below each root as drafted
     pruned: int  # corpus drafts a grammar forbade
+    batched: bool = False  # the corpus' trees in one call (``corpus_only``): trees drafted ahead apply
 
 
 class _Builder:
@@ -266,7 +267,7 @@ class DraftProposer:
         if trim:
             if most == 1:
                 return None
-            width = min((w for w in widths if most <= w <= width), default=width)
+            width = _narrowest(widths, most, width)
         tokens = np.full((len(seqs), width), PAD_TOKEN, dtype=np.int64)
         parents = np.zeros((len(seqs), width), dtype=np.int64)
         has_child = np.zeros((len(seqs), width), dtype=np.bool_)
@@ -409,19 +410,17 @@ class DraftProposer:
         check_depth: int | None,
     ) -> Proposal | None:
         width = drafted.draft_token_num
+        levels = drafted.depths().max(axis=1).tolist()  # of the trees as drafted
         if not trim:
-            return Proposal(drafted, drafted.has_child(), drafted.depths().max(axis=1).tolist(), 0)
+            return Proposal(drafted, drafted.has_child(), levels, 0, batched=True)
         keep, pruned = trim_drafted(seqs, drafted, check_depth)
         if not keep[:, 1:].any():
             return None
-        most = int(keep.sum(axis=1).max())
-        narrow = min((w for w in widths if most <= w <= width), default=width)
+        narrow = _narrowest(widths, int(keep.sum(axis=1).max()), width)
         if narrow >= width:  # the dropped nodes stay: they cost nothing extra at this width
-            return Proposal(drafted, drafted.has_child(), drafted.depths().max(axis=1).tolist(), pruned)
-        tree = drafted.keep_nodes(keep, narrow)
+            return Proposal(drafted, drafted.has_child(), levels, pruned, batched=True)
         has_child = carry_to_kept(drafted.has_child(), keep, narrow, False)
-        levels = drafted.depths().max(axis=1).tolist()
-        return Proposal(tree, has_child, levels, pruned)
+        return Proposal(drafted.keep_nodes(keep, narrow), has_child, levels, pruned, batched=True)
 
     def on_finish(self, seqs: Sequence[Seq]) -> None:
         """Departed sequences: field memory takes their last values; their match state goes."""
@@ -454,6 +453,11 @@ def trim_drafted(seqs: Sequence[Seq], tree: DraftTree, check_depth: int | None) 
             keep[b] &= grammar_valid_nodes(seq.grammar, tokens[b], parents[b], check_depth)
             pruned += drafted - int(keep[b].sum())
     return keep, pruned
+
+
+def _narrowest(widths: Sequence[int], most: int, width: int) -> int:
+    """The narrowest of ``widths`` that holds ``most`` nodes, at most ``width`` (else ``width``)."""
+    return min((w for w in widths if most <= w <= width), default=width)
 
 
 def _cap(seq: Seq, width: int) -> int:

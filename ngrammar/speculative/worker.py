@@ -353,7 +353,7 @@ class NgramSpecWorker:
             packed = result.packed()
         lp = logprob_tensors(seqs, logits, result.accept_index, result.accept_tokens)
         read = runner.to_host_async(packed, *lp)
-        if prepare and self.proposer.corpus_only(seqs, chosen):
+        if prepare and proposal.batched:
             self.prepare_next(seqs, tree, chosen)
         self.stats.spec_steps += 1
         self.stats.verify_seconds += time.perf_counter() - t0
