@@ -181,9 +181,9 @@ def bench_steps(
     Variants: unfused, fused projections, and fused with programmatic dependent launch (PDL: each
     Triton kernel starts, and loads its weights, while the one before finishes)."""
     from benchmarks.gpu_bench import random_model, step_time
+    from ngrammar.attention.triton import TritonAttentionBackend
     from ngrammar.kernels.device_info import pdl_supported
     from ngrammar.kernels.fused_ops import TritonOps
-    from ngrammar.kernels.triton_attention import TritonAttentionBackend
 
     variants = [("unfused", False, False), ("fused", True, False)]
     if pdl_supported(torch.device("cuda")):
@@ -222,7 +222,7 @@ def bench_decode_splits(
     length with the split-KV count capped: how the attention's serial tile loop trades against
     the merge (the last split's at q = 1, the merge kernel's for tree verify)."""
     from benchmarks.gpu_bench import random_model, step_time
-    from ngrammar.kernels.triton_attention import TritonAttentionBackend
+    from ngrammar.attention.triton import TritonAttentionBackend
 
     res: dict[str, Any] = {}
     rows = []

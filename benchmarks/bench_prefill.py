@@ -4,7 +4,7 @@ Each prompt is ``length`` distinct-looking token ids (no prefix shared with the 
 can help), generated with ``max_tokens=1``: the time is the prefill's, plus one sampled token.
 Prints tok/s per length and each length's time relative to the first length that is >= 2,000.
 
-``--baseline-attention OLD/ngrammar/runner/attention.py`` also times the same engine with another
+``--baseline-attention OLD/ngrammar/attention/sdpa.py`` also times the same engine with another
 checkout's ``TorchSDPABackend`` swapped in, alternating with this one per length and repeat, so
 both see the same machine load (an A/B of an attention change on a shared box).
 """
@@ -85,7 +85,11 @@ def main() -> int:
     p.add_argument("--lengths", default="500,2000,8000")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--out", default=None)
-    p.add_argument("--baseline-attention", default=None, help="another checkout's runner/attention.py")
+    p.add_argument(
+        "--baseline-attention",
+        default=None,
+        help="another checkout's attention/sdpa.py (runner/attention.py before the move)",
+    )
     add_engine_args(p)
     args = p.parse_args()
     from ngrammar.llm import LLM

@@ -63,7 +63,7 @@ def run_tp_step_times(
 
 
 async def _router_throughput(kwargs: dict[str, Any], dp: int, requests: int, max_tokens: int) -> float:
-    from ngrammar.distributed.router import start_replicas
+    from ngrammar.server.router import start_replicas
 
     config = build_engine_config(**{**kwargs, "data_parallel_size": dp})
     front, router = start_replicas(config, max(requests, 1), None)

@@ -47,10 +47,10 @@ from benchmarks.common import (
     switch_pairs,
 )
 from ngrammar import LLM, SamplingParams
+from ngrammar.attention.metadata import AttentionMetadata
 from ngrammar.config import EngineConfig
 from ngrammar.engine.engine import StepRecord
 from ngrammar.model.config import ModelConfig
-from ngrammar.runner.attention import AttentionMetadata
 
 
 # ---------------------------------------------------------------- part 1: SmolLM2
@@ -380,8 +380,8 @@ def bench_acceptor(batch_sizes: list[int], width: int = 16, vocab: int = 49152) 
     ``move_kv_slots``), on random chain-shaped trees, fp32 logits and a SmolLM2-shaped bf16 KV pool;
     µs per replay and whether results and the moved KV agree."""
     from ngrammar.kernels.tree_accept import greedy_tree_accept
+    from ngrammar.runner.acceptance import TreeAcceptResult, verify_tree_greedy_from_logits
     from ngrammar.runner.model_runner import compact_path_kv, move_kv_slots
-    from ngrammar.speculative.verify import TreeAcceptResult, verify_tree_greedy_from_logits
 
     def ops(
         pool: torch.Tensor, cands: torch.Tensor, mask: torch.Tensor, logits: torch.Tensor, slots: torch.Tensor
@@ -526,8 +526,8 @@ def cuda_seconds(fn: Callable[[], Any], n: int) -> float:
 def random_model(config: ModelConfig, ops: Any = None, backend: Any = None) -> Any:
     """(bf16 model with random weights on CUDA, its attention backend); TritonOps and
     TritonAttentionBackend by default."""
+    from ngrammar.attention.triton import TritonAttentionBackend
     from ngrammar.kernels.fused_ops import TritonOps
-    from ngrammar.kernels.triton_attention import TritonAttentionBackend
     from ngrammar.model.llama import LlamaForCausalLM
 
     backend = backend or TritonAttentionBackend()

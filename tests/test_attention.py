@@ -8,12 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from ngrammar.runner.attention import (
-    AttentionMetadata,
-    TorchSDPABackend,
-    contiguous_first_slot,
-    kv_slot_indices,
-)
+from ngrammar.attention.metadata import AttentionMetadata
+from ngrammar.attention.sdpa import TorchSDPABackend, contiguous_first_slot, kv_slot_indices
 
 
 def _meta(page_tables: list[list[int]], kv_lens: list[int], q_len: int, tree: bool) -> AttentionMetadata:

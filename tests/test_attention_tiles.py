@@ -7,7 +7,8 @@ import dataclasses
 
 import torch
 
-from ngrammar.runner.attention import AttentionMetadata, TorchSDPABackend, causal_tiles
+from ngrammar.attention.metadata import AttentionMetadata
+from ngrammar.attention.sdpa import TorchSDPABackend, causal_tiles
 
 
 def _meta(kv_lens: list[int], q_lens: list[int], ps: int = 8) -> AttentionMetadata:

@@ -11,12 +11,13 @@ import pytest
 import torch
 from triton_env import DEVICE, INTERPRET
 
+from ngrammar.attention.metadata import AttentionMetadata
+from ngrammar.attention.sdpa import TorchSDPABackend
+from ngrammar.attention.triton import TritonAttentionBackend
 from ngrammar.kernels.fused_ops import TritonOps, silu_and_mul
-from ngrammar.kernels.triton_attention import TritonAttentionBackend
 from ngrammar.model.config import ModelConfig
 from ngrammar.model.llama import LlamaForCausalLM
 from ngrammar.model.ops import TorchOps
-from ngrammar.runner.attention import AttentionMetadata, TorchSDPABackend
 
 pytestmark = pytest.mark.gpu
 

@@ -351,7 +351,7 @@ def test_tree_sampling_under_a_grammar_is_lossless_with_forced_drafts() -> None:
     every emitted token, given the node it was drawn at, follows that node's masked row."""
     from test_verify import chi_square_p_value, child_by_token, mask_from_parents
 
-    from ngrammar.speculative.verify import tree_speculative_sampling_target_only
+    from ngrammar.runner.acceptance import tree_speculative_sampling_target_only
 
     d, v, n = len(GRAMMAR_PARENTS), 8, 20000
     gen = torch.Generator().manual_seed(11)

@@ -10,12 +10,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ngrammar.runner.acceptance import verify_tree_greedy
 from ngrammar.speculative.corpus import NgramCorpus
 from ngrammar.speculative.policy import AdaptiveDraftPolicy, bucket_of
 from ngrammar.speculative.policy_params import AdaptiveParams
 from ngrammar.speculative.shadow import RETRY, ShadowDrafts, tree_kids, walk_tree
 from ngrammar.speculative.tree import DraftTree
-from ngrammar.speculative.verify import verify_tree_greedy
 
 COST_REFRESH = AdaptiveParams().cost_refresh
 

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from ngrammar import LLM, SamplingParams
-from ngrammar.distributed.parallel import ParallelConfigError, check_tensor_parallel
-from ngrammar.distributed.sharding import split_dim
+from ngrammar.model.parallel import ParallelConfigError, check_tensor_parallel
+from ngrammar.model.sharding import split_dim
 from ngrammar.runner.model_runner import StepInput
 
 PROMPTS = ["The capital of France is", "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n"]

@@ -13,9 +13,9 @@ import torch
 from triton_env import DEVICE
 
 from ngrammar.kernels.tree_accept import GreedyAccept, greedy_tree_accept
+from ngrammar.runner.acceptance import TreeAcceptResult, verify_tree_greedy
 from ngrammar.runner.model_runner import compact_path_kv, move_kv_slots
 from ngrammar.speculative.tree import mask_from_parents
-from ngrammar.speculative.verify import TreeAcceptResult, verify_tree_greedy
 
 pytestmark = pytest.mark.gpu
 

@@ -312,7 +312,7 @@ def test_keep_nodes_rejects_a_set_that_is_not_a_tree(bad: list[list[bool]], mess
 def test_pruned_trees_accept_what_the_full_trees_accept() -> None:
     """Dropping nodes the target can never pick (as a grammar's bitmask guarantees) keeps every
     kept node's path and sibling order, so greedy verification accepts the same tokens."""
-    from ngrammar.speculative.verify import verify_tree_greedy
+    from ngrammar.runner.acceptance import verify_tree_greedy
 
     rng = np.random.default_rng(11)
     for _ in range(300):

@@ -13,8 +13,9 @@ import pytest
 import torch
 from triton_env import DEVICE, INTERPRET
 
-from ngrammar.kernels.triton_attention import TritonAttentionBackend, choose_launch_config
-from ngrammar.runner.attention import AttentionMetadata, TorchSDPABackend
+from ngrammar.attention.metadata import AttentionMetadata
+from ngrammar.attention.sdpa import TorchSDPABackend
+from ngrammar.attention.triton import TritonAttentionBackend, choose_launch_config
 
 pytestmark = pytest.mark.gpu
 

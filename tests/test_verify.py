@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from ngrammar.speculative.verify import (
+from ngrammar.runner.acceptance import (
     TreeAcceptResult,
     sample_from_probs,
     tree_speculative_sampling_target_only,

@@ -27,17 +27,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ngrammar.attention.metadata import AttentionBackend
 from ngrammar.config import EngineConfig
 from ngrammar.distributed.channel import StepChannel, tensor_spec
-from ngrammar.distributed.parallel import (
+from ngrammar.distributed.ranks import RankSpec, connect_store, init_group, rank_main
+from ngrammar.model.loader import Checkpoint
+from ngrammar.model.parallel import (
     MULTICAST_OFF_ENV,
     ParallelConfigError,
     TensorParallel,
     check_tensor_parallel,
 )
-from ngrammar.distributed.ranks import RankSpec, connect_store, init_group, rank_main
-from ngrammar.model.loader import Checkpoint
-from ngrammar.runner.attention import AttentionBackend
 from ngrammar.runner.model_runner import ModelRunner, StepInput
 
 _POLL_S = 0.05
@@ -172,7 +172,7 @@ def start_tensor_parallel(
     TCP store at ``dist_init_addr`` (default: a free local port), and build rank 0's runner. Ranks
     on other nodes are started there by ``run_node``. Raises ``RankFailure`` if a rank dies or does
     not join within ``dist_timeout_s``; nothing is left running then."""
-    from ngrammar.engine.engine import attention_backend
+    from ngrammar.attention.factory import attention_backend
 
     if dist.is_initialized():  # torch.distributed has one default group per process
         raise ParallelConfigError(

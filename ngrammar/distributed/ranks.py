@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from ngrammar.distributed.channel import StepChannel
-from ngrammar.distributed.parallel import MULTICAST_OFF_ENV, TensorParallel
 from ngrammar.model.loader import Checkpoint
+from ngrammar.model.parallel import MULTICAST_OFF_ENV, TensorParallel
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def rank_main(spec: RankSpec) -> None:
 
 
 def _serve(spec: RankSpec) -> None:
-    from ngrammar.engine.engine import attention_backend
+    from ngrammar.attention.factory import attention_backend
     from ngrammar.runner.model_runner import ModelRunner, resolve_dtype
 
     device = torch.device(spec.device)

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ngrammar.attention.factory import attention_backend
+from ngrammar.attention.metadata import AttentionBackend
 from ngrammar.config import EngineConfig
 from ngrammar.engine.block_manager import BlockManager, PageAllocator
 from ngrammar.engine.grammar_rows import GrammarRows
@@ -33,7 +35,6 @@ from ngrammar.model.config import ModelConfig
 from ngrammar.model.loader import Checkpoint, resolve_checkpoint
 from ngrammar.model.tokenizer import Message, Tokenizer
 from ngrammar.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from ngrammar.runner.attention import AttentionBackend, TorchSDPABackend
 from ngrammar.runner.cuda_graph import graph_capturable
 from ngrammar.runner.model_runner import (
     ModelRunner,
@@ -49,9 +50,9 @@ from ngrammar.runner.transfer import to_device
 from ngrammar.sampling_params import InvalidRequestError, SamplingParams
 
 if TYPE_CHECKING:
+    from ngrammar.engine.verify_step import NgramSpecWorker, PendingVerify, VerifyResult
     from ngrammar.grammar import GrammarBackend
     from ngrammar.speculative.replay import ReplayTarget
-    from ngrammar.speculative.worker import NgramSpecWorker, PendingVerify, VerifyResult
 
 __all__ = ["EngineStats", "LLMEngine", "Request", "StepKind", "StepRecord"]
 
@@ -87,17 +88,6 @@ def validate_prompt(prompt_ids: list[int], max_model_len: int, kv_capacity_token
         raise InvalidRequestError(
             f"prompt is {len(prompt_ids)} tokens; the KV cache holds {kv_capacity_tokens} tokens"
         )
-
-
-def attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """The backend ``EngineConfig.attention_backend`` names ("auto": Triton on CUDA, SDPA elsewhere)."""
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "sdpa"
-    if name == "triton":
-        from ngrammar.kernels.triton_attention import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    return TorchSDPABackend()
 
 
 @dataclass
@@ -144,7 +134,7 @@ class LLMEngine:
         self.max_model_len = self._context_length(config.max_model_len, checkpoint.config)
         quantization = resolve_quantization(config.quantization, config.dtype, self.device)
         if config.tensor_parallel_size > 1:  # before any process starts or weight is read
-            from ngrammar.distributed.parallel import check_tensor_parallel, tensor_parallel_quantization
+            from ngrammar.model.parallel import check_tensor_parallel, tensor_parallel_quantization
 
             check_tensor_parallel(checkpoint.config, config.tensor_parallel_size, self.device, config.nnodes)
             quantization = tensor_parallel_quantization(quantization, config.tensor_parallel_size)
@@ -187,8 +177,8 @@ class LLMEngine:
         self.replay: ReplayTarget | None = None  # benchmarks: recorded outputs decide (``set_replay``)
         self.spec: NgramSpecWorker | None = None
         if config.speculative is not None:
+            from ngrammar.engine.verify_step import NgramSpecWorker
             from ngrammar.speculative.forced import forced_text
-            from ngrammar.speculative.worker import NgramSpecWorker
 
             self.spec = NgramSpecWorker(
                 config.speculative,

@@ -4,7 +4,7 @@ Why: at batch 1 a decode step of a small model is a chain of ~40 tiny kernels pe
 ops run as separate torch ops (RMSNorm alone is seven), and each costs microseconds of launch latency
 even inside a CUDA graph. With these kernels a layer is ~11 kernels; with the norm and SiLU·mul folded into the
 projections of one-token steps (``ngrammar.kernels.fused_linear``) and RoPE into the K/V write
-(``ngrammar.kernels.triton_attention``), 6 (two more with Qwen3's q/k norms). Each Triton kernel
+(``ngrammar.attention.triton``), 6 (two more with Qwen3's q/k norms). Each Triton kernel
 rounds exactly where the torch reference (``ngrammar.model.ops.TorchOps``) rounds, so results agree
 to the last bit of the storage dtype up to fp32 contraction differences.
 

@@ -1,6 +1,6 @@
 """Greedy tree acceptance in one Triton launch: what CUDA-graph verify steps accept with.
 
-Why: ``ngrammar.speculative.verify.verify_tree_greedy`` is vectorized over [bs, D, D] boolean tensors so it
+Why: ``ngrammar.runner.acceptance.verify_tree_greedy`` is vectorized over [bs, D, D] boolean tensors so it
 runs anywhere without a host read, but on a GPU that is ~100 small kernels, a large share of a
 small model's verify step. Here one program per
 request walks its tree sequentially, which at D <= 64 nodes costs next to nothing, and writes what

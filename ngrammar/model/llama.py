@@ -22,13 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ngrammar.attention.metadata import AttentionBackend
 from ngrammar.model.config import ModelConfig
 from ngrammar.model.ops import LayerOps, TorchOps
 from ngrammar.model.quant import PackedWeight, Q4Weight
-from ngrammar.runner.attention import AttentionBackend
 
 if TYPE_CHECKING:
-    from ngrammar.distributed.parallel import TensorParallel
+    from ngrammar.model.parallel import TensorParallel
 
 
 class RMSNorm(nn.Module):

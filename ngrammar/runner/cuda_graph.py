@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ngrammar.runner.attention import AttentionBackend, AttentionMetadata
+from ngrammar.attention.metadata import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
     from ngrammar.runner.model_runner import ModelRunner, StepInput

@@ -14,16 +14,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ngrammar.attention.metadata import AttentionBackend, AttentionMetadata
+from ngrammar.attention.sdpa import TorchSDPABackend
 from ngrammar.model.config import ModelConfig
 from ngrammar.model.llama import LlamaForCausalLM
 from ngrammar.model.loader import Checkpoint, iter_weights, load_gguf_q4
 from ngrammar.model.ops import default_ops
 from ngrammar.model.quant import KernelTable, apply_quantization
-from ngrammar.runner.attention import AttentionBackend, AttentionMetadata, TorchSDPABackend
 from ngrammar.runner.transfer import to_device
 
 if TYPE_CHECKING:
-    from ngrammar.distributed.parallel import TensorParallel
+    from ngrammar.model.parallel import TensorParallel
     from ngrammar.runner.cuda_graph import CUDAGraphRunner
 
 
@@ -146,8 +147,8 @@ class ModelRunner:
         c = self.config
         weights = iter_weights(checkpoint)
         if tp is not None:  # this rank's heads, KV heads, MLP columns and vocabulary rows only
-            from ngrammar.distributed.parallel import local_model_config
-            from ngrammar.distributed.sharding import iter_shard_weights
+            from ngrammar.model.parallel import local_model_config
+            from ngrammar.model.sharding import iter_shard_weights
 
             c = local_model_config(c, tp.size)
             weights = iter_shard_weights(checkpoint, tp.rank, tp.size)

@@ -1018,7 +1018,7 @@ def create_app(
         llm_engine = None if several else LLMEngine(engine_config)
     if llm_engine is None:
         # Replica processes behind a router with AsyncEngine's interface (ngrammar/distributed/)
-        from ngrammar.distributed.router import start_replicas
+        from ngrammar.server.router import start_replicas
 
         front, router = start_replicas(engine_config, config.max_queue, metrics)
         server = _Server(front, router, metrics, config)  # type: ignore[arg-type]

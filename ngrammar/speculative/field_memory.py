@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ngrammar.engine.sequence import Sequence as Seq
+    from ngrammar.speculative.request import DraftRequest as Seq
 
 Path = tuple[str, ...]  # object keys, "[]" for an array element
 FieldKey = tuple[Hashable, Path]  # (schema, path)

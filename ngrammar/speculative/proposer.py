@@ -39,11 +39,11 @@ from ngrammar.speculative.corpus import NgramCorpus
 from ngrammar.speculative.tree import PAD_TOKEN, DraftTree, carry_to_kept
 
 if TYPE_CHECKING:
-    from ngrammar.engine.sequence import Sequence as Seq
     from ngrammar.grammar import GrammarMatcher
     from ngrammar.speculative.external import DraftCorpora
     from ngrammar.speculative.field_memory import FieldMemory
     from ngrammar.speculative.forced import ForcedText
+    from ngrammar.speculative.request import DraftRequest as Seq
 
 # Under a grammar the corpus drafts this many times the budget, so forbidden drafts are replaced.
 REFILL_FACTOR = 2

@@ -23,9 +23,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ngrammar.engine.sequence import Sequence
 from ngrammar.speculative.corpus import NgramCorpus
+
+if TYPE_CHECKING:
+    from ngrammar.speculative.request import DraftRequest
 
 RETRY = 64  # calls without trees after which one member's are drafted anyway, re-measuring the cost
 
@@ -94,7 +97,7 @@ class ShadowDrafts:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def resolve(self, seqs: Seq[Sequence]) -> list[ShadowSample]:
+    def resolve(self, seqs: Seq[DraftRequest]) -> list[ShadowSample]:
         """Walk each member's pending trees against its committed tokens; the decided walks."""
         out = []
         pending = self._pending
@@ -120,7 +123,7 @@ class ShadowDrafts:
                 del pending[seq.seq_id]
         return out
 
-    def draft(self, seqs: Seq[Sequence], budget: float) -> int:
+    def draft(self, seqs: Seq[DraftRequest], budget: float) -> int:
         """Draft trees (one per width) for members without pending ones (in turn) while the
         measured cost of the next member's fits in ``budget`` seconds; returns how many trees. A
         member without a match gets none: its trees would be padding, which teaches nothing.

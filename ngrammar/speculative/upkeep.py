@@ -16,12 +16,14 @@ from ngrammar.speculative.corpus import NgramCorpus
 from ngrammar.speculative.shadow import ShadowDrafts
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import torch
 
     from ngrammar.config import SpeculativeConfig
-    from ngrammar.engine.sequence import Sequence
     from ngrammar.engine.stats import EngineStats
     from ngrammar.speculative.policy import DraftPolicy
+    from ngrammar.speculative.request import DraftRequest
 
 # Plain steps index their tokens while that costs at most this share of a plain step, or fits in
 # the host's idle time (``index_plain_step``); one in PLAIN_INDEX_RETRY skipped steps indexes one
@@ -66,11 +68,11 @@ class CorpusUpkeep:
         self._plain_host_seconds = 0.0  # host time the last plain step spent indexing and shadow drafting
         self._plain_host_step = -2  # ``EngineStats.steps`` when it was spent (during that engine step)
 
-    def on_admit(self, seq: Sequence) -> None:
+    def on_admit(self, seq: DraftRequest) -> None:
         if self.config.index_prompt:
             self.corpus.index_prompt(seq.seq_id, seq.prompt_token_ids)
 
-    def index_outputs(self, seqs: list[Sequence], budget: float | None = None) -> None:
+    def index_outputs(self, seqs: Sequence[DraftRequest], budget: float | None = None) -> None:
         """Insert the windows ending at each sequence's tokens committed since it was last indexed.
 
         Called right after a verify forward is launched (and after a plain one, see
@@ -105,7 +107,7 @@ class CorpusUpkeep:
             old = self._index_cost
             self._index_cost = per_token if old is None or per_token < old else old + 0.2 * (per_token - old)
 
-    def index_plain_step(self, seqs: list[Sequence], read_wait: float, constrained: bool) -> None:
+    def index_plain_step(self, seqs: Sequence[DraftRequest], read_wait: float, constrained: bool) -> None:
         """Index a plain step's batch (its forward just launched) when that is cheap next to the step.
 
         A request that starts repeating itself while decoding plainly must find its repetition in
@@ -143,7 +145,7 @@ class CorpusUpkeep:
         self._plain_host_seconds = time.perf_counter() - t
         self._plain_host_step = self.stats.steps
 
-    def _shadow_step(self, seqs: list[Sequence], budget: float) -> None:
+    def _shadow_step(self, seqs: Sequence[DraftRequest], budget: float) -> None:
         """Walk the members' shadow trees against their committed tokens, teach the policy what
         the decided ones would have accepted, and draft new ones in ``budget`` seconds
         (``ShadowDrafts``). Only an adaptive policy with a draft width to pick learns; a fixed

@@ -1,6 +1,6 @@
 """Triton paged attention for CUDA: one kernel for prefill, decode and tree verify.
 
-Semantics are exactly those of ``ngrammar.runner.attention`` (read its module docstring): request b
+Semantics are exactly those of ``ngrammar.attention.metadata`` (read its module docstring): request b
 attends over ``kv_lens[b]`` cached tokens; its ``q_lens[b]`` queries are the last ones; the committed
 prefix is fully visible and the new block is causal or follows ``tree_mask``.
 
@@ -35,8 +35,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import cuda as tcuda
 
+from ngrammar.attention.metadata import AttentionMetadata
 from ngrammar.kernels.device_info import num_sms, pdl_for_step
-from ngrammar.runner.attention import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 # Splitting is only worth its merge pass when each split still covers a couple of 64-wide tiles.
@@ -61,7 +61,7 @@ def _rope_store_kv_kernel(
     PDL: tl.constexpr,
 ):  # fmt: skip
     # One program per new token. With ROPE, rotates its q heads in place (rotate-half, fp32, one
-    # rounding, as ``ngrammar.runner.attention.rotate_half``) and its k heads on the way into the
+    # rounding, as ``ngrammar.attention.sdpa.rotate_half``) and its k heads on the way into the
     # paged pool; v is copied as is. Under PDL everything it reads was written by earlier kernels, so
     # it waits first: what it gains is the launch, done while the projection finishes.
     if PDL:

@@ -32,10 +32,9 @@ import torch.multiprocessing as mp
 from prometheus_client import Gauge
 
 from ngrammar.config import EngineConfig
-from ngrammar.distributed.parallel import MULTICAST_OFF_ENV
-from ngrammar.distributed.replica import ReplicaInfo, ReplicaLoad, replica_main
 from ngrammar.engine.engine import EngineStats, tokenize_prompt, validate_prompt
 from ngrammar.model.loader import resolve_checkpoint
+from ngrammar.model.parallel import MULTICAST_OFF_ENV
 from ngrammar.model.tokenizer import Message, Tokenizer
 from ngrammar.outputs import RequestOutput
 from ngrammar.sampling_params import InvalidRequestError, SamplingParams
@@ -47,6 +46,7 @@ from ngrammar.server.engine_loop import (
     RequestGroup,
 )
 from ngrammar.server.metrics import ServerMetrics
+from ngrammar.server.replica import ReplicaInfo, ReplicaLoad, replica_main
 
 log = logging.getLogger(__name__)
 
@@ -378,7 +378,7 @@ def start_replicas(
     Tensor-parallel sizes are checked here first, before any process starts."""
     import os
 
-    from ngrammar.distributed.parallel import check_tensor_parallel
+    from ngrammar.model.parallel import check_tensor_parallel
     from ngrammar.runner.model_runner import resolve_device
 
     if config.nnodes > 1:

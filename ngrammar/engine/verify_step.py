@@ -31,6 +31,12 @@ from ngrammar.engine.sequence import Sequence
 from ngrammar.engine.stats import EngineStats, timed_forward
 from ngrammar.model.tokenizer import Tokenizer
 from ngrammar.outputs import TokenLogprob
+from ngrammar.runner.acceptance import (
+    TreeAcceptResult,
+    tree_speculative_sampling_target_only,
+    unpack_accepted,
+    verify_tree_greedy_from_logits,
+)
 from ngrammar.runner.model_runner import ModelRunner, PendingRead, StepInput, move_kv_slots
 from ngrammar.runner.sampler import (
     STREAM_FINAL_COIN,
@@ -49,12 +55,6 @@ from ngrammar.speculative.proposer import DraftProposer, Proposal
 from ngrammar.speculative.replay import ReplayTarget
 from ngrammar.speculative.tree import DraftTree
 from ngrammar.speculative.upkeep import CorpusUpkeep
-from ngrammar.speculative.verify import (
-    TreeAcceptResult,
-    tree_speculative_sampling_target_only,
-    unpack_accepted,
-    verify_tree_greedy_from_logits,
-)
 
 # On CUDA a constrained step's grammar check before the launch covers the first level of each
 # tree only: walking whole 16-node trees made batch-32 verify steps ~7 ms longer on the H200 host

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from ngrammar.config import EngineConfig
-from ngrammar.distributed.parallel import MULTICAST_OFF_ENV
 from ngrammar.engine.engine import EngineStats
+from ngrammar.model.parallel import MULTICAST_OFF_ENV
 
 _IDLE_WAIT_S = 0.05
 
