@@ -27,18 +27,19 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ngrammar.attention.factory import attention_backend
 from ngrammar.attention.metadata import AttentionBackend
 from ngrammar.config import EngineConfig
 from ngrammar.distributed.channel import StepChannel, tensor_spec
 from ngrammar.distributed.ranks import RankSpec, connect_store, init_group, rank_main
-from ngrammar.model.loader import Checkpoint
+from ngrammar.model.loader import Checkpoint, resolve_checkpoint
 from ngrammar.model.parallel import (
     MULTICAST_OFF_ENV,
     ParallelConfigError,
     TensorParallel,
     check_tensor_parallel,
 )
-from ngrammar.runner.model_runner import ModelRunner, StepInput
+from ngrammar.runner.model_runner import ModelRunner, StepInput, resolve_device, resolve_dtype
 
 _POLL_S = 0.05
 
@@ -172,8 +173,6 @@ def start_tensor_parallel(
     TCP store at ``dist_init_addr`` (default: a free local port), and build rank 0's runner. Ranks
     on other nodes are started there by ``run_node``. Raises ``RankFailure`` if a rank dies or does
     not join within ``dist_timeout_s``; nothing is left running then."""
-    from ngrammar.attention.factory import attention_backend
-
     if dist.is_initialized():  # torch.distributed has one default group per process
         raise ParallelConfigError(
             "this process already runs a tensor-parallel engine (or another torch.distributed group); "
@@ -232,8 +231,6 @@ def start_tensor_parallel(
 def run_node(config: EngineConfig) -> int:
     """Node ``node_rank`` > 0 of a multi-node engine (same flags as node 0, plus ``--node-rank``):
     run this node's ranks until rank 0 stops them; returns the worst exit code."""
-    from ngrammar.model.loader import resolve_checkpoint
-    from ngrammar.runner.model_runner import resolve_device, resolve_dtype
 
     os.environ.update(MULTICAST_OFF_ENV)
     device = resolve_device(config.device)

@@ -20,9 +20,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ngrammar.attention.factory import attention_backend
 from ngrammar.distributed.channel import StepChannel
 from ngrammar.model.loader import Checkpoint
 from ngrammar.model.parallel import MULTICAST_OFF_ENV, TensorParallel
+from ngrammar.runner.model_runner import ModelRunner, resolve_dtype
 
 
 @dataclass(frozen=True)
@@ -89,8 +91,6 @@ def rank_main(spec: RankSpec) -> None:
 
 
 def _serve(spec: RankSpec) -> None:
-    from ngrammar.attention.factory import attention_backend
-    from ngrammar.runner.model_runner import ModelRunner, resolve_dtype
 
     device = torch.device(spec.device)
     if device.type == "cuda":
@@ -115,8 +115,6 @@ def _serve(spec: RankSpec) -> None:
 @torch.inference_mode()
 def serve_steps(runner: object, channel: StepChannel) -> None:
     """Run rank 0's commands until it says stop (``channel`` lists them)."""
-    from ngrammar.runner.model_runner import ModelRunner
-
     assert isinstance(runner, ModelRunner)
     while True:
         command = channel.recv()

@@ -25,14 +25,17 @@ import torch
 from ngrammar.attention.factory import attention_backend
 from ngrammar.attention.metadata import AttentionBackend
 from ngrammar.config import EngineConfig
+from ngrammar.distributed.driver import start_tensor_parallel
 from ngrammar.engine.block_manager import BlockManager, PageAllocator
 from ngrammar.engine.grammar_rows import GrammarRows
 from ngrammar.engine.logprobs import logprob_tensors, unpack_logprobs
 from ngrammar.engine.scheduler import Scheduler
 from ngrammar.engine.sequence import Sequence
 from ngrammar.engine.stats import EngineStats, StepKind, StepRecord, timed_forward
+from ngrammar.engine.verify_step import NgramSpecWorker, PendingVerify, VerifyResult
 from ngrammar.model.config import ModelConfig
 from ngrammar.model.loader import Checkpoint, resolve_checkpoint
+from ngrammar.model.parallel import check_tensor_parallel, tensor_parallel_quantization
 from ngrammar.model.tokenizer import Message, Tokenizer
 from ngrammar.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from ngrammar.runner.cuda_graph import graph_capturable
@@ -48,9 +51,9 @@ from ngrammar.runner.model_runner import (
 from ngrammar.runner.sampler import SamplingTensors, sample
 from ngrammar.runner.transfer import to_device
 from ngrammar.sampling_params import InvalidRequestError, SamplingParams
+from ngrammar.speculative.forced import forced_text
 
 if TYPE_CHECKING:
-    from ngrammar.engine.verify_step import NgramSpecWorker, PendingVerify, VerifyResult
     from ngrammar.grammar import GrammarBackend
     from ngrammar.speculative.replay import ReplayTarget
 
@@ -134,8 +137,6 @@ class LLMEngine:
         self.max_model_len = self._context_length(config.max_model_len, checkpoint.config)
         quantization = resolve_quantization(config.quantization, config.dtype, self.device)
         if config.tensor_parallel_size > 1:  # before any process starts or weight is read
-            from ngrammar.model.parallel import check_tensor_parallel, tensor_parallel_quantization
-
             check_tensor_parallel(checkpoint.config, config.tensor_parallel_size, self.device, config.nnodes)
             quantization = tensor_parallel_quantization(quantization, config.tensor_parallel_size)
         num_pages = self._num_pages()
@@ -177,9 +178,6 @@ class LLMEngine:
         self.replay: ReplayTarget | None = None  # benchmarks: recorded outputs decide (``set_replay``)
         self.spec: NgramSpecWorker | None = None
         if config.speculative is not None:
-            from ngrammar.engine.verify_step import NgramSpecWorker
-            from ngrammar.speculative.forced import forced_text
-
             self.spec = NgramSpecWorker(
                 config.speculative,
                 self.runner,
@@ -211,8 +209,6 @@ class LLMEngine:
                 self._backend(),
                 quantization,
             )
-        from ngrammar.distributed.driver import start_tensor_parallel
-
         return start_tensor_parallel(self.config, checkpoint, self.device, self.dtype, num_pages)
 
     def close(self) -> None:
@@ -590,7 +586,7 @@ class LLMEngine:
         flight (EOS, a stop string, an abort: that token is dropped at commit) or when the token in
         flight is their last (``max_tokens`` or the context end, ``Sequence.remaining_tokens``): the
         members of a speculating batch, or of any batch ending on EOS, finish at different steps,
-        and each drain there cost the H200 about half a step. The chain breaks for requests that
+        and each drain there costs about half a step. The chain breaks for requests that
         wait while the batch and the KV pool have room for them (``Scheduler.can_admit``) or get
         room now, a verify step the policy wants, or KV that cannot grow."""
         sched = self.scheduler
@@ -645,10 +641,6 @@ class LLMEngine:
     def _commit_decode(self, flight: _InFlight) -> None:
         self.stats.decode_tokens += self._commit(flight)
         self._observe(len(flight.seqs), 1, flight.launched, flight.restart)
-
-    def _sample_and_commit(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        """Grammar-mask, sample, read back once, and append one token per sequence."""
-        self._commit(self._sample(seqs, logits))
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> _InFlight:
         """Grammar-mask and sample one token per sequence on the device; start reading them back."""

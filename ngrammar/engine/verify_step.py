@@ -3,7 +3,7 @@
 One verify step for B sequences with D nodes each (``NgramSpecWorker.launch_verify``):
   1. ``DraftProposer.propose`` -> host DraftTree (tokens [B*D], ancestor mask [B, D, D]): n-gram,
      grammar-forced, field-memory and external-corpus drafts, trimmed (speculative/proposer.py);
-     n-gram trees drafted ahead for this outcome (``prepare_next``) are taken as they are;
+     n-gram trees drafted ahead for this outcome (``DraftAhead``) are taken as they are;
   2. the verify forward is launched (host->device copies only; nothing is read back before it);
   3. while it runs: the corpus indexes the last step's tokens; host ``derive_tree_links`` + grammar
      DFS -> bitmask [B*D, V/32], copied in non-blocking and applied to all B*D logits rows;
@@ -46,21 +46,23 @@ from ngrammar.runner.sampler import (
     target_probs,
 )
 from ngrammar.runner.transfer import to_device
+from ngrammar.sampling_params import InvalidRequestError
 from ngrammar.speculative.corpus import NgramCorpus
-from ngrammar.speculative.external import DraftCorpora
+from ngrammar.speculative.draft_ahead import DraftAhead
+from ngrammar.speculative.external import DraftCorpora, DraftCorpusError
 from ngrammar.speculative.field_memory import FieldMemory
 from ngrammar.speculative.forced import ForcedText
 from ngrammar.speculative.policy import MAX_MATCH, make_policy
 from ngrammar.speculative.proposer import DraftProposer, Proposal
 from ngrammar.speculative.replay import ReplayTarget
-from ngrammar.speculative.tree import DraftTree
+from ngrammar.speculative.tree import DraftTree, reconstruct_indices_from_tree_mask
 from ngrammar.speculative.upkeep import CorpusUpkeep
 
 # On CUDA a constrained step's grammar check before the launch covers the first level of each
-# tree only: walking whole 16-node trees made batch-32 verify steps ~7 ms longer on the H200 host
-# (the device idles meanwhile), and a member none of whose first drafts its grammar allows is what
-# calls a step off. On a CPU the forward waits for the host anyway and costs ~1 ms a token: the
-# whole tree is checked, so trimming narrows the verify as far as it can.
+# tree only: the device idles while the host walks, a walk of whole trees grows with the batch,
+# and a member none of whose first drafts its grammar allows is what calls a step off. On a CPU
+# the forward waits for the host anyway and costs far more per token than a walk: the whole tree
+# is checked, so trimming narrows the verify as far as it can.
 CUDA_GRAMMAR_CHECK_DEPTH = 1
 
 
@@ -110,28 +112,6 @@ class PendingVerify:
         )
 
 
-@dataclass(frozen=True)
-class _Prepared:
-    """A tree drafted ahead for one member (``NgramSpecWorker.prepare_next``): valid for the
-    context it was drafted from, at its width, while the corpus is unchanged."""
-
-    length: int  # len(context)
-    suffix: tuple[int, ...]  # the context's tokens past what was committed when it was drafted
-    width: int
-    version: int  # ``NgramCorpus.version`` it was drafted at
-    tokens: np.ndarray  # [width] int64
-    parents: np.ndarray  # [width] int64
-
-    def matches(self, context: list[int], width: int, version: int) -> bool:
-        n = len(self.suffix)
-        return (
-            self.width == width
-            and self.version == version
-            and len(context) == self.length
-            and tuple(context[self.length - n :]) == self.suffix
-        )
-
-
 class NgramSpecWorker:
     def __init__(
         self,
@@ -166,7 +146,7 @@ class NgramSpecWorker:
         self.accept_kernel = self.device.type == "cuda"
         self.last_drafts: dict[str, int] = {}  # seq id -> drafts it accepted in the last verify step
         self._constrained = False  # whether the last batch the policy chose for had a grammar
-        self._prepared: dict[str, _Prepared] = {}  # seq id -> its next tree, drafted ahead
+        self.ahead = DraftAhead(self.corpus)  # the corpus' drafting, with trees drafted ahead
         self.on_prepare: Callable[[], None] | None = None  # test hook: called when trees are drafted ahead
         self.replay: ReplayTarget | None = None  # benchmarks: recorded outputs decide acceptance
 
@@ -181,16 +161,13 @@ class NgramSpecWorker:
 
     def on_finish(self, seqs: list[Sequence]) -> None:
         ids = [s.seq_id for s in seqs]
-        for seq_id in ids:
-            self._prepared.pop(seq_id, None)
+        self.ahead.forget(ids)
         self.proposer.on_finish(seqs)
         self.policy.forget(ids)
         self.upkeep.forget(ids)
 
     def check_corpora(self, names: tuple[str, ...]) -> None:
         """Raise InvalidRequestError unless every named external corpus exists."""
-        from ngrammar.sampling_params import InvalidRequestError
-        from ngrammar.speculative.external import DraftCorpusError
 
         corpora = self.proposer.corpora
         assert corpora is not None
@@ -360,90 +337,20 @@ class NgramSpecWorker:
         return PendingVerify(seqs, chosen, width, read, proposal.has_child, proposal.levels, launched)
 
     # ----------------------------------------------------------- drafting
-    def _draft(self, seq_ids: list[str], contexts: list[list[int]], width: int) -> DraftTree:
-        """The one drafting call: a tree of ``width`` nodes per context (node 0: its last token)."""
-        return self.corpus.batch_get(seq_ids, contexts, width)
-
     def _trees_for(self, seqs: list[Sequence], width: int) -> DraftTree:
-        """This step's trees: those drafted ahead where they were drafted for the context and
-        width of now, on the corpus of now (so they are the trees drafting now would give);
-        the others drafted now."""
-        prepared, self._prepared = self._prepared, {}
-        if not prepared:
-            return self._draft([s.seq_id for s in seqs], [s.token_ids for s in seqs], width)
-        version = self.corpus.version
-        hits: dict[int, _Prepared] = {}
-        for b, seq in enumerate(seqs):
-            p = prepared.get(seq.seq_id)
-            if p is not None and p.matches(seq.token_ids, width, version):
-                hits[b] = p
-        self.stats.prepared_hits += len(hits)
-        missing = [b for b in range(len(seqs)) if b not in hits]
-        if not hits:
-            return self._draft([s.seq_id for s in seqs], [s.token_ids for s in seqs], width)
-        tokens = np.empty((len(seqs), width), dtype=np.int64)
-        parents = np.empty((len(seqs), width), dtype=np.int64)
-        for b, p in hits.items():
-            tokens[b], parents[b] = p.tokens, p.parents
-        if missing:
-            fresh = self._draft(
-                [seqs[b].seq_id for b in missing], [seqs[b].token_ids for b in missing], width
-            )
-            tokens[missing], parents[missing] = fresh.tokens_2d(), fresh.parents()
-        return DraftTree.from_parents(tokens.reshape(-1), parents)
+        """This step's n-gram trees: those drafted ahead where they still hold, the others now."""
+        tree, hits = self.ahead.trees_for(seqs, width)
+        self.stats.prepared_hits += hits
+        return tree
 
     def prepare_next(self, seqs: list[Sequence], tree: DraftTree, width: int) -> None:
         """Draft, while this verify step's forward runs, each member's next tree for the outcome
-        most worth betting on: its deepest path accepted, then the bonus token the corpus expects
-        after it (its first draft there). The next step takes a tree only where that came true
-        and nothing changed the corpus in between (``_trees_for``), so the trees verified are
-        exactly those drafting then would give, and the host work is off the path between the
-        two forwards. A guess that fails costs host time the device is busy through (on a GPU)."""
+        most worth betting on (``DraftAhead.prepare``)."""
         if self.on_prepare is not None:
             self.on_prepare()
         t = time.perf_counter()
-        depths, parents, tokens = tree.depths(), tree.parents(), tree.tokens_2d()
-        members: list[tuple[Sequence, list[int]]] = []
-        for b, seq in enumerate(seqs):
-            leaf = int(depths[b].argmax())
-            if seq.is_finished or depths[b, leaf] == 0:
-                continue
-            path: list[int] = []
-            node = leaf
-            while node > 0:
-                path.append(int(tokens[b, node]))
-                node = int(parents[b, node])
-            path.reverse()
-            if seq.remaining_tokens > len(path) + 1:  # a run this long does not finish the member
-                members.append((seq, path))
-        if members:
-            ids = [s.seq_id for s, _ in members]
-            ahead = [s.token_ids + path for s, path in members]
-            bonus = self._draft(ids, ahead, 2).tokens_2d()[:, 1]  # the corpus' first draft after the path
-            guessed = [b for b in range(len(members)) if not self._padding(bonus[b])]
-            if guessed:
-                contexts = [ahead[b] + [int(bonus[b])] for b in guessed]
-                trees = self._draft([ids[b] for b in guessed], contexts, width)
-                version = self.corpus.version
-                for row, b in enumerate(guessed):
-                    seq, path = members[b]
-                    suffix = (*path, int(bonus[b]))
-                    self._prepared[seq.seq_id] = _Prepared(
-                        len(contexts[row]),
-                        suffix,
-                        width,
-                        version,
-                        trees.tokens_2d()[row].copy(),
-                        trees.parents()[row].copy(),
-                    )
-                self.stats.prepared_trees += len(guessed)
+        self.stats.prepared_trees += self.ahead.prepare(seqs, tree, width)
         self.stats.draft_seconds += time.perf_counter() - t
-
-    @staticmethod
-    def _padding(token: np.int64) -> bool:
-        from ngrammar.speculative.tree import PAD_TOKEN
-
-        return int(token) == PAD_TOKEN
 
     def _trims(self) -> bool:
         """Whether to trim this step's trees (``_propose``): yes, unless the policy picked the width
@@ -466,7 +373,7 @@ class NgramSpecWorker:
             self.stats.grammar_seconds += time.perf_counter() - t
         t = time.perf_counter()  # drafting: the proposer's walks included, the settling not
         # Trees narrow to a CUDA graph's width where there are graphs (an eager verify step costs
-        # several graph replays on the H200), else to one of the policy's.
+        # several graph replays), else to one of the policy's.
         graphs = self.runner.graphs
         widths = graphs.widths if graphs is not None else self.policy.widths
         depth = CUDA_GRAMMAR_CHECK_DEPTH if self.device.type == "cuda" else None
@@ -503,10 +410,8 @@ class NgramSpecWorker:
         )
 
     def _read_links_back(self, tree: DraftTree) -> None:
-        """The pre-#32380 path, kept as a benchmark switch: links computed on the device and read
-        back (a blocking device->host copy) before the verify launch."""
-        from ngrammar.speculative.tree import reconstruct_indices_from_tree_mask
-
+        """Benchmark switch: links computed on the device and read back (a blocking device->host
+        copy) before the verify launch, to measure what computing them on the host saves."""
         device = self.device
         mask = to_device(tree.mask, torch.bool, device)
         seq_lens = torch.zeros(tree.bs, dtype=torch.int64, device=device)

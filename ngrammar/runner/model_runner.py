@@ -20,12 +20,14 @@ from ngrammar.model.config import ModelConfig
 from ngrammar.model.llama import LlamaForCausalLM
 from ngrammar.model.loader import Checkpoint, iter_weights, load_gguf_q4
 from ngrammar.model.ops import default_ops
+from ngrammar.model.parallel import local_model_config
 from ngrammar.model.quant import KernelTable, apply_quantization
+from ngrammar.model.sharding import iter_shard_weights
+from ngrammar.runner.cuda_graph import CUDAGraphRunner
 from ngrammar.runner.transfer import to_device
 
 if TYPE_CHECKING:
     from ngrammar.model.parallel import TensorParallel
-    from ngrammar.runner.cuda_graph import CUDAGraphRunner
 
 
 @dataclass(frozen=True)
@@ -147,9 +149,6 @@ class ModelRunner:
         c = self.config
         weights = iter_weights(checkpoint)
         if tp is not None:  # this rank's heads, KV heads, MLP columns and vocabulary rows only
-            from ngrammar.model.parallel import local_model_config
-            from ngrammar.model.sharding import iter_shard_weights
-
             c = local_model_config(c, tp.size)
             weights = iter_shard_weights(checkpoint, tp.rank, tp.size)
         with torch.device("meta"):
@@ -189,8 +188,6 @@ class ModelRunner:
     ) -> None:
         """Serve uniform decode / verify steps from a ``CUDAGraphRunner``'s static buffers (captured
         here when ``capture``). Tensor-parallel ranks all build the same graphs, in the same order."""
-        from ngrammar.runner.cuda_graph import CUDAGraphRunner
-
         graphs = CUDAGraphRunner(
             self,
             widths,

@@ -1017,7 +1017,7 @@ def create_app(
         several = engine_config.data_parallel_size > 1 or engine_config.tensor_parallel_size > 1
         llm_engine = None if several else LLMEngine(engine_config)
     if llm_engine is None:
-        # Replica processes behind a router with AsyncEngine's interface (ngrammar/distributed/)
+        # Replica processes behind a router with AsyncEngine's interface (server/router.py)
         from ngrammar.server.router import start_replicas
 
         front, router = start_replicas(engine_config, config.max_queue, metrics)

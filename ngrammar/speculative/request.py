@@ -28,6 +28,11 @@ class DraftRequest(Protocol):
     @property
     def is_finished(self) -> bool: ...
 
+    @property
+    def remaining_tokens(self) -> int:
+        """Tokens it may still emit before it finishes at its length limit."""
+        ...
+
     def settle_grammar(self) -> bool:
         """Let the grammar accept the tokens committed masked; False if it rejected one."""
         ...

@@ -101,10 +101,9 @@ class DraftTree:
         parent is kept), and no row may keep more than ``width`` nodes. Relative order is kept, so
         the result is BFS-ordered with parent < child and every kept node keeps its first-child /
         next-sibling order among the kept nodes: a verify walk that could never accept the
-        dropped nodes accepts the same path in both trees. This runs before a verify launch: one
-        Python pass over the nodes, 15 / 45 / 132 us for 1 / 8 / 32 trees of 16 nodes on the CPU
-        box, where whole-batch numpy passes took 49 / 68 / 109 us (a trimmed step is mostly a
-        small batch: one wide member keeps the width)."""
+        dropped nodes accepts the same path in both trees. This runs before a verify launch, so it
+        is one Python pass over the nodes: at the small batches a trimmed step mostly has (one wide
+        member keeps the width), that beats whole-batch numpy passes."""
         bs, d = self.bs, self.draft_token_num
         keep = np.asarray(keep, dtype=np.bool_)
         if keep.shape != (bs, d) or not keep[:, 0].all():
@@ -149,8 +148,7 @@ def mask_from_parents(parents: np.ndarray) -> np.ndarray:
     Requires parent < child (node 0 is the root, its parent entry is ignored): then row i is row
     parent(i) plus the diagonal, so rows can be filled in index order. This runs on every verify
     step before its launch, so small batches build each row as an int bit set (one Python
-    operation per node: ~10 us for one 16-node tree, where a numpy pass per node index took ~75
-    us); larger ones, or trees too wide for a 64-bit word, take one numpy pass per node index
+    operation per node, cheaper than a numpy pass per node index at that size); larger ones, or trees too wide for a 64-bit word, take one numpy pass per node index
     over the whole batch. Raises ValueError when a parent is not before its child.
     """
     bs, d = parents.shape
