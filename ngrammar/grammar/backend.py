@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from ngrammar.grammar.forced_bound import JUMP_FORWARD_LIMIT, forced_text_bound
 from ngrammar.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # xgrammar takes seconds to import; the backend loads it on first use
@@ -194,10 +196,17 @@ class GrammarMatcher:
     exactly when it accepts a stop token.
     """
 
-    def __init__(self, inner: xgr.GrammarMatcher, vocab_size: int, stop_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self,
+        inner: xgr.GrammarMatcher,
+        vocab_size: int,
+        stop_token_ids: frozenset[int],
+        jump_forward: bool = True,
+    ) -> None:
         self._m = inner
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids  # the stop tokens the grammar was compiled with
+        self._jumps = jump_forward  # False: the grammar may force more text than JUMP_FORWARD_LIMIT
         self._pending: list[int] = []  # accept_masked tokens not yet given to xgrammar, in order
 
     def accept_token(self, token: int) -> bool:
@@ -257,9 +266,11 @@ class GrammarMatcher:
 
     def jump_forward(self) -> str:
         """The text every continuation of the current state starts with (xgrammar's jump-forward
-        string): empty where the next character is not forced, or once completed or terminated."""
+        string): empty where the next character is not forced, or once completed or terminated, and
+        always for a grammar that may force more than ``JUMP_FORWARD_LIMIT`` characters (xgrammar
+        would build all of them)."""
         self._settled()
-        if self._m.is_terminated():
+        if not self._jumps or self._m.is_terminated():
             return ""
         return str(self._m.find_jump_forward_string())
 
@@ -317,6 +328,9 @@ class GrammarBackend:
         self._bytes: dict[GrammarSpec, int] = {}  # memory of each cached grammar
         self._pins: dict[GrammarSpec, int] = {}  # pin counts; pinned entries are not evicted
         self._in_flight: dict[GrammarSpec, Future[xgr.CompiledGrammar]] = {}  # one compile per spec
+        # id(compiled grammar) -> whether it forces at most JUMP_FORWARD_LIMIT characters (set at
+        # compile, dropped with the grammar: CompiledGrammar is not hashable)
+        self._jumps: dict[int, bool] = {}
         self.compile_count = 0  # compilations that actually ran (cache misses), for tests and stats
 
     @property
@@ -411,7 +425,11 @@ class GrammarBackend:
 
     def new_matcher(self, compiled: xgr.CompiledGrammar) -> GrammarMatcher:
         """A fresh matcher at the grammar's start; the stop tokens are the tokenizer's EOS ids."""
-        return GrammarMatcher(self._xgr.GrammarMatcher(compiled), self.vocab_size, self.stop_token_ids)
+        jumps = self._jumps.get(id(compiled))
+        if jumps is None:  # compiled elsewhere (not by ``compile``)
+            jumps = forced_text_bound(compiled.grammar.serialize_json()) <= JUMP_FORWARD_LIMIT
+        inner = self._xgr.GrammarMatcher(compiled)
+        return GrammarMatcher(inner, self.vocab_size, self.stop_token_ids, jumps)
 
     def close(self) -> None:
         """Stop the compile threads (pending compilations finish first)."""
@@ -432,6 +450,11 @@ class GrammarBackend:
         except Exception as e:  # xgrammar raises RuntimeError (and a few others) for bad input
             raise GrammarError(f"invalid {what}: {_xgrammar_message(e)}") from None
         self._check_satisfiable(compiled, what)
+        # A hand-written lookahead may narrow what follows a rule past what the bound sees.
+        hand_lookahead = spec.kind == "ebnf" and "(=" in spec.source
+        bound = forced_text_bound(compiled.grammar.serialize_json())
+        self._jumps[id(compiled)] = not hand_lookahead and bound <= JUMP_FORWARD_LIMIT
+        weakref.finalize(compiled, self._jumps.pop, id(compiled), None)
         return compiled
 
     def _check_satisfiable(self, compiled: xgr.CompiledGrammar, what: str) -> None:

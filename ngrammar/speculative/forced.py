@@ -113,6 +113,14 @@ class ForcedText:
         ]
 
 
+def clip(text: str, tokens: int) -> tuple[str, bool]:
+    """The part of forced ``text`` that a chain of ``tokens`` draft tokens can spell (a token spells at
+    most ``MAX_TOKEN_BYTES`` bytes, so at most that many characters), and whether that is all of it:
+    only that part is tokenized."""
+    keep = max(tokens, 0) * MAX_TOKEN_BYTES
+    return (text, True) if len(text) <= keep else (text[:keep], False)
+
+
 def forced_text(backend: GrammarBackend, tokenizer: Tokenizer) -> ForcedText:
     """The ``ForcedText`` of a grammar backend's vocabulary (the model's logits width)."""
     info = backend.tokenizer_info
