@@ -16,7 +16,7 @@ import torch
 
 from ngrammar.model.config import ModelConfig
 from ngrammar.model.llama import LlamaForCausalLM
-from ngrammar.model.loader import Checkpoint, iter_weights, load_gguf_q4
+from ngrammar.model.loader import Checkpoint, iter_weights, load_gguf_q4, release_freed_memory
 from ngrammar.model.ops import default_ops
 from ngrammar.model.quant import KernelTable, apply_quantization
 from ngrammar.runner.attention import AttentionBackend, AttentionMetadata, TorchSDPABackend
@@ -122,6 +122,16 @@ class PendingRead:
         return self._host
 
 
+def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero KV pool. On a CPU its memory comes from calloc, whose pages the OS maps (zeroed) on first
+    write: the resident size follows the pages in use, not the pool's capacity (``torch.zeros``
+    writes every byte up front)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    raw = np.zeros(int(np.prod(shape)) * dtype.itemsize, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -164,8 +174,10 @@ class ModelRunner:
         if quantization != "none":
             self.kernel_table = apply_quantization(model, load_gguf_q4(checkpoint), quantization, dtype)
         self.model = model.eval()
-        self.kv_cache = torch.zeros(
-            (c.num_layers, 2, num_pages, page_size, c.num_kv_heads, c.head_dim), dtype=dtype, device=device
+        if device.type == "cpu":
+            release_freed_memory()
+        self.kv_cache = zeroed_pool(
+            (c.num_layers, 2, num_pages, page_size, c.num_kv_heads, c.head_dim), dtype, device
         )
         self.on_forward: Callable[[], None] | None = None  # test hook: called when a forward is launched
         self.on_to_host: Callable[[], None] | None = None  # test hook: called on every device->host read
