@@ -1,4 +1,4 @@
-"""``python -m benchmarks [engine|spec|policy|grammar|serve|profile|host|verify-host|calibration|drafts|tp]``: build the engines once and run a suite."""
+"""``python -m benchmarks [engine|spec|policy|grammar|serve|profile|host|verify-host|calibration|drafts|tp|bombs|footprint]``: build the engines once and run a suite."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ SUITES = (
     "calibration",
     "drafts",
     "tp",
+    "bombs",
+    "footprint",
 )
 
 
@@ -46,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--streams", type=int, default=8, help="long-arrivals: decoding streams")
     serve.add_argument("--arrivals", type=int, default=4, help="long-arrivals: long prompts that arrive")
     serve.add_argument("--arrival-every", type=float, default=3.0, help="long-arrivals: seconds apart")
+    bombs = bench.add_argument_group("bombs and footprint suites")
+    bombs.add_argument("--root", default=None, help="the checkout to run (default: this one)")
+    bombs.add_argument("--bomb-modes", default="plain,ngram,ngram+grammar", help="comma-separated")
+    bombs.add_argument("--max-growth-mb", type=float, default=3000, help="server RSS growth that kills it")
+    bombs.add_argument("--bomb-timeout", type=float, default=60, help="seconds a bomb request may take")
     bench.add_argument(
         "--structured", action="store_true", help="grammar: the structured-output workloads (draft sources)"
     )
@@ -196,6 +203,17 @@ def run_benchmark(args: argparse.Namespace) -> int:
         result = run_long_arrivals(
             _serve_args(args), args.streams, args.max_tokens or 96, args.arrivals, args.arrival_every
         )
+    elif suite in ("bombs", "footprint"):
+        from pathlib import Path
+
+        from benchmarks.bench_bombs import ROOT, run_bombs, run_footprint
+
+        root = Path(args.root) if args.root else ROOT
+        if suite == "footprint":
+            result = run_footprint(root)
+        else:
+            modes = [m.strip() for m in args.bomb_modes.split(",") if m.strip()]
+            result = run_bombs(root, modes, args.max_growth_mb, args.bomb_timeout)
     else:
         from benchmarks.bench_serve import run_serve_benchmark
 

@@ -44,7 +44,7 @@ from ngrammar.server.engine_loop import (
     QueueFull,
     RequestGroup,
 )
-from ngrammar.server.http import Guard, uvicorn_kwargs
+from ngrammar.server.http import DrainingServer, Guard, uvicorn_kwargs
 from ngrammar.server.metrics import CONTENT_TYPE, ServerMetrics
 from ngrammar.server.protocol import (
     AssistantMessage,
@@ -1053,5 +1053,5 @@ def serve(args: argparse.Namespace) -> int:
 
     config = ServerConfig(**config_kwargs(args, ServerConfig))
     app = create_app(engine_kwargs(args), config=config)
-    uvicorn.run(app, log_level="info", **uvicorn_kwargs(config))
+    DrainingServer(uvicorn.Config(app, log_level="info", **uvicorn_kwargs(config))).run()
     return 0
