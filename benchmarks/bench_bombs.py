@@ -47,7 +47,7 @@ BOMBS: dict[str, dict[str, Any]] = {
     "regex a{99999999}b": {"regex": "a{99999999}b"},
     "nested quantifiers": {"regex": "((ab{1000}){1000}){100}"},
     "quantified choice": {"regex": "(x|y){100000000}"},
-    "huge enum": {"json_schema": {"enum": [f"value-{i}" for i in range(20000)]}},
+    "huge enum": {"json_schema": {"enum": [f"v{i}" for i in range(20000)]}},
     "schema pattern": {
         "json_schema": {
             "type": "object",
@@ -60,6 +60,11 @@ BOMBS: dict[str, dict[str, Any]] = {
     "schema minItems": {"json_schema": {"type": "array", "items": {"const": "x"}, "minItems": 99999999}},
     "ebnf doubling": {"ebnf": _doubling(40)},
     "ebnf recursion": {"ebnf": 'root ::= "(" root "x"{100000} | "y"'},
+    "ebnf 3,000 chained rules": {
+        "ebnf": "root ::= r0\n"
+        + "".join(f'r{i} ::= "x" r{i + 1} | "y"\n' for i in range(3000))
+        + 'r3000 ::= "z"\n'
+    },
 }
 
 

@@ -10,7 +10,11 @@ from typing import Any
 import pytest
 import xgrammar as xgr
 
+from ngrammar.grammar import GrammarSpec
+from ngrammar.grammar.backend import GrammarBackend
 from ngrammar.grammar.forced_bound import JUMP_FORWARD_LIMIT, forced_text_bound
+from ngrammar.model.loader import Checkpoint
+from ngrammar.model.tokenizer import Tokenizer
 
 # One token per printable ASCII character: a walk can reach every state of these grammars.
 CHARS = [chr(c) for c in range(32, 127)]
@@ -85,3 +89,25 @@ BOMBS = {
 @pytest.mark.parametrize("name", sorted(BOMBS))
 def test_long_forced_text_is_over_the_limit(name: str) -> None:
     assert forced_text_bound(BOMBS[name].serialize_json()) > JUMP_FORWARD_LIMIT
+
+
+def test_long_chains_of_rules_settle_with_a_small_bound() -> None:
+    """The fixpoints follow the rules' dependencies: thousands of chained rules (each a property of a
+    wide schema, or a hand-written chain) settle instead of counting as unbounded."""
+    chain = (
+        "root ::= r0\n" + "".join(f'r{i} ::= "x" r{i + 1} | "y"\n' for i in range(3000)) + 'r3000 ::= "z"\n'
+    )
+    assert forced_text_bound(xgr.Grammar.from_ebnf(chain).serialize_json()) <= 2
+    props = {f"p{i}": {"type": "string"} for i in range(2000)}
+    wide = _schema({"type": "object", "properties": props, "required": list(props)})
+    assert forced_text_bound(wide.serialize_json()) <= JUMP_FORWARD_LIMIT
+
+
+def test_the_backend_asks_no_jump_forward_of_a_grammar_over_the_limit(
+    checkpoint: Checkpoint, tokenizer: Tokenizer
+) -> None:
+    backend = GrammarBackend(tokenizer, checkpoint.config.vocab_size)
+    bomb = backend.new_matcher(backend.compile(GrammarSpec("regex", "a{99999999}")))
+    assert bomb.jump_forward() == ""
+    small = backend.new_matcher(backend.compile(GrammarSpec("regex", "abc{3}d")))
+    assert small.jump_forward() == "abcccd"

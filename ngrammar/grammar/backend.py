@@ -425,9 +425,7 @@ class GrammarBackend:
 
     def new_matcher(self, compiled: xgr.CompiledGrammar) -> GrammarMatcher:
         """A fresh matcher at the grammar's start; the stop tokens are the tokenizer's EOS ids."""
-        jumps = self._jumps.get(id(compiled))
-        if jumps is None:  # compiled elsewhere (not by ``compile``)
-            jumps = forced_text_bound(compiled.grammar.serialize_json()) <= JUMP_FORWARD_LIMIT
+        jumps = self._jumps.get(id(compiled), False)  # compiled elsewhere: no bound known, no jumps
         inner = self._xgr.GrammarMatcher(compiled)
         return GrammarMatcher(inner, self.vocab_size, self.stop_token_ids, jumps)
 
@@ -450,10 +448,7 @@ class GrammarBackend:
         except Exception as e:  # xgrammar raises RuntimeError (and a few others) for bad input
             raise GrammarError(f"invalid {what}: {_xgrammar_message(e)}") from None
         self._check_satisfiable(compiled, what)
-        # A hand-written lookahead may narrow what follows a rule past what the bound sees.
-        hand_lookahead = spec.kind == "ebnf" and "(=" in spec.source
-        bound = forced_text_bound(compiled.grammar.serialize_json())
-        self._jumps[id(compiled)] = not hand_lookahead and bound <= JUMP_FORWARD_LIMIT
+        self._jumps[id(compiled)] = self._forces_little(spec)
         weakref.finalize(compiled, self._jumps.pop, id(compiled), None)
         return compiled
 
@@ -463,6 +458,23 @@ class GrammarBackend:
         the engine (it did, as a server error, for the regex ``[^\\s\\S]``)."""
         if not self.new_matcher(compiled).allows_any_token():
             raise GrammarError(f"invalid {what}: it matches no text this tokenizer can produce")
+
+    def _forces_little(self, spec: GrammarSpec) -> bool:
+        """Whether ``spec`` forces at most ``JUMP_FORWARD_LIMIT`` characters anywhere. The bound reads
+        the grammar before compilation: forced text depends on the language only, and a compiled
+        grammar serializes its per-rule automata too (57 MB for 1,000 chained rules)."""
+        if spec.kind == "ebnf" and "(=" in spec.source:
+            return False  # a hand-written lookahead may narrow what follows a rule past what the bound sees
+        xgr = self._xgr
+        if spec.kind == "json_schema":
+            grammar = xgr.Grammar.from_json_schema(spec.source)
+        elif spec.kind == "regex":
+            grammar = xgr.Grammar.from_regex(spec.source)
+        elif spec.kind == "ebnf":
+            grammar = xgr.Grammar.from_ebnf(spec.source)
+        else:
+            grammar = xgr.Grammar.builtin_json_grammar()
+        return forced_text_bound(grammar.serialize_json()) <= JUMP_FORWARD_LIMIT
 
     def _compiler_for(self, spec: GrammarSpec) -> tuple[Callable[[], xgr.CompiledGrammar], str]:
         c = self._compiler

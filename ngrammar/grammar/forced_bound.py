@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import json
 import math
+from collections import deque
 from dataclasses import dataclass
 
 # xgrammar's GrammarExprType values (serialized grammar format v18): [type, length, payload...]
 _BYTES, _CLASS, _CLASS_STAR, _EMPTY, _REF, _SEQ, _CHOICES, _TAG, _REPEAT = range(9)
 _REGEX = 12  # [in_json_string, pattern bytes...]: a schema's "pattern", kept as a regex
 _ESCAPE = 6  # inside a JSON string a character takes at most 6 ("\uXXXX")
-_ROUNDS = 32  # fixpoint rounds; a continuation bound still growing after them counts as unbounded
+_UPDATES = 64  # times a rule's values may change; a continuation bound still growing counts as unbounded
 INF = math.inf
 # Characters of forced text a grammar may have for jump-forward to be asked for: more than a draft
 # tree can use (D <= 64 tokens; the drafting code keeps at most MAX_TOKEN_BYTES per token).
@@ -64,6 +65,7 @@ class _Analysis:
         self.brk: list[float] = [INF] * n  # per rule: LCP(L(rule)·X) <= brk for every X
         self.into: list[float] = [-INF] * n  # per rule: largest LCP bound of the text after it
         self.top = 0.0  # the largest state bound seen
+        self._raised: set[int] = set()  # rules whose ``into`` the last ``visit`` raised
         self._regexes: dict[int, tuple[float, float, float]] = {}  # expr -> (minlen, brk, top)
 
     # ----------------------------------------------- minlen and brk (any round's values are sound)
@@ -99,15 +101,36 @@ class _Analysis:
         return INF, INF  # tag dispatch, token-level expressions: nothing known
 
     def settle_summaries(self) -> None:
-        for _ in range(_ROUNDS):
-            changed = False
-            for rule in reversed(range(len(self.g.bodies))):  # callees tend to come after callers
-                s = self.summary(self.g.bodies[rule])
-                if s != (self.minlen[rule], self.brk[rule]):
-                    self.minlen[rule], self.brk[rule] = s
-                    changed = True
-            if not changed:
-                return
+        """A worklist over the rules, callers again after a callee changed (intermediate values are
+        sound, so a rule that keeps changing just keeps its last values)."""
+        callers: list[set[int]] = [set() for _ in self.g.bodies]
+        for rule, body in enumerate(self.g.bodies):
+            for callee in self.callees(body):
+                callers[callee].add(rule)
+        work, queued = deque(reversed(range(len(self.g.bodies)))), set(range(len(self.g.bodies)))
+        updates = [0] * len(self.g.bodies)
+        while work:
+            rule = work.popleft()
+            queued.discard(rule)
+            s = self.summary(self.g.bodies[rule])
+            if s == (self.minlen[rule], self.brk[rule]) or updates[rule] > _UPDATES:
+                continue
+            self.minlen[rule], self.brk[rule] = s
+            updates[rule] += 1
+            for caller in callers[rule] - queued:
+                work.append(caller)
+                queued.add(caller)
+
+    def callees(self, expr: int) -> set[int]:
+        out: set[int] = set()
+        stack = [expr]
+        while stack:
+            kind, p = self.g.exprs[stack.pop()]
+            if kind in (_REF, _REPEAT):
+                out.add(p[0])
+            elif kind in (_SEQ, _CHOICES):
+                stack.extend(p)
+        return out
 
     # ----------------------------------------------- continuations (must settle)
     def visit(self, expr: int, after: float) -> None:
@@ -119,7 +142,7 @@ class _Analysis:
             many = kind != _EMPTY and _class_size(p) > 1
             self.top = max(self.top, 0.0 if many else (1.0 if kind == _CLASS else 0.0) + after)
         elif kind == _REF:
-            self.into[p[0]] = max(self.into[p[0]], after)
+            self.raise_into(p[0], after)
         elif kind == _SEQ:
             for e in reversed(p):
                 self.visit(e, after)
@@ -132,7 +155,7 @@ class _Analysis:
             rule, low, high = p
             if high != 0:  # inside the first copy: the other mandatory copies, then what follows
                 rest = min(self.brk[rule], (low - 1) * self.minlen[rule] + after) if low > 1 else after
-                self.into[rule] = max(self.into[rule], rest)
+                self.raise_into(rule, rest)
         elif kind == _REGEX:  # top(after) <= top(0) + after: each state's bound grows by at most that
             self.top = max(self.top, self.regex(expr)[2] + after)
         else:
@@ -145,18 +168,33 @@ class _Analysis:
             hit = self._regexes[expr] = _regex_summary(self.g.exprs[expr][1])
         return hit
 
+    def raise_into(self, rule: int, after: float) -> None:
+        if after > self.into[rule]:
+            self.into[rule] = after
+            self._raised.add(rule)
+
     def settle_continuations(self) -> float:
-        self.into[self.g.root] = 0.0  # after the root: the stop token, no text
-        for _ in range(_ROUNDS):
-            before = list(self.into)
-            self.top = 0.0
-            for rule, body in enumerate(self.g.bodies):
-                if self.into[rule] > -INF:
-                    self.visit(body, self.into[rule])
-                    self.top = max(self.top, self.into[rule])
-            if self.into == before:
-                return self.top
-        return INF
+        """A worklist from the root: a rule is visited again after its ``into`` rose; one that rose
+        more than ``_UPDATES`` times (a recursion adding text at each level) counts as unbounded."""
+        root = self.g.root
+        self.into[root] = 0.0  # after the root: the stop token, no text
+        work, queued, updates = deque([root]), {root}, [0] * len(self.g.bodies)
+        while work:
+            rule = work.popleft()
+            queued.discard(rule)
+            self.top = max(self.top, self.into[rule])
+            self._raised.clear()
+            self.visit(self.g.bodies[rule], self.into[rule])
+            for callee in self._raised:
+                updates[callee] += 1
+                if updates[callee] > _UPDATES:
+                    if self.into[callee] == INF:
+                        continue
+                    self.into[callee] = INF
+                if callee not in queued:
+                    work.append(callee)
+                    queued.add(callee)
+        return self.top
 
 
 def _regex_summary(payload: list[int]) -> tuple[float, float, float]:
