@@ -37,6 +37,7 @@ from ngrammar.distributed.parallel import (
 )
 from ngrammar.distributed.ranks import RankSpec, connect_store, init_group, rank_main
 from ngrammar.model.loader import Checkpoint
+from ngrammar.processes import spawn
 from ngrammar.runner.attention import AttentionBackend
 from ngrammar.runner.model_runner import ModelRunner, StepInput
 
@@ -154,6 +155,8 @@ class DriverRunner(ModelRunner):
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.close)  # the exit hook would keep this runner (weights, KV) alive
+        super().close()
         self.ranks.closing.set()
         try:
             self.channel.send(("stop",))
@@ -177,7 +180,7 @@ def start_tensor_parallel(
     if dist.is_initialized():  # torch.distributed has one default group per process
         raise ParallelConfigError(
             "this process already runs a tensor-parallel engine (or another torch.distributed group); "
-            "close it first (LLM.engine.close())"
+            "close it first (LLM.close(), or build it in a `with LLM(...) as llm:` block)"
         )
     os.environ.update(MULTICAST_OFF_ENV)  # inherited by every process spawned below
     size = config.tensor_parallel_size
@@ -273,9 +276,7 @@ def _spawn(
         dev = f"cuda:{first_device + rank % per_node}" if device.type == "cuda" else "cpu"
         spec = dataclasses.replace(base, rank=rank, device=dev)
         # Not daemonic: a replica process (``--dp``) that spawns ranks is itself a child.
-        p = ctx.Process(target=rank_main, args=(spec,), name=f"ngrammar-tp-rank-{rank}", daemon=False)
-        p.start()
-        procs[rank] = p
+        procs[rank] = spawn(ctx, rank_main, (spec,), f"ngrammar-tp-rank-{rank}", daemon=False)
     return procs
 
 

@@ -216,7 +216,10 @@ class ModelRunner:
         self.graphs = graphs
 
     def close(self) -> None:
-        """Release what outlives the object (nothing for one process; the ranks with TP)."""
+        """Free the KV pool and the captured graphs now, not when the last reference goes (the
+        ranks too with TP); the runner cannot run a step afterwards."""
+        self.graphs = None
+        self.kv_cache = self.kv_cache.new_empty(0)
 
     def _tensor(self, values: Sequence[int] | np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return to_device(values, dtype, self.device)
