@@ -408,7 +408,7 @@ def test_grammar_bombs_are_answered_in_bounded_time_and_memory(
 # ------------------------------------------------------------ shutdown
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_drains_the_server_and_it_exits_within_15_s(tmp_path: Path, sig: signal.Signals) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
