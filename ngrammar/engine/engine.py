@@ -226,8 +226,10 @@ class LLMEngine:
         return start_tensor_parallel(self.config, checkpoint, self.device, self.dtype, num_pages)
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks, if any (idempotent; also done at interpreter exit)."""
+        """Stop the other tensor-parallel ranks, if any, and the grammar fill threads (idempotent;
+        also done at interpreter exit)."""
         self.runner.close()
+        self.grammar_rows.close()
 
     def _backend(self) -> AttentionBackend:
         return attention_backend(self.config.attention_backend, self.device)
