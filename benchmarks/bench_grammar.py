@@ -330,7 +330,9 @@ def run_host_fill_benchmark(
             for label, fill in variants.items():
                 per_step = []
                 for _ in range(repeats):
-                    walks = [(texts[b % len(texts)], (b * 7) % len(texts[b % len(texts)])) for b in range(bs)]
+                    walks = [
+                        (texts[b % len(texts)], (b * 7) % (len(texts[b % len(texts)]) - 1)) for b in range(bs)
+                    ]
                     matchers = [backend.new_matcher(compiled) for _ in range(bs)]
                     for m, (ids, at) in zip(matchers, walks):
                         for t in ids[:at]:
@@ -344,10 +346,10 @@ def run_host_fill_benchmark(
                         times.append(time.perf_counter() - t)
                         for b in range(bs):
                             ids = walks[b][0]
-                            if pos[b] == len(ids):  # done: a new request takes the row
-                                matchers[b], pos[b] = backend.new_matcher(compiled), 0
                             matchers[b].accept_masked(ids[pos[b]])
                             pos[b] += 1
+                            if pos[b] == len(ids):  # EOS taken: a new request takes the row
+                                matchers[b], pos[b] = backend.new_matcher(compiled), 0
                     per_step.append(statistics.median(times))
                 ms = 1e3 * statistics.median(per_step)
                 base = base or ms
