@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--batch-job", type=int, default=0, help="grammar --structured: N same-schema requests"
     )
+    bench.add_argument(
+        "--host-fill",
+        action="store_true",
+        help="grammar: host time of a plain step's grammar work, one by one vs one call vs the fill pool",
+    )
     add_engine_args(bench)
     return bench
 
@@ -136,10 +141,14 @@ def run_benchmark(args: argparse.Namespace) -> int:
     elif suite == "grammar":
         from benchmarks.bench_grammar import run_grammar_benchmark
 
-        plain, spec = _llm(args, False), _llm(args, True)
-        if args.structured:
+        if args.host_fill:
+            from benchmarks.bench_grammar import run_host_fill_benchmark
+
+            result = run_host_fill_benchmark(args.model, _sizes(args, (8, 32, 64)), repeats=args.repeats or 3)
+        elif args.structured:
             from benchmarks.bench_grammar import run_structured_benchmark
 
+            plain, spec = _llm(args, False), _llm(args, True)
             result = {
                 f"b{b}": run_structured_benchmark(plain, spec, b, args.max_tokens or 64)
                 for b in _sizes(args, (1, 8))
@@ -149,6 +158,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
                     plain, spec, 0, args.max_tokens or 64, args.batch_job
                 )
         else:
+            plain, spec = _llm(args, False), _llm(args, True)
             result = {
                 f"b{b}": run_grammar_benchmark(plain, spec, b, args.max_tokens or 96, args.repeats or 2)
                 for b in _sizes(args, (1,))

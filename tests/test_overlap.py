@@ -295,7 +295,7 @@ def test_a_decision_ahead_sees_the_committed_match_lengths(spec_llm: LLM) -> Non
     def record(
         seq_ids: Any,
         lengths: Any,
-        constrained: bool = False,
+        grammar: str = "none",
         remaining: Any = None,
         ahead: bool = False,
         cap: Any = None,
@@ -323,7 +323,7 @@ def _timed_policy(plain: float, verify: float) -> AdaptiveDraftPolicy:
     for w in policy.widths:
         for _ in range(2):
             policy.observe(1, w, plain if w == 1 else verify)
-    policy._explore_at[bucket_of(1, False)] = 10**9
+    policy._explore_at[bucket_of(1)] = 10**9
     return policy
 
 

@@ -17,6 +17,7 @@ from ngrammar.engine.sequence import Sequence
 from ngrammar.engine.stats import EngineStats
 from ngrammar.speculative.corpus import NgramCorpus
 from ngrammar.speculative.policy import REASONS, AdaptiveDraftPolicy, bucket_of
+from ngrammar.speculative.step_costs import grammar_class
 from ngrammar.speculative.upkeep import CorpusUpkeep
 
 GROUNDED = [
@@ -153,6 +154,26 @@ def test_the_policy_says_why_it_chose_a_width() -> None:
         costly.observe(1, width, seconds, {"s": 0} if width > 1 else None)  # a verify step: re-try later
     assert costly.choose(["s"], lambda: [3]) == 1 and costly.reason == "hopeless"  # 100 steps' cost
     assert costly.choose([], lambda: []) == 1 and costly.reason == "empty"
+
+
+def test_the_policy_prices_each_grammar_kind_at_its_own_cost() -> None:
+    """A schema's verify steps cost 100 plain steps, a regex's barely more than one: the policy
+    declines the schema's constrained verify (nothing it can accept pays for it) and takes the
+    regex's; a batch mixing kinds is a class of its own, not yet timed."""
+    assert grammar_class([None, None]) == "none"
+    assert grammar_class(["regex", None, "regex"]) == "regex"
+    assert grammar_class(["regex", "json_schema"]) == "mixed"
+    policy = AdaptiveDraftPolicy(max_width=4)
+    for kind, verify in (("json_schema", 1.0), ("regex", 0.011)):
+        for width, seconds in ((1, 0.01), (1, 0.01), (4, verify), (4, verify)):
+            policy._lengths["s"] = 3
+            policy.observe(1, width, seconds, {"s": 3} if width > 1 else None, grammar=kind, censored={"s"})
+    assert policy.step_cost(bucket_of(1, "json_schema"), 4) == pytest.approx(1.0)
+    assert policy.step_cost(bucket_of(1, "regex"), 4) == pytest.approx(0.011)
+    policy._explore_at = {bucket_of(1, k): 10**9 for k in ("json_schema", "regex")}
+    assert policy.choose(["s"], lambda: [3], grammar="json_schema") == 1 and policy.reason == "hopeless"
+    assert policy.choose(["s"], lambda: [3], grammar="regex") == 4 and policy.reason == "exploit"
+    assert policy.choose(["s"], lambda: [3], grammar="mixed") == 1 and policy.reason == "time"
 
 
 def test_a_real_end_of_text_draft_with_children_verifies_like_any_draft(llm: LLM) -> None:
@@ -328,7 +349,7 @@ def test_probes_are_spaced_to_cost_a_small_share_of_plain_steps() -> None:
                 plain_seconds if width == 1 else 3 * plain_seconds,
                 None if width == 1 else {s: 0 for s in ids},
             )
-        assert policy.probe_cost[bucket_of(8, False)] > 0
+        assert policy.probe_cost[bucket_of(8)] > 0
         counts.append(len(probes))
     timing = 3 * 2  # widths 4 and 8 and plain, each timed twice
     # bucket // 4 = 2 steps apart while a probe costs far under 2% of a 1 s plain step
@@ -358,7 +379,7 @@ def test_the_step_restarting_the_chain_charges_the_break_to_the_verify_step() ->
     # (uncharged, explorations on the H200 ran once per 64-token run at batch 8, each costing the
     # run 3-7%). The engine says which plain step restarts the chain (``restart``).
     policy = AdaptiveDraftPolicy(max_width=16)
-    b = bucket_of(8, False)
+    b = bucket_of(8)
     for _ in range(3):
         policy.observe(8, 1, 0.001)
     for _ in range(2):
@@ -791,8 +812,8 @@ def test_policy_prices_and_times_widths_it_does_not_pick() -> None:
     assert 5 not in policy.widths
     for _ in range(2):
         policy.observe(1, 5, 0.002, {"s": 2}, depths={"s": 4})
-    assert policy.step_cost(bucket_of(1, False), 5) == pytest.approx(0.002)
-    assert policy.step_cost(bucket_of(1, False), 3) is None
+    assert policy.step_cost(bucket_of(1), 5) == pytest.approx(0.002)
+    assert policy.step_cost(bucket_of(1), 3) is None
     assert 0.0 < policy.expected_drafts("s", 2, 5) <= 4.0
     assert policy.expected_drafts("s", 0, 5) == 0.0
 

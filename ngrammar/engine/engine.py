@@ -228,13 +228,14 @@ class LLMEngine:
 
     def close(self) -> None:
         """Release what the engine holds now: its requests, the KV pool and graphs, the other
-        tensor-parallel ranks and the process group, the grammar compile threads (idempotent).
+        tensor-parallel ranks and the process group, the grammar fill and compile threads (idempotent).
         Nothing can be added or stepped afterwards."""
         if self.closed:
             return
         self.abort_and_release(list(self.requests))
         self.closed = True
         self.runner.close()
+        self.grammar_rows.close()
         if self._grammar is not None:
             self._grammar.close()
 
