@@ -1,8 +1,8 @@
 """How well the draft policy prices verify steps: accepted drafts expected at each exploit or explore
 decision against those the verify step then accepted, per match length (greedy, NGRAM D = 16).
 
-A policy that over-prices speculates where it loses (session 12: one continuation rate priced width-16
-steps at match length 4 at 10-12 drafts that accepted ~5); one that under-prices leaves speed unused.
+A policy that over-prices speculates where it loses (a verify step priced above what it accepts costs more
+than the plain steps it replaces); one that under-prices leaves speed unused.
 """
 
 from __future__ import annotations

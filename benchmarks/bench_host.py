@@ -1,8 +1,7 @@
 """The engine's host cost per decode step, measured on a model whose forward costs next to nothing.
 
-Written when a batch-1 SmolLM2 step on the H200 looked host-bound (BENCHMARKS.md, session 7; session
-8's ``profile_step --phases`` showed the device bound it then, and after PDL the host loop and the
-device are close). This benchmark isolates the engine loop on any machine: a one-layer, 16-wide random-weight Llama with the embedded model's tokenizer (so
+Why: on a fast GPU a batch-1 step of a small model can be bound by the host loop rather than the
+device, and a profile cannot separate the two there. This benchmark isolates the engine loop on any machine: a one-layer, 16-wide random-weight Llama with the embedded model's tokenizer (so
 prompts, chat template and detokenization are the real ones), plain greedy decoding, overlap
 scheduling off and on. Host time per step = engine step time - forward time; the forward of this
 model is a few hundred µs on the CPU (mostly the 49152-row head).
