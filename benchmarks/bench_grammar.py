@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import statistics
+import time
 from typing import Any
 
 from benchmarks.common import chat, print_table, run_chat
 from ngrammar import LLM, SamplingParams
+from ngrammar.grammar import GrammarSpec
 
 PEOPLE = [
     ("Alice Johnson", 34, "Paris"),
@@ -271,6 +274,93 @@ def run_structured_benchmark(
             "decode steps",
             "same tokens",
         ],
+        rows,
+    )
+    return results
+
+
+# ------------------------------------------------------------------ host fill (issue 41)
+def _record_text(i: int) -> str:
+    rot = PEOPLE[i % len(PEOPLE) :] + PEOPLE[: i % len(PEOPLE)]
+    people = ", ".join(f'{{"name": "{n}", "age": {a}, "city": "{c}"}}' for n, a, c in rot[:3])
+    return f'{{"people": [{people}]}}'
+
+
+def run_host_fill_benchmark(
+    model: str | None, batch_sizes: tuple[int, ...], steps: int = 200, repeats: int = 3
+) -> dict[str, Any]:
+    """Host time of a plain constrained step's grammar work (settle the last token, fill the rows,
+    find dead ends) at each batch size: one by one (a Python loop over the matchers), one batched
+    xgrammar call on the engine thread, and the fill pool. Every request writes a valid record
+    under ``RECORD_SCHEMA`` (or any JSON object) from its own offset and starts over when done, so
+    the batch mixes states, start states included. Median milliseconds per step."""
+    import torch
+
+    from ngrammar.grammar import GrammarBackend, GrammarMatcher, allocate_bitmask
+    from ngrammar.grammar.fill_pool import GrammarFillPool, fill_threads
+    from ngrammar.model.loader import resolve_checkpoint
+    from ngrammar.model.tokenizer import Tokenizer
+
+    checkpoint = resolve_checkpoint(model)
+    tokenizer = Tokenizer(checkpoint.tokenizer_dir, checkpoint.config.eos_token_ids)
+    vocab = checkpoint.config.vocab_size
+    backend = GrammarBackend(tokenizer, vocab)
+    eos = min(backend.stop_token_ids)
+    texts = [tokenizer.encode(_record_text(i)) + [eos] for i in range(len(PEOPLE))]
+    grammars = {
+        "schema": backend.compile(GrammarSpec("json_schema", json.dumps(RECORD_SCHEMA))),
+        "json_object": backend.compile(GrammarSpec("json_object", "")),
+    }
+
+    def one_by_one(matchers: list[GrammarMatcher], bitmask: torch.Tensor) -> None:
+        for i, m in enumerate(matchers):
+            m.settle()
+            m.fill_bitmask(bitmask, i)
+        torch.nonzero(~bitmask.any(dim=1))
+
+    pools = {"one call": GrammarFillPool(threads=0), "pool": GrammarFillPool(serial_below=0)}
+    variants: dict[str, Any] = {"one by one": one_by_one}
+    for name, pool in pools.items():
+        variants[name] = lambda ms, bm, p=pool: p.fill_rows(ms, range(len(ms)), bm)
+    results: dict[str, Any] = {"fill_threads": fill_threads()}
+    rows: list[list[Any]] = []
+    for kind, compiled in grammars.items():
+        for bs in batch_sizes:
+            base = None
+            for label, fill in variants.items():
+                per_step = []
+                for _ in range(repeats):
+                    walks = [
+                        (texts[b % len(texts)], (b * 7) % (len(texts[b % len(texts)]) - 1)) for b in range(bs)
+                    ]
+                    matchers = [backend.new_matcher(compiled) for _ in range(bs)]
+                    for m, (ids, at) in zip(matchers, walks):
+                        for t in ids[:at]:
+                            m.accept_masked(t)
+                    pos = [at for _, at in walks]
+                    bitmask = allocate_bitmask(bs, vocab)
+                    times = []
+                    for _ in range(steps):
+                        t = time.perf_counter()
+                        fill(matchers, bitmask)
+                        times.append(time.perf_counter() - t)
+                        for b in range(bs):
+                            ids = walks[b][0]
+                            matchers[b].accept_masked(ids[pos[b]])
+                            pos[b] += 1
+                            if pos[b] == len(ids):  # EOS taken: a new request takes the row
+                                matchers[b], pos[b] = backend.new_matcher(compiled), 0
+                    per_step.append(statistics.median(times))
+                ms = 1e3 * statistics.median(per_step)
+                base = base or ms
+                results[f"{kind}/b{bs}/{label}"] = ms
+                rows.append([kind, bs, label, ms, base / ms])
+    for pool in pools.values():
+        pool.close()
+    backend.close()
+    print_table(
+        f"grammar host work per plain step (settle + fill + dead-end check), {fill_threads()} pool threads",
+        ["grammar", "batch", "variant", "ms/step", "speedup"],
         rows,
     )
     return results

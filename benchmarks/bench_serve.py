@@ -249,7 +249,8 @@ def summarize(records: list[RequestRecord], wall_s: float, accept_length: float)
     }
 
 
-MODES = ("off", "ngram", "ngram+grammar")  # "+grammar": every request JSON-schema constrained
+# "+grammar": every request JSON-schema constrained; "free": none is (the others: every fourth)
+MODES = ("off", "ngram", "ngram+grammar", "off+grammar", "free")
 
 
 def _levels(modes: Sequence[str], concurrency: Sequence[int]) -> Iterator[tuple[str, int]]:
@@ -281,8 +282,8 @@ def run_serve_benchmark(
         modes = ["ngram" if s else "off" for s in speculative]
     for mode, c in _levels(modes, concurrency):
         spec = mode.startswith("ngram")
-        every = 1 if mode.endswith("+grammar") else STRUCTURED_EVERY
         n = num_requests or min(len(prompts), max(4 * c, 8))
+        every = 1 if mode.endswith("+grammar") else n + 1 if mode == "free" else STRUCTURED_EVERY
         with ServerProcess(server_args, spec) as server:
             if warmup:  # first-request costs (grammar compile, allocator, kernels) are not serving costs
                 asyncio.run(_run_level(server.url, workload(prompts[:1], STRUCTURED_EVERY, 4), 2))

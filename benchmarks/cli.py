@@ -1,4 +1,4 @@
-"""``python -m benchmarks [engine|spec|policy|grammar|serve|profile|host|verify-host|calibration|drafts|tp]``: build the engines once and run a suite."""
+"""``python -m benchmarks [engine|spec|policy|grammar|serve|profile|host|verify-host|calibration|drafts|tp|bombs|footprint]``: build the engines once and run a suite."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ SUITES = (
     "calibration",
     "drafts",
     "tp",
+    "bombs",
+    "footprint",
 )
 
 
@@ -46,11 +48,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--streams", type=int, default=8, help="long-arrivals: decoding streams")
     serve.add_argument("--arrivals", type=int, default=4, help="long-arrivals: long prompts that arrive")
     serve.add_argument("--arrival-every", type=float, default=3.0, help="long-arrivals: seconds apart")
+    bombs = bench.add_argument_group("bombs and footprint suites")
+    bombs.add_argument("--root", default=None, help="the checkout to run (default: this one)")
+    bombs.add_argument("--bomb-modes", default="plain,ngram,ngram+grammar", help="comma-separated")
+    bombs.add_argument("--max-growth-mb", type=float, default=3000, help="server RSS growth that kills it")
+    bombs.add_argument("--bomb-timeout", type=float, default=60, help="seconds a bomb request may take")
     bench.add_argument(
         "--structured", action="store_true", help="grammar: the structured-output workloads (draft sources)"
     )
     bench.add_argument(
         "--batch-job", type=int, default=0, help="grammar --structured: N same-schema requests"
+    )
+    bench.add_argument(
+        "--host-fill",
+        action="store_true",
+        help="grammar: host time of a plain step's grammar work, one by one vs one call vs the fill pool",
     )
     add_engine_args(bench)
     return bench
@@ -129,10 +141,14 @@ def run_benchmark(args: argparse.Namespace) -> int:
     elif suite == "grammar":
         from benchmarks.bench_grammar import run_grammar_benchmark
 
-        plain, spec = _llm(args, False), _llm(args, True)
-        if args.structured:
+        if args.host_fill:
+            from benchmarks.bench_grammar import run_host_fill_benchmark
+
+            result = run_host_fill_benchmark(args.model, _sizes(args, (8, 32, 64)), repeats=args.repeats or 3)
+        elif args.structured:
             from benchmarks.bench_grammar import run_structured_benchmark
 
+            plain, spec = _llm(args, False), _llm(args, True)
             result = {
                 f"b{b}": run_structured_benchmark(plain, spec, b, args.max_tokens or 64)
                 for b in _sizes(args, (1, 8))
@@ -142,6 +158,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
                     plain, spec, 0, args.max_tokens or 64, args.batch_job
                 )
         else:
+            plain, spec = _llm(args, False), _llm(args, True)
             result = {
                 f"b{b}": run_grammar_benchmark(plain, spec, b, args.max_tokens or 96, args.repeats or 2)
                 for b in _sizes(args, (1,))
@@ -196,6 +213,17 @@ def run_benchmark(args: argparse.Namespace) -> int:
         result = run_long_arrivals(
             _serve_args(args), args.streams, args.max_tokens or 96, args.arrivals, args.arrival_every
         )
+    elif suite in ("bombs", "footprint"):
+        from pathlib import Path
+
+        from benchmarks.bench_bombs import ROOT, run_bombs, run_footprint
+
+        root = Path(args.root) if args.root else ROOT
+        if suite == "footprint":
+            result = run_footprint(root)
+        else:
+            modes = [m.strip() for m in args.bomb_modes.split(",") if m.strip()]
+            result = run_bombs(root, modes, args.max_growth_mb, args.bomb_timeout)
     else:
         from benchmarks.bench_serve import run_serve_benchmark
 

@@ -12,6 +12,8 @@ Part ``links``: host-derived tree links against the readback switch on equal wor
 the policy off so that both variants verify at every step and emit the same tokens).
 Part ``acceptor`` (not run by default): the greedy acceptor graph, torch ops against the one-launch
 kernel (``ngrammar.kernels.tree_accept``).
+Part ``serve_schema`` (not run by default): through the server, ``--serve-concurrency`` (256)
+clients whose requests all carry a JSON schema against none, plain and NGRAM (``bench_serve_schema``).
 Part ``overhead`` (not run by default; runs on a CPU too): plain against NGRAM with one draft width
 (corpus upkeep only, never a verify step) and NGRAM with D = 16 (``bench_spec_overhead``).
 
@@ -306,18 +308,20 @@ def _grammar_variants(plain: LLM, spec: LLM, bs: int, max_tokens: int, repeats: 
         worker.sync_debug = False
         worker.readback_links = False
     out["equal_work"] = grammar_equal_work(spec, prompts, max_tokens, repeats)
+    out["equal_work_plain"] = grammar_equal_work(plain, prompts, max_tokens, repeats)
     return out
 
 
-def grammar_equal_work(spec: LLM, prompts: list[Any], max_tokens: int, repeats: int) -> dict[str, Any]:
-    """NGRAM with and without a grammar on the same work: the grammar is "any JSON object", which
-    the model's own greedy output for these prompts satisfies, so both sides emit the same tokens
-    (checked: ``identical``) and differ only by the grammar's cost. The unconstrained side stops
-    where the grammar ended each request. (The schema variants above compare runs that emit
-    different text: a schema reshapes the output and ends it where the JSON ends.)"""
+def grammar_equal_work(llm: LLM, prompts: list[Any], max_tokens: int, repeats: int) -> dict[str, Any]:
+    """One engine (plain or NGRAM) with and without a grammar on the same work: the grammar is
+    "any JSON object", which the model's own greedy output for these prompts satisfies, so both
+    sides emit the same tokens (checked: ``identical``) and differ only by the grammar's cost. The
+    unconstrained side stops where the grammar ended each request. (The schema variants above
+    compare runs that emit different text: a schema reshapes the output and ends it where the JSON
+    ends.)"""
     constrained = SamplingParams(max_tokens=max_tokens, temperature=0, json_object=True)
-    _, first = run_chat(spec, prompts, constrained)  # fixes each request's length (greedy: every run)
-    eos = spec.engine.grammar_backend.stop_token_ids  # the tokens the grammar ends on
+    _, first = run_chat(llm, prompts, constrained)  # fixes each request's length (greedy: every run)
+    eos = llm.engine.grammar_backend.stop_token_ids  # the tokens the grammar ends on
 
     def text_tokens(ids: list[int]) -> list[int]:  # where the JSON ended, the grammar's run ends with EOS
         return ids[:-1] if ids and ids[-1] in eos else ids
@@ -327,24 +331,46 @@ def grammar_equal_work(spec: LLM, prompts: list[Any], max_tokens: int, repeats: 
         for o in first
     ]
     pairs = []
-    spec.engine.step_trace = trace = []  # both sides' steps: what a low ratio was made of
+    llm.engine.step_trace = trace = []  # both sides' steps: what a low ratio was made of
     for i in range(repeats):  # interleaved, alternating which side goes first
         order = [("grammar", constrained), ("free", free)]
         runs = dict(
-            (label, run_chat(spec, prompts, params)) for label, params in (order if i % 2 else order[::-1])
+            (label, run_chat(llm, prompts, params)) for label, params in (order if i % 2 else order[::-1])
         )
         pairs.append((runs["grammar"], runs["free"]))
-    spec.engine.step_trace = None
+    llm.engine.step_trace = None
     same = [text_tokens(a.token_ids) == b.token_ids for a, b in zip(pairs[-1][0][1], pairs[-1][1][1])]
     return {
-        "ngram+json_object_tok_s": statistics.median(g[0] for g, _ in pairs),
-        "ngram_tok_s": statistics.median(f[0] for _, f in pairs),
+        "json_object_tok_s": statistics.median(g[0] for g, _ in pairs),
+        "free_tok_s": statistics.median(f[0] for _, f in pairs),
         "ratio": statistics.median(g[0] / f[0] for g, f in pairs),
         "accept_len": {"grammar": accept_length(pairs[-1][0][1]), "free": accept_length(pairs[-1][1][1])},
         "identical": sum(same) / len(same),
         "tokens": sum(len(o.token_ids) for o in first),
         "steps": _trace_summary(trace),
     }
+
+
+def bench_serve_schema(model: str | None, concurrency: int, max_tokens: int) -> dict[str, Any]:
+    """Through the server: ``concurrency`` clients, twice as many requests, every one JSON-schema
+    constrained (plain and NGRAM) against none constrained (plain). The schema's output differs
+    from the free text, so the figure to compare is the rate (tok/s), not the time."""
+    from benchmarks.bench_serve import run_serve_benchmark
+
+    server_args = ["--device", "cuda" if torch.cuda.is_available() else "cpu"]
+    if model is not None:
+        server_args = ["--model", model, *server_args]
+    out = run_serve_benchmark(
+        concurrency=(concurrency,),
+        num_requests=2 * concurrency,
+        max_tokens=max_tokens,
+        server_args=server_args,
+        modes=["free", "off+grammar", "ngram+grammar"],
+    )
+    rates = {level["mode"]: level["throughput_tok_s"] for level in out["levels"]}
+    out["schema_vs_free"] = rates["off+grammar"] / rates["free"] if rates.get("free") else None
+    out["ngram_schema_vs_free"] = rates["ngram+grammar"] / rates["free"] if rates.get("free") else None
+    return out
 
 
 def bench_links_equal_work(
@@ -626,25 +652,26 @@ def summarize(log: dict[str, Any]) -> None:
             for label, fig in v.items():
                 if isinstance(fig, dict) and "tok_s" in fig:
                     rows.append([key, label, fig["tok_s"], fig["accept_len"]])
-            eq = v.get("equal_work")
-            if eq:
-                acc = eq["accept_len"]
-                rows.append(
-                    [
-                        key,
-                        f"equal work: ngram (same tokens {eq['identical']:.0%})",
-                        eq["ngram_tok_s"],
-                        acc["free"],
-                    ]
-                )
-                rows.append(
-                    [
-                        key,
-                        f"equal work: ngram+json_object (x{eq['ratio']:.2f})",
-                        eq["ngram+json_object_tok_s"],
-                        acc["grammar"],
-                    ]
-                )
+            for side, engine in (("equal_work", "ngram"), ("equal_work_plain", "plain")):
+                eq = v.get(side)
+                if eq:
+                    acc = eq["accept_len"]
+                    rows.append(
+                        [
+                            key,
+                            f"equal work: {engine} (same tokens {eq['identical']:.0%})",
+                            eq["free_tok_s"],
+                            acc["free"],
+                        ]
+                    )
+                    rows.append(
+                        [
+                            key,
+                            f"equal work: {engine}+json_object (x{eq['ratio']:.2f})",
+                            eq["json_object_tok_s"],
+                            acc["grammar"],
+                        ]
+                    )
         elif isinstance(v, dict) and "plain_tok_s" in v:
             rows.append([key, "plain", v["plain_tok_s"], 1.0])
             if "plain_stepwise_tok_s" in v:
@@ -717,6 +744,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--parts", default="smollm2,links,8b")
     p.add_argument("--num-draft-tokens", type=int, default=16, help="D of the smollm2 part's NGRAM engine")
+    p.add_argument("--serve-concurrency", type=int, default=256, help="clients of the serve_schema part")
     args = p.parse_args()
     log: dict[str, Any] = {
         "machine": machine(),
@@ -755,6 +783,12 @@ def main() -> int:
         _safe(
             "links_equal_work",
             lambda: bench_links_equal_work(args.model, sizes, args.max_tokens, args.repeats),
+            log,
+        )
+    if "serve_schema" in parts:
+        _safe(
+            "serve_schema",
+            lambda: bench_serve_schema(args.model, args.serve_concurrency, args.max_tokens),
             log,
         )
     if "acceptor" in parts and torch.cuda.is_available():

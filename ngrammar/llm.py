@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import fields
 from typing import Any
@@ -35,11 +36,27 @@ def build_engine_config(
 
 
 class LLM:
+    """The offline engine. ``close()`` (or leaving ``with LLM(...) as llm:``, or dropping the last
+    reference) releases its KV memory, threads, and with tensor parallelism its rank processes and
+    process group, so another engine can start in the same process."""
+
     def __init__(
         self, model: str | None = None, device: str = "auto", dtype: str = "auto", **kwargs: Any
     ) -> None:
         self.engine = LLMEngine(build_engine_config(model, device=device, dtype=dtype, **kwargs))
         self.tokenizer = self.engine.tokenizer
+        # Runs engine.close when this object is collected or at interpreter exit, whichever is first.
+        self._finalizer = weakref.finalize(self, self.engine.close)
+
+    def close(self) -> None:
+        """Release the engine now (idempotent); generating afterwards raises."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(
         self,
@@ -74,6 +91,7 @@ class LLM:
             if isinstance(params, (list, tuple))
             else [params or SamplingParams()] * len(prompts)  # type: ignore[list-item]
         )
+        self.engine.check_open()
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
         ids = self._add_all(prompts, plist)

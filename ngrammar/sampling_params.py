@@ -139,6 +139,17 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
     @property
+    def grammar_kind(self) -> str | None:
+        """The kind of output grammar asked for (``GrammarSpec.kind``), None without one."""
+        if self.json_schema is not None:
+            return "json_schema"
+        if self.regex is not None:
+            return "regex"
+        if self.ebnf is not None:
+            return "ebnf"
+        return "json_object" if self.json_object else None
+
+    @property
     def has_grammar(self) -> bool:
         return (
             self.json_schema is not None

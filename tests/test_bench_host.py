@@ -66,6 +66,4 @@ def test_phase_timer_times_grammar_functions_and_restores_them(tmp_path: Path) -
     assert grammar.apply_bitmask is original
     sampled = len(out.token_ids)  # one masked sampling per token, the prefill's first one included
     assert timer.calls["      apply bitmask"] == timer.calls["    grammar rows"] == sampled
-    assert (
-        timer.calls["      fill bitmask (a row)"] == sampled
-    )  # one row, never finished before its last token
+    assert timer.calls["      fill rows (pool)"] == sampled  # settle + fill: one call per masked step

@@ -17,7 +17,13 @@ PACKAGE = Path(__file__).resolve().parent.parent / "ngrammar"
 
 # Lowest first. A module belongs to the layer of the longest prefix that names it.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("ngrammar.config", "ngrammar.sampling_params", "ngrammar.outputs", "ngrammar.args"),
+    (
+        "ngrammar.config",
+        "ngrammar.sampling_params",
+        "ngrammar.outputs",
+        "ngrammar.args",
+        "ngrammar.processes",
+    ),
     ("ngrammar.kernels", "ngrammar.attention"),
     ("ngrammar.model",),
     ("ngrammar.runner",),

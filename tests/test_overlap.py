@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from device_events import device_events
+from policy_pins import pin_step_costs
 
 from ngrammar import LLM, SamplingParams
 from ngrammar.outputs import RequestOutput
@@ -237,6 +238,7 @@ def test_ngram_with_overlap_is_lossless() -> None:
         speculative="ngram",
         num_draft_tokens=8,
     )
+    pin_step_costs(spec)  # both kinds of step run whatever the machine's load
     text = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
     prompts = [
         f"Repeat this code exactly:\n{text}",
@@ -293,7 +295,7 @@ def test_a_decision_ahead_sees_the_committed_match_lengths(spec_llm: LLM) -> Non
     def record(
         seq_ids: Any,
         lengths: Any,
-        constrained: bool = False,
+        grammar: str = "none",
         remaining: Any = None,
         ahead: bool = False,
         cap: Any = None,
@@ -321,7 +323,7 @@ def _timed_policy(plain: float, verify: float) -> AdaptiveDraftPolicy:
     for w in policy.widths:
         for _ in range(2):
             policy.observe(1, w, plain if w == 1 else verify)
-    policy._explore_at[bucket_of(1, False)] = 10**9
+    policy._explore_at[bucket_of(1)] = 10**9
     return policy
 
 

@@ -197,6 +197,15 @@ def test_a_forced_key_is_drafted_with_the_merge_the_model_writes(
     assert proposer.source_nodes["forced"] >= 3
 
 
+def test_overhang_candidates_are_the_longer_tokens_and_cached() -> None:
+    vocab = [b"a", b"ab", b'"', b'"x', b"abc", b"b", b"ab", b""]
+    forced = ForcedText(lambda text: [], vocab, special=[4])
+    assert forced.overhang_candidates(b"a") == (1, 6)  # not "a" itself, nor the special 4
+    assert forced.overhang_candidates(b'"') == (3,)
+    assert forced.overhang_candidates(b"abc") == ()
+    assert forced.overhang_candidates(b"a") is forced.overhang_candidates(b"a")  # cached
+
+
 def test_grammar_forbidden_corpus_drafts_are_refilled(
     backend: GrammarBackend, tokenizer: Tokenizer, forced: ForcedText
 ) -> None:

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +27,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from benchmarks.bench_bombs import BOMBS, Watch
 from ngrammar.engine.engine import LLMEngine
 from ngrammar.grammar import GrammarSpec
 from ngrammar.grammar.backend import GrammarBackend
@@ -366,6 +370,92 @@ def test_temp_files_of_a_killed_conversion_are_removed_on_the_next_start(
     loader.resolve_checkpoint(None)
     assert not stale.exists() and not stale_dir.exists()
     assert live.exists()
+
+
+# ------------------------------------------------------- grammar bombs
+
+BOMB_SECONDS = 60  # generous: the box is shared; a bomb took minutes and 18 GB before the bound
+BOMB_GROWTH_MB = 1500  # RSS growth allowed per bomb
+BOMB_KILL_MB = 4000  # past this the watchdog kills the test process rather than the machine
+
+
+@pytest.fixture(scope="module")
+def bomb_engines(engine: LLMEngine, spec_llm: Any) -> dict[str, LLMEngine]:
+    """Plain, NGRAM with n-gram drafts only, NGRAM with grammar drafts (forced text)."""
+    ngram = build_engine_config(**ENGINE_KWARGS, speculative="ngram", spec_grammar_drafts=False)
+    return {"plain": engine, "ngram": LLMEngine(ngram), "ngram+grammar": spec_llm.engine}
+
+
+@pytest.mark.parametrize("mode", ["plain", "ngram", "ngram+grammar"])
+def test_grammar_bombs_are_answered_in_bounded_time_and_memory(
+    bomb_engines: dict[str, LLMEngine], mode: str
+) -> None:
+    with serving(bomb_engines[mode]) as client:
+        for name, grammar in BOMBS.items():
+            body = {"prompt": "Output:", "max_tokens": 8, "temperature": 0, **grammar}
+            with Watch(os.getpid(), BOMB_KILL_MB) as watch:
+                start = time.monotonic()
+                r = client.post("/v1/completions", json=body)
+                seconds = time.monotonic() - start
+            assert r.status_code in (200, 400), (name, r.text[:300])
+            assert seconds < BOMB_SECONDS, (name, seconds)
+            assert watch.peak - watch.base < BOMB_GROWTH_MB, (name, watch.peak - watch.base)
+            assert client.get("/health").status_code == 200, name
+        assert_serves(client)
+        assert_idle(client)
+
+
+# ------------------------------------------------------------ shutdown
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_drains_the_server_and_it_exits_within_15_s(tmp_path: Path, sig: signal.Signals) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    cmd = [sys.executable, "-m", "ngrammar.cli", "serve", "--port", url.rsplit(":", 1)[1], "--device", "cpu"]
+    cmd += ["--dtype", "float32", "--kv-cache-tokens", "4096"]
+    log = (tmp_path / "serve.log").open("w")
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen(
+        cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, stdout=log, stderr=log
+    )
+    try:
+        deadline = time.monotonic() + 900
+        while not _healthy(url):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(0.5)
+        long = {"prompt": "Count to a thousand:", "max_tokens": 3000, "temperature": 0}
+        replies: list[int | str] = []
+        client = threading.Thread(target=lambda: replies.append(_post_status(url, long)), daemon=True)
+        client.start()
+        while httpx.get(url + "/server_info", timeout=10).json()["num_inflight"] == 0:
+            assert client.is_alive()
+            time.sleep(0.05)
+        proc.send_signal(sig)
+        proc.wait(15)  # raises if the server is still up
+        client.join(15)
+        assert replies and not client.is_alive()  # the request in flight was answered or cut off
+        assert proc.returncode != -signal.SIGALRM, "the drain did not finish: the exit alarm ended it"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _post_status(url: str, body: dict[str, Any]) -> int | str:
+    try:
+        return httpx.post(url + "/v1/completions", json=body, timeout=120).status_code
+    except httpx.HTTPError as e:
+        return type(e).__name__
 
 
 # ---------------------------------------------------- HTTP-level limits

@@ -136,7 +136,7 @@ def test_shadow_samples_stand_in_for_re_tries_of_a_losing_width() -> None:
         chosen.append(w)
     retries = [i for i, w in enumerate(chosen) if w > 1][4:]  # after timing widths 4 and 8 twice each
     assert 1 <= len(retries) <= 3 and retries[0] >= COST_REFRESH
-    assert policy.step_cost(bucket_of(32, False), 8) == pytest.approx(0.06)
+    assert policy.step_cost(bucket_of(32), 8) == pytest.approx(0.06)
 
 
 def test_shadow_samples_teach_the_policy_to_speculate() -> None:

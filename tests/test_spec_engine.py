@@ -17,6 +17,7 @@ from ngrammar.engine.sequence import Sequence
 from ngrammar.engine.stats import EngineStats
 from ngrammar.speculative.corpus import NgramCorpus
 from ngrammar.speculative.policy import REASONS, AdaptiveDraftPolicy, bucket_of
+from ngrammar.speculative.step_costs import NO_GRAMMAR, grammar_class
 from ngrammar.speculative.upkeep import CorpusUpkeep
 
 GROUNDED = [
@@ -153,6 +154,26 @@ def test_the_policy_says_why_it_chose_a_width() -> None:
         costly.observe(1, width, seconds, {"s": 0} if width > 1 else None)  # a verify step: re-try later
     assert costly.choose(["s"], lambda: [3]) == 1 and costly.reason == "hopeless"  # 100 steps' cost
     assert costly.choose([], lambda: []) == 1 and costly.reason == "empty"
+
+
+def test_the_policy_prices_each_grammar_kind_at_its_own_cost() -> None:
+    """A schema's verify steps cost 100 plain steps, a regex's barely more than one: the policy
+    declines the schema's constrained verify (nothing it can accept pays for it) and takes the
+    regex's; a batch mixing kinds is a class of its own, not yet timed."""
+    assert grammar_class([None, None]) == "none"
+    assert grammar_class(["regex", None, "regex"]) == "regex"
+    assert grammar_class(["regex", "json_schema"]) == "mixed"
+    policy = AdaptiveDraftPolicy(max_width=4)
+    for kind, verify in (("json_schema", 1.0), ("regex", 0.011)):
+        for width, seconds in ((1, 0.01), (1, 0.01), (4, verify), (4, verify)):
+            policy._lengths["s"] = 3
+            policy.observe(1, width, seconds, {"s": 3} if width > 1 else None, grammar=kind, censored={"s"})
+    assert policy.step_cost(bucket_of(1, "json_schema"), 4) == pytest.approx(1.0)
+    assert policy.step_cost(bucket_of(1, "regex"), 4) == pytest.approx(0.011)
+    policy._explore_at = {bucket_of(1, k): 10**9 for k in ("json_schema", "regex")}
+    assert policy.choose(["s"], lambda: [3], grammar="json_schema") == 1 and policy.reason == "hopeless"
+    assert policy.choose(["s"], lambda: [3], grammar="regex") == 4 and policy.reason == "exploit"
+    assert policy.choose(["s"], lambda: [3], grammar="mixed") == 1 and policy.reason == "time"
 
 
 def test_a_real_end_of_text_draft_with_children_verifies_like_any_draft(llm: LLM) -> None:
@@ -328,7 +349,7 @@ def test_probes_are_spaced_to_cost_a_small_share_of_plain_steps() -> None:
                 plain_seconds if width == 1 else 3 * plain_seconds,
                 None if width == 1 else {s: 0 for s in ids},
             )
-        assert policy.probe_cost[bucket_of(8, False)] > 0
+        assert policy.probe_cost[bucket_of(8)] > 0
         counts.append(len(probes))
     timing = 3 * 2  # widths 4 and 8 and plain, each timed twice
     # bucket // 4 = 2 steps apart while a probe costs far under 2% of a 1 s plain step
@@ -358,7 +379,7 @@ def test_the_step_restarting_the_chain_charges_the_break_to_the_verify_step() ->
     # (uncharged, explorations on the H200 ran once per 64-token run at batch 8, each costing the
     # run 3-7%). The engine says which plain step restarts the chain (``restart``).
     policy = AdaptiveDraftPolicy(max_width=16)
-    b = bucket_of(8, False)
+    b = bucket_of(8)
     for _ in range(3):
         policy.observe(8, 1, 0.001)
     for _ in range(2):
@@ -413,7 +434,7 @@ def test_a_new_batch_bucket_borrows_the_verify_cost_ratio_of_a_timed_one() -> No
     three = eight[:3]
     chosen = _run_policy(policy, three, spec_time=0.2, spec_accept=1.0, steps=10, match_length=0)
     assert chosen == [1] * 10
-    assert policy.step_cost((4, False), 8) == pytest.approx(0.05 * 4 / 3 * 0.2 / 0.05)
+    assert policy.step_cost((4, NO_GRAMMAR), 8) == pytest.approx(0.05 * 4 / 3 * 0.2 / 0.05)
     # A larger bucket never borrows a smaller one's (optimistic) ratio: its verify cost is measured.
     sixteen = [f"t{i}" for i in range(16)]
     grown = _run_policy(policy, sixteen, spec_time=0.3, spec_accept=1.0, steps=6, match_length=0)
@@ -667,10 +688,10 @@ def test_plain_steps_index_while_the_host_would_wait_for_the_device(spec_llm: LL
         return [len(s.token_ids) - upkeep.corpus.indexed_length(s.seq_id) for s in seqs]  # tokens behind
 
     upkeep._index_cost = 1e-3  # 1 ms per token: 2 ms for the batch, half the step
-    upkeep.index_plain_step(seqs, stub.read_wait, False)
+    upkeep.index_plain_step(seqs, stub.read_wait, NO_GRAMMAR)
     assert indexed() == [30, 30]  # no wait: skipped
     stub.read_wait = 0.0035  # the host waited 3.5 ms: 2 ms of indexing fits, with the 1 ms margin
-    upkeep.index_plain_step(seqs, stub.read_wait, False)
+    upkeep.index_plain_step(seqs, stub.read_wait, NO_GRAMMAR)
     assert indexed() == [0, 0]
     for s in seqs:
         s.token_ids.append(7)
@@ -679,13 +700,13 @@ def test_plain_steps_index_while_the_host_would_wait_for_the_device(spec_llm: LL
         0.001,
     )  # what indexing left of the wait, plus its own time: too little
     upkeep._plain_host_seconds = 0.0005
-    upkeep.index_plain_step(seqs, stub.read_wait, False)
+    upkeep.index_plain_step(seqs, stub.read_wait, NO_GRAMMAR)
     assert indexed() == [1, 1]
     # The last engine step's own work counts as idle time when it was hidden (the step took a
     # plain step's time): 1 + 2.5 - 1 ms leaves room for 2 ms of indexing ...
     upkeep._index_cost, stub.read_wait, upkeep._plain_host_seconds = 1e-3, 0.001, 0.0025
     upkeep._plain_host_step = stats.steps - 1
-    upkeep.index_plain_step(seqs, stub.read_wait, False)
+    upkeep.index_plain_step(seqs, stub.read_wait, NO_GRAMMAR)
     assert indexed() == [0, 0]
     # ... not when that step took longer than plain steps do (the work delayed it) ...
     for s in seqs:
@@ -693,17 +714,17 @@ def test_plain_steps_index_while_the_host_would_wait_for_the_device(spec_llm: LL
     stats.last_step_seconds = 0.0065
     upkeep._index_cost, stub.read_wait, upkeep._plain_host_seconds = 1e-3, 0.001, 0.0025
     upkeep._plain_host_step = stats.steps - 1
-    upkeep.index_plain_step(seqs, stub.read_wait, False)
+    upkeep.index_plain_step(seqs, stub.read_wait, NO_GRAMMAR)
     assert indexed() == [1, 1]
     stats.last_step_seconds = 0.004
     # ... and not when it was spent before the last engine step (a prefill or verify step since).
     upkeep._index_cost, stub.read_wait, upkeep._plain_host_seconds = 1e-3, 0.001, 0.0025
     upkeep._plain_host_step = stats.steps - 2
-    upkeep.index_plain_step(seqs, stub.read_wait, False)
+    upkeep.index_plain_step(seqs, stub.read_wait, NO_GRAMMAR)
     assert indexed() == [1, 1]
     # A host-bound step (no wait) whose indexing took long: that time was not idle, no indexing.
     upkeep._plain_host_seconds, stub.read_wait, upkeep._index_cost = 0.01, 0.0, 1e-3
-    upkeep.index_plain_step(seqs, stub.read_wait, False)
+    upkeep.index_plain_step(seqs, stub.read_wait, NO_GRAMMAR)
     assert indexed() == [1, 1]
     # On CUDA the time allowed is the catch-up's budget too: the idle time less the margin, and
     # never more than a plain step's (a prefill's commit waited for the whole prefill).
@@ -712,7 +733,7 @@ def test_plain_steps_index_while_the_host_would_wait_for_the_device(spec_llm: LL
     upkeep.device = torch.device("cuda")
     for wait in (0.0035, 0.05):
         stub.read_wait, upkeep._index_cost, upkeep._plain_host_seconds = wait, 1e-3, 0.0
-        upkeep.index_plain_step(seqs, stub.read_wait, False)
+        upkeep.index_plain_step(seqs, stub.read_wait, NO_GRAMMAR)
     assert budgets == [pytest.approx(0.0025), pytest.approx(0.003)]
 
 
@@ -756,10 +777,10 @@ def test_the_catch_up_budget_is_a_plain_step_at_the_batch_size_and_only_on_cuda(
     config = SpeculativeConfig()
     stats = EngineStats()
     upkeep = CorpusUpkeep(config, NgramCorpus.from_config(config), policy, stats, torch.device("cuda"))
-    assert upkeep.index_budget(5, False) == pytest.approx(0.0025)
-    assert upkeep.index_budget(16, False) is None  # bucket not timed
+    assert upkeep.index_budget(5, NO_GRAMMAR) == pytest.approx(0.0025)
+    assert upkeep.index_budget(16, NO_GRAMMAR) is None  # bucket not timed
     cpu = CorpusUpkeep(config, NgramCorpus.from_config(config), policy, stats, torch.device("cpu"))
-    assert cpu.index_budget(5, False) is None
+    assert cpu.index_budget(5, NO_GRAMMAR) is None
 
 
 def test_freed_pages_are_never_read(spec_llm: LLM, llm: LLM) -> None:
@@ -791,8 +812,8 @@ def test_policy_prices_and_times_widths_it_does_not_pick() -> None:
     assert 5 not in policy.widths
     for _ in range(2):
         policy.observe(1, 5, 0.002, {"s": 2}, depths={"s": 4})
-    assert policy.step_cost(bucket_of(1, False), 5) == pytest.approx(0.002)
-    assert policy.step_cost(bucket_of(1, False), 3) is None
+    assert policy.step_cost(bucket_of(1), 5) == pytest.approx(0.002)
+    assert policy.step_cost(bucket_of(1), 3) is None
     assert 0.0 < policy.expected_drafts("s", 2, 5) <= 4.0
     assert policy.expected_drafts("s", 0, 5) == 0.0
 

@@ -39,6 +39,7 @@ from ngrammar.model.parallel import (
     TensorParallel,
     check_tensor_parallel,
 )
+from ngrammar.processes import spawn
 from ngrammar.runner.model_runner import ModelRunner, StepInput, resolve_device, resolve_dtype
 
 _POLL_S = 0.05
@@ -155,6 +156,8 @@ class DriverRunner(ModelRunner):
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.close)  # the exit hook would keep this runner (weights, KV) alive
+        super().close()
         self.ranks.closing.set()
         try:
             self.channel.send(("stop",))
@@ -176,7 +179,7 @@ def start_tensor_parallel(
     if dist.is_initialized():  # torch.distributed has one default group per process
         raise ParallelConfigError(
             "this process already runs a tensor-parallel engine (or another torch.distributed group); "
-            "close it first (LLM.engine.close())"
+            "close it first (LLM.close(), or build it in a `with LLM(...) as llm:` block)"
         )
     os.environ.update(MULTICAST_OFF_ENV)  # inherited by every process spawned below
     size = config.tensor_parallel_size
@@ -270,9 +273,7 @@ def _spawn(
         dev = f"cuda:{first_device + rank % per_node}" if device.type == "cuda" else "cpu"
         spec = dataclasses.replace(base, rank=rank, device=dev)
         # Not daemonic: a replica process (``--dp``) that spawns ranks is itself a child.
-        p = ctx.Process(target=rank_main, args=(spec,), name=f"ngrammar-tp-rank-{rank}", daemon=False)
-        p.start()
-        procs[rank] = p
+        procs[rank] = spawn(ctx, rank_main, (spec,), f"ngrammar-tp-rank-{rank}", daemon=False)
     return procs
 
 

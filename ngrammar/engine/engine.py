@@ -152,6 +152,7 @@ class LLMEngine:
         )
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
+        self.closed = False
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._grammar: GrammarBackend | None = None
@@ -212,8 +213,21 @@ class LLMEngine:
         return start_tensor_parallel(self.config, checkpoint, self.device, self.dtype, num_pages)
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks, if any (idempotent; also done at interpreter exit)."""
+        """Release what the engine holds now: its requests, the KV pool and graphs, the other
+        tensor-parallel ranks and the process group, the grammar fill and compile threads (idempotent).
+        Nothing can be added or stepped afterwards."""
+        if self.closed:
+            return
+        self.abort_and_release(list(self.requests))
+        self.closed = True
         self.runner.close()
+        self.grammar_rows.close()
+        if self._grammar is not None:
+            self._grammar.close()
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this engine is closed (LLM.close()): build a new one")
 
     def _backend(self) -> AttentionBackend:
         return attention_backend(self.config.attention_backend, self.device)
@@ -317,6 +331,7 @@ class LLMEngine:
         stream: bool = True,
     ) -> str:
         """Queue a request; raises InvalidRequestError / GrammarError for bad input (nothing queued)."""
+        self.check_open()
         prompt_ids = self.tokenize(prompt)
         self.validate(prompt_ids, params)
         compiled = self.compile_grammar(params)
@@ -377,6 +392,7 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one scheduled forward; returns outputs of requests that progressed or finished."""
+        self.check_open()
         start = self._step_start = time.perf_counter()
         host, shadow = self._host_seconds(), self.stats.shadow_seconds
         if isinstance(self._in_flight, _InFlight) and self._chain_decode():

@@ -163,8 +163,12 @@ class Sequence:
         rejected = self.grammar.settle()
         if rejected is None:
             return True
-        self.finish("error", self._rejection(rejected))
+        self.grammar_rejected(rejected)
         return False
+
+    def grammar_rejected(self, token: int) -> None:
+        """Settling found a committed ``token`` the grammar refuses: finish with an error."""
+        self.finish("error", self._rejection(token))
 
     def _grammar_accepts(self, token: int) -> bool:
         assert self.grammar is not None

@@ -55,6 +55,7 @@ from ngrammar.speculative.forced import ForcedText
 from ngrammar.speculative.policy import MAX_MATCH, make_policy
 from ngrammar.speculative.proposer import DraftProposer, Proposal
 from ngrammar.speculative.replay import ReplayTarget
+from ngrammar.speculative.step_costs import NO_GRAMMAR, grammar_class
 from ngrammar.speculative.tree import DraftTree, reconstruct_indices_from_tree_mask
 from ngrammar.speculative.upkeep import CorpusUpkeep
 
@@ -145,7 +146,7 @@ class NgramSpecWorker:
         # four kernels instead of ~100 small ops); Triton compiles for CUDA only, so a CPU keeps the ops.
         self.accept_kernel = self.device.type == "cuda"
         self.last_drafts: dict[str, int] = {}  # seq id -> drafts it accepted in the last verify step
-        self._constrained = False  # whether the last batch the policy chose for had a grammar
+        self._grammar_class = NO_GRAMMAR  # of the last batch the policy chose for (``grammar_class``)
         self.ahead = DraftAhead(self.corpus)  # the corpus' drafting, with trees drafted ahead
         self.on_prepare: Callable[[], None] | None = None  # test hook: called when trees are drafted ahead
         self.replay: ReplayTarget | None = None  # benchmarks: recorded outputs decide acceptance
@@ -157,7 +158,7 @@ class NgramSpecWorker:
     def index_plain_step(self, seqs: list[Sequence], read_wait: float) -> None:
         """Index a plain step's batch (its forward just launched) when that is cheap next to the
         step (``CorpusUpkeep.index_plain_step``)."""
-        self.upkeep.index_plain_step(seqs, read_wait, self._constrained)
+        self.upkeep.index_plain_step(seqs, read_wait, self._grammar_class)
 
     def on_finish(self, seqs: list[Sequence]) -> None:
         ids = [s.seq_id for s in seqs]
@@ -194,7 +195,7 @@ class NgramSpecWorker:
         the policy prices what the token in flight may make of them
         (``AcceptanceModel.expected``); pricing each length at its bound, one longer, broke chains for
         verify steps the committed token then called off."""
-        self._constrained = any(s.grammar is not None for s in seqs)
+        self._grammar_class = grammar_class(s.params.grammar_kind for s in seqs)
         # A request that opted out never takes a verify step, so neither does its batch.
         if not all(s.params.speculative for s in seqs):
             return 1
@@ -205,7 +206,7 @@ class NgramSpecWorker:
         return self.policy.choose(
             [s.seq_id for s in seqs],
             lambda: [proposer.match_length(s, MAX_MATCH) for s in seqs],
-            self._constrained,
+            self._grammar_class,
             (lambda: [s.remaining_tokens - grow for s in seqs]) if draining else None,
             ahead,
             cap,
@@ -242,7 +243,7 @@ class NgramSpecWorker:
             width,
             seconds,
             None if result is None else result.drafts,
-            self._constrained,
+            self._grammar_class,
             () if result is None else result.censored,
             None if result is None else result.depths,
             restart,
@@ -313,7 +314,7 @@ class NgramSpecWorker:
             ]
             replay.apply(logits[: len(targets)], targets)
         upkeep = self.upkeep
-        upkeep.index_outputs(seqs, upkeep.index_budget(len(seqs), self._constrained))
+        upkeep.index_outputs(seqs, upkeep.index_budget(len(seqs), self._grammar_class))
         self.grammar.apply_tree(seqs, tree, logits)
         deepest = int(depths.max())  # levels below the deepest root of the verified trees
         # The accepted paths' KV moves next to their prefixes on the device, before the read: the
@@ -366,8 +367,8 @@ class NgramSpecWorker:
         the policy learns that each member accepted nothing (as that step would have taught it) and
         the caller runs a plain step instead. A constrained batch's grammars settle here, before
         the launch; the bitmask rows are still built while the forward runs."""
-        constrained = any(s.grammar is not None for s in seqs)
-        if constrained:
+        grammar = grammar_class(s.params.grammar_kind for s in seqs)
+        if grammar != NO_GRAMMAR:
             t = time.perf_counter()
             self.grammar.settle(seqs)
             self.stats.grammar_seconds += time.perf_counter() - t
@@ -383,7 +384,7 @@ class NgramSpecWorker:
         self.stats.draft_seconds += time.perf_counter() - t
         if proposal is None:
             self.stats.vetoed_steps += 1
-            self.policy.observe_vetoed(len(seqs), width, constrained, [s.seq_id for s in seqs])
+            self.policy.observe_vetoed(len(seqs), width, grammar, [s.seq_id for s in seqs])
             return None
         self.stats.grammar_pruned_nodes += proposal.pruned
         return proposal

@@ -20,14 +20,17 @@ from __future__ import annotations
 import json
 import re
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 import torch
 
+from ngrammar.grammar.forced_bound import JUMP_FORWARD_LIMIT, forced_text_bound
 from ngrammar.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # xgrammar takes seconds to import; the backend loads it on first use
@@ -194,11 +197,21 @@ class GrammarMatcher:
     exactly when it accepts a stop token.
     """
 
-    def __init__(self, inner: xgr.GrammarMatcher, vocab_size: int, stop_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self,
+        inner: xgr.GrammarMatcher,
+        vocab_size: int,
+        stop_token_ids: frozenset[int],
+        jump_forward: bool = True,
+        start: np.ndarray | None = None,
+    ) -> None:
         self._m = inner
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids  # the stop tokens the grammar was compiled with
+        self._jumps = jump_forward  # False: the grammar may force more text than JUMP_FORWARD_LIMIT
         self._pending: list[int] = []  # accept_masked tokens not yet given to xgrammar, in order
+        self._start = start  # int32 [W]: the grammar's start-state row, shared by its matchers (read only)
+        self._depth = 0  # tokens xgrammar holds: 0 means the matcher is at the grammar's start
 
     def accept_token(self, token: int) -> bool:
         """Advance by one token; False (state unchanged) if the grammar forbids it."""
@@ -206,7 +219,10 @@ class GrammarMatcher:
         return self._take(int(token))
 
     def _take(self, token: int) -> bool:
-        return 0 <= token < self.vocab_size and bool(self._m.accept_token(token))
+        if 0 <= token < self.vocab_size and self._m.accept_token(token):
+            self._depth += 1
+            return True
+        return False
 
     def accept_masked(self, token: int) -> None:
         """Commit a token drawn under this matcher's own bitmask; xgrammar takes it at ``settle``."""
@@ -230,14 +246,24 @@ class GrammarMatcher:
 
         Must not be called once terminated: nothing may follow the stop token.
         """
+        start = self.start_row()
+        if start is not None:
+            bitmask.numpy()[row] = start
+        else:
+            self._m.fill_next_token_bitmask(bitmask, row)
+
+    def start_row(self) -> np.ndarray | None:
+        """The grammar's start-state row (int32 [W], read only) while the matcher is at the start
+        with nothing deferred, else None (its row must be filled). Settles first."""
         self._settled()
-        self._m.fill_next_token_bitmask(bitmask, row)
+        return self._start if self._depth == 0 else None
 
     def rollback(self, n: int) -> None:
         """Undo the last ``n`` accepted tokens (history is unlimited; n must not exceed it)."""
         self._settled()
         if n > 0:
             self._m.rollback(n)
+            self._depth -= n
 
     def is_terminated(self) -> bool:
         """True once a stop token ended the grammar; no further token is accepted."""
@@ -257,9 +283,11 @@ class GrammarMatcher:
 
     def jump_forward(self) -> str:
         """The text every continuation of the current state starts with (xgrammar's jump-forward
-        string): empty where the next character is not forced, or once completed or terminated."""
+        string): empty where the next character is not forced, or once completed or terminated, and
+        always for a grammar that may force more than ``JUMP_FORWARD_LIMIT`` characters (xgrammar
+        would build all of them)."""
         self._settled()
-        if self._m.is_terminated():
+        if not self._jumps or self._m.is_terminated():
             return ""
         return str(self._m.find_jump_forward_string())
 
@@ -317,7 +345,11 @@ class GrammarBackend:
         self._bytes: dict[GrammarSpec, int] = {}  # memory of each cached grammar
         self._pins: dict[GrammarSpec, int] = {}  # pin counts; pinned entries are not evicted
         self._in_flight: dict[GrammarSpec, Future[xgr.CompiledGrammar]] = {}  # one compile per spec
+        # id(compiled grammar) -> whether it forces at most JUMP_FORWARD_LIMIT characters (set at
+        # compile, dropped with the grammar: CompiledGrammar is not hashable)
+        self._jumps: dict[int, bool] = {}
         self.compile_count = 0  # compilations that actually ran (cache misses), for tests and stats
+        self._start_rows: dict[int, np.ndarray] = {}  # id(compiled grammar) -> ``start_row``
 
     @property
     def cache_bytes(self) -> int:
@@ -410,8 +442,29 @@ class GrammarBackend:
         return self._pool.submit(self.compile, spec)
 
     def new_matcher(self, compiled: xgr.CompiledGrammar) -> GrammarMatcher:
-        """A fresh matcher at the grammar's start; the stop tokens are the tokenizer's EOS ids."""
-        return GrammarMatcher(self._xgr.GrammarMatcher(compiled), self.vocab_size, self.stop_token_ids)
+        """A fresh matcher at the grammar's start; the stop tokens are the tokenizer's EOS ids. Its
+        first row is the grammar's start row, filled once per compiled grammar (``start_row``)."""
+        jumps = self._jumps.get(id(compiled), False)  # compiled elsewhere: no bound known, no jumps
+        inner = self._xgr.GrammarMatcher(compiled)
+        return GrammarMatcher(inner, self.vocab_size, self.stop_token_ids, jumps, self.start_row(compiled))
+
+    def start_row(self, compiled: xgr.CompiledGrammar) -> np.ndarray:
+        """The next-token row of ``compiled`` at its start (int32 [W], read only), filled on first
+        use and kept while the compiled grammar lives (keyed by its id, dropped when it is freed)."""
+        key = id(compiled)
+        with self._lock:
+            row = self._start_rows.get(key)
+        if row is not None:
+            return row
+        bitmask = torch.zeros((1, (self.vocab_size + 31) // 32), dtype=torch.int32)
+        self._xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+        row = bitmask.numpy()[0]
+        row.flags.writeable = False
+        with self._lock:
+            if key not in self._start_rows:
+                self._start_rows[key] = row
+                weakref.finalize(compiled, self._start_rows.pop, key, None)
+            return self._start_rows[key]
 
     def close(self) -> None:
         """Stop the compile threads (pending compilations finish first)."""
@@ -432,14 +485,33 @@ class GrammarBackend:
         except Exception as e:  # xgrammar raises RuntimeError (and a few others) for bad input
             raise GrammarError(f"invalid {what}: {_xgrammar_message(e)}") from None
         self._check_satisfiable(compiled, what)
+        self._jumps[id(compiled)] = self._forces_little(spec)
+        weakref.finalize(compiled, self._jumps.pop, id(compiled), None)
         return compiled
 
     def _check_satisfiable(self, compiled: xgr.CompiledGrammar, what: str) -> None:
         """A grammar must allow some first token (EOS, for one that matches only the empty string):
         otherwise every step would mask the whole vocabulary and the request could only fail inside
         the engine (it did, as a server error, for the regex ``[^\\s\\S]``)."""
-        if not self.new_matcher(compiled).allows_any_token():
+        if not self.start_row(compiled).any():
             raise GrammarError(f"invalid {what}: it matches no text this tokenizer can produce")
+
+    def _forces_little(self, spec: GrammarSpec) -> bool:
+        """Whether ``spec`` forces at most ``JUMP_FORWARD_LIMIT`` characters anywhere. The bound reads
+        the grammar before compilation: forced text depends on the language only, and a compiled
+        grammar serializes its per-rule automata too (57 MB for 1,000 chained rules)."""
+        if spec.kind == "ebnf" and "(=" in spec.source:
+            return False  # a hand-written lookahead may narrow what follows a rule past what the bound sees
+        xgr = self._xgr
+        if spec.kind == "json_schema":
+            grammar = xgr.Grammar.from_json_schema(spec.source)
+        elif spec.kind == "regex":
+            grammar = xgr.Grammar.from_regex(spec.source)
+        elif spec.kind == "ebnf":
+            grammar = xgr.Grammar.from_ebnf(spec.source)
+        else:
+            grammar = xgr.Grammar.builtin_json_grammar()
+        return forced_text_bound(grammar.serialize_json()) <= JUMP_FORWARD_LIMIT
 
     def _compiler_for(self, spec: GrammarSpec) -> tuple[Callable[[], xgr.CompiledGrammar], str]:
         c = self._compiler

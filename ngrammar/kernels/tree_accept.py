@@ -25,7 +25,7 @@ import triton.language as tl
 @dataclass(frozen=True)
 class GreedyAccept:
     """What ``greedy_tree_accept`` returns; every tensor int64 on the kernel's device, -1 marks
-    padding (the fields of ``speculative.verify.TreeAcceptResult``, plus the packed row and moves)."""
+    padding (the fields of ``runner.acceptance.TreeAcceptResult``, plus the packed row and moves)."""
 
     accept_index: torch.Tensor  # [bs, D]: flat rows b*D+node of the accepted path, root first
     accept_len: torch.Tensor  # [bs]: accepted drafts + 1 = tokens emitted this step (1..D)

@@ -8,7 +8,7 @@ projections go through ``ops`` (``ngrammar.model.ops``): torch on the CPU, fused
 CUDA, where the residual add rides along with the next norm and, in one-token steps, the norm and
 SiLU·mul ride inside the projection that consumes them. RoPE is applied by the attention
 backend, which can fuse it into its K/V write. With tensor parallelism (``tp``) the module is built
-from the rank's share of the config (``distributed.parallel.local_model_config``): o and down end
+from the rank's share of the config (``model.parallel.local_model_config``): o and down end
 in one all-reduce each, the embedding and the logits are vocab-parallel.
 """
 

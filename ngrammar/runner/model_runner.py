@@ -18,7 +18,7 @@ from ngrammar.attention.metadata import AttentionBackend, AttentionMetadata
 from ngrammar.attention.sdpa import TorchSDPABackend
 from ngrammar.model.config import ModelConfig
 from ngrammar.model.llama import LlamaForCausalLM
-from ngrammar.model.loader import Checkpoint, iter_weights, load_gguf_q4
+from ngrammar.model.loader import Checkpoint, iter_weights, load_gguf_q4, release_freed_memory
 from ngrammar.model.ops import default_ops
 from ngrammar.model.parallel import local_model_config
 from ngrammar.model.quant import KernelTable, apply_quantization
@@ -125,6 +125,16 @@ class PendingRead:
         return self._host
 
 
+def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero KV pool. On a CPU its memory comes from calloc, whose pages the OS maps (zeroed) on first
+    write: the resident size follows the pages in use, not the pool's capacity (``torch.zeros``
+    writes every byte up front)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    raw = np.zeros(int(np.prod(shape)) * dtype.itemsize, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -164,8 +174,10 @@ class ModelRunner:
         if quantization != "none":
             self.kernel_table = apply_quantization(model, load_gguf_q4(checkpoint), quantization, dtype)
         self.model = model.eval()
-        self.kv_cache = torch.zeros(
-            (c.num_layers, 2, num_pages, page_size, c.num_kv_heads, c.head_dim), dtype=dtype, device=device
+        if device.type == "cpu":
+            release_freed_memory()
+        self.kv_cache = zeroed_pool(
+            (c.num_layers, 2, num_pages, page_size, c.num_kv_heads, c.head_dim), dtype, device
         )
         self.on_forward: Callable[[], None] | None = None  # test hook: called when a forward is launched
         self.on_to_host: Callable[[], None] | None = None  # test hook: called on every device->host read
@@ -202,7 +214,10 @@ class ModelRunner:
         self.graphs = graphs
 
     def close(self) -> None:
-        """Release what outlives the object (nothing for one process; the ranks with TP)."""
+        """Free the KV pool and the captured graphs now, not when the last reference goes (the
+        ranks too with TP); the runner cannot run a step afterwards."""
+        self.graphs = None
+        self.kv_cache = self.kv_cache.new_empty(0)
 
     def _tensor(self, values: Sequence[int] | np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return to_device(values, dtype, self.device)

@@ -44,7 +44,7 @@ from ngrammar.server.engine_loop import (
     QueueFull,
     RequestGroup,
 )
-from ngrammar.server.http import Guard, uvicorn_kwargs
+from ngrammar.server.http import DrainingServer, Guard, uvicorn_kwargs
 from ngrammar.server.metrics import CONTENT_TYPE, ServerMetrics
 from ngrammar.server.protocol import (
     AssistantMessage,
@@ -945,7 +945,7 @@ def _corpus_path(root: str | None, path: str) -> str:
 
 def _draft_corpora(s: _Server) -> DraftCorpora:
     """The engine's external draft corpora."""
-    if not isinstance(s.engine, LLMEngine):  # ``distributed.router.ReplicaFront``: no engine here
+    if not isinstance(s.engine, LLMEngine):  # ``server.router.ReplicaFront``: no engine here
         raise APIError(400, "draft corpora are not served with --dp / --tp (each replica drafts on its own)")
     spec = s.engine.spec
     if spec is None or spec.proposer.corpora is None:
@@ -1053,5 +1053,5 @@ def serve(args: argparse.Namespace) -> int:
 
     config = ServerConfig(**config_kwargs(args, ServerConfig))
     app = create_app(engine_kwargs(args), config=config)
-    uvicorn.run(app, log_level="info", **uvicorn_kwargs(config))
+    DrainingServer(uvicorn.Config(app, log_level="info", **uvicorn_kwargs(config))).run()
     return 0

@@ -9,6 +9,10 @@ and a client that stops sending its body for ``read_timeout_s`` is a 408.
 request's headers within ``header_timeout_s`` (a slow client holding a socket forever), refuses
 connections past ``max_connections`` with a 503, and answers a malformed request with JSON rather
 than uvicorn's plain text.
+
+``DrainingServer`` (uvicorn's server, subclassed) bounds shutdown: the first SIGTERM or SIGINT
+drains (``timeout_graceful_shutdown``) and arms an alarm that ends the process ``EXIT_DEADLINE_S``
+later whatever is still running.
 """
 
 from __future__ import annotations
@@ -16,9 +20,12 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import signal
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import h11
+import uvicorn
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -28,6 +35,8 @@ if TYPE_CHECKING:
 
 OPEN_PATHS = frozenset({"/health"})  # reachable without the API key
 _REFUSED_CLOSE_S = 0.5
+DRAIN_S = 5  # in-flight requests get this long to finish after SIGTERM / SIGINT
+EXIT_DEADLINE_S = 12  # then the process ends by this, drained or not
 
 
 def error_body(message: str, type_: str, code: str | None = None) -> bytes:
@@ -206,5 +215,17 @@ def uvicorn_kwargs(config: ServerConfig) -> dict[str, Any]:
         "port": config.port,
         "http": protocol_class(config),
         "timeout_keep_alive": config.keep_alive_s,
-        "timeout_graceful_shutdown": 5,
+        "timeout_graceful_shutdown": DRAIN_S,
     }
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server whose first exit signal also arms SIGALRM: its default action ends the process
+    without running Python, so a step, a compile thread or a handler that does not return cannot
+    hold the exit past ``EXIT_DEADLINE_S``."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit:
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(EXIT_DEADLINE_S)
+        super().handle_exit(sig, frame)

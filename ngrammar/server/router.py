@@ -37,6 +37,7 @@ from ngrammar.model.loader import resolve_checkpoint
 from ngrammar.model.parallel import MULTICAST_OFF_ENV
 from ngrammar.model.tokenizer import Message, Tokenizer
 from ngrammar.outputs import RequestOutput
+from ngrammar.processes import spawn
 from ngrammar.sampling_params import InvalidRequestError, SamplingParams
 from ngrammar.server.engine_loop import (
     EngineFailure,
@@ -400,10 +401,7 @@ def start_replicas(
     replicas = []
     for index in range(config.data_parallel_size):
         parent_conn, child_conn = ctx.Pipe()
-        p = ctx.Process(
-            target=replica_main, args=(index, config, child_conn), name=f"ngrammar-dp-{index}", daemon=False
-        )
-        p.start()
+        p = spawn(ctx, replica_main, (index, config, child_conn), f"ngrammar-dp-{index}", daemon=False)
         child_conn.close()
         replicas.append(Replica(index, p, parent_conn))
     try:

@@ -51,6 +51,7 @@ class ForcedText:
             self._by_bytes.setdefault(text, token)
             self._by_first.setdefault(text[0], []).append(token)
         self._cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._overhangs: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()  # ``overhang_candidates``
 
     def decode(self, tokens: Sequence[int]) -> bytes:
         return b"".join(self.vocab[t] for t in tokens)
@@ -102,15 +103,32 @@ class ForcedText:
                     break
         return out
 
-    def overhang_candidates(self, text: bytes) -> list[int]:
-        """Every token whose bytes start with ``text`` and are longer, lowest id first."""
+    def overhang_candidates(self, text: bytes) -> tuple[int, ...]:
+        """Every token whose bytes start with ``text`` and are longer, lowest id first (cached: the
+        scan reads every token with ``text``'s first byte, thousands for a quote or a space)."""
         if not text:
-            return []
-        return [
+            return ()
+        hit = self._overhangs.get(text)
+        if hit is not None:
+            self._overhangs.move_to_end(text)
+            return hit
+        found = tuple(
             t
             for t in self._by_first.get(text[0], ())
             if len(self.vocab[t]) > len(text) and self.vocab[t].startswith(text)
-        ]
+        )
+        self._overhangs[text] = found
+        if len(self._overhangs) > CACHE_SIZE:
+            self._overhangs.popitem(last=False)
+        return found
+
+
+def clip(text: str, tokens: int) -> tuple[str, bool]:
+    """The part of forced ``text`` that a chain of ``tokens`` draft tokens can spell (a token spells at
+    most ``MAX_TOKEN_BYTES`` bytes, so at most that many characters), and whether that is all of it:
+    only that part is tokenized."""
+    keep = max(tokens, 0) * MAX_TOKEN_BYTES
+    return (text, True) if len(text) <= keep else (text[:keep], False)
 
 
 def forced_text(backend: GrammarBackend, tokenizer: Tokenizer) -> ForcedText:

@@ -30,7 +30,7 @@ from typing import Protocol
 from ngrammar.config import SpeculativeConfig
 from ngrammar.speculative.acceptance import AcceptanceModel, run_length2
 from ngrammar.speculative.policy_params import MAX_MATCH, AdaptiveParams
-from ngrammar.speculative.step_costs import Bucket, StepCosts, bucket_of
+from ngrammar.speculative.step_costs import NO_GRAMMAR, Bucket, StepCosts, bucket_of
 
 __all__ = [
     "MAX_MATCH",
@@ -103,7 +103,7 @@ class DraftPolicy(Protocol):
         self,
         seq_ids: Sequence[str],
         match_lengths: MatchLengths,
-        constrained: bool = False,
+        grammar: str = NO_GRAMMAR,
         remaining: Callable[[], Sequence[int]] | None = None,
         ahead: bool = False,
         cap: int | None = None,
@@ -115,15 +115,13 @@ class DraftPolicy(Protocol):
         width: int,
         seconds: float,
         drafts: Mapping[str, int] | None = None,
-        constrained: bool = False,
+        grammar: str = NO_GRAMMAR,
         censored: Collection[str] = (),
         depths: Mapping[str, int] | None = None,
         restart: float | None = None,
     ) -> None: ...
 
-    def observe_vetoed(
-        self, batch_size: int, width: int, constrained: bool, seq_ids: Sequence[str]
-    ) -> None: ...
+    def observe_vetoed(self, batch_size: int, width: int, grammar: str, seq_ids: Sequence[str]) -> None: ...
 
     def observe_shadow(self, width: int, samples: Sequence[tuple[str, int, int, bool, int]]) -> None: ...
 
@@ -149,15 +147,15 @@ class _TimedPolicy:
         width: int,
         seconds: float,
         drafts: Mapping[str, int] | None = None,
-        constrained: bool = False,
+        grammar: str = NO_GRAMMAR,
         censored: Collection[str] = (),
         depths: Mapping[str, int] | None = None,
         restart: float | None = None,
     ) -> None:
-        b = bucket_of(batch_size, constrained)
+        b = bucket_of(batch_size, grammar)
         self.costs.record(b, width, seconds * b[0] / max(batch_size, 1))
 
-    def observe_vetoed(self, batch_size: int, width: int, constrained: bool, seq_ids: Sequence[str]) -> None:
+    def observe_vetoed(self, batch_size: int, width: int, grammar: str, seq_ids: Sequence[str]) -> None:
         pass  # nothing learned: the next step decides afresh
 
     def observe_shadow(self, width: int, samples: Sequence[tuple[str, int, int, bool, int]]) -> None:
@@ -177,7 +175,7 @@ class FixedWidthPolicy(_TimedPolicy):
         self,
         seq_ids: Sequence[str],
         match_lengths: MatchLengths,
-        constrained: bool = False,
+        grammar: str = NO_GRAMMAR,
         remaining: Callable[[], Sequence[int]] | None = None,
         ahead: bool = False,
         cap: int | None = None,
@@ -198,7 +196,7 @@ class ThresholdDraftPolicy(_TimedPolicy):
         self,
         seq_ids: Sequence[str],
         match_lengths: MatchLengths,
-        constrained: bool = False,
+        grammar: str = NO_GRAMMAR,
         remaining: Callable[[], Sequence[int]] | None = None,
         ahead: bool = False,
         cap: int | None = None,
@@ -252,12 +250,12 @@ class AdaptiveDraftPolicy:
         self,
         seq_ids: Sequence[str],
         match_lengths: MatchLengths,
-        constrained: bool = False,
+        grammar: str = NO_GRAMMAR,
         remaining: Callable[[], Sequence[int]] | None = None,
         ahead: bool = False,
         cap: int | None = None,
     ) -> int:
-        """The draft width for a decode step over these sequences (``constrained``: some have a grammar).
+        """The draft width for a decode step over these sequences (``grammar``: their ``grammar_class``).
 
         ``remaining`` (tokens each sequence may still emit, computed on demand) is given when the
         batch is draining (nothing waits to join it): then only the members on its critical path
@@ -265,14 +263,14 @@ class AdaptiveDraftPolicy:
         one token old and each member is priced by what that token may make of it
         (``AcceptanceModel.expected``); such estimates do not feed the members' outlooks."""
         widths = _capped(self.widths, cap)
-        width, self.reason = self._decide(seq_ids, match_lengths, constrained, remaining, ahead, widths)
+        width, self.reason = self._decide(seq_ids, match_lengths, grammar, remaining, ahead, widths)
         return width
 
     def _decide(
         self,
         seq_ids: Sequence[str],
         match_lengths: MatchLengths,
-        constrained: bool,
+        grammar: str,
         remaining: Callable[[], Sequence[int]] | None,
         ahead: bool,
         widths: list[int],
@@ -282,7 +280,7 @@ class AdaptiveDraftPolicy:
             return 1, "empty"
         if len(widths) == 1:
             return 1, "fixed"
-        b = bucket_of(len(seq_ids), constrained)
+        b = bucket_of(len(seq_ids), grammar)
         now = self._steps.get(b, 0)
         costs = self.costs.bucket_costs(b)
         for w in widths:  # plain first, then each width with no cost known or borrowable, twice
@@ -424,7 +422,7 @@ class AdaptiveDraftPolicy:
         width: int,
         seconds: float,
         drafts: Mapping[str, int] | None = None,
-        constrained: bool = False,
+        grammar: str = NO_GRAMMAR,
         censored: Collection[str] = (),
         depths: Mapping[str, int] | None = None,
         restart: float | None = None,
@@ -437,7 +435,7 @@ class AdaptiveDraftPolicy:
         below its root (a run can be no longer; unknown means a chain). ``restart``: this plain
         step restarts the overlap chain the verify step before it broke; the verify step's engine
         step spent that long on the host after its commit (``_charge_break``)."""
-        b = bucket_of(batch_size, constrained)
+        b = bucket_of(batch_size, grammar)
         now = self._steps.get(b, 0)
         self._steps[b] = now + 1
         self._last[(b, width)] = now
@@ -468,7 +466,7 @@ class AdaptiveDraftPolicy:
         )
         self._defer_retry(b, now + 1, width)
 
-    def observe_vetoed(self, batch_size: int, width: int, constrained: bool, seq_ids: Sequence[str]) -> None:
+    def observe_vetoed(self, batch_size: int, width: int, grammar: str, seq_ids: Sequence[str]) -> None:
         """A verify step of ``width`` nodes was called off before its launch: the members' trees held
         no draft to verify, only padding or drafts their grammars forbid
         (``NgramSpecWorker._propose``), so each would have accepted nothing. That teaches
@@ -477,7 +475,7 @@ class AdaptiveDraftPolicy:
         self.acceptance.learn(
             width, [(seq_id, self._lengths.get(seq_id, 0), 0, False, None) for seq_id in seq_ids]
         )
-        b = bucket_of(batch_size, constrained)
+        b = bucket_of(batch_size, grammar)
         self._defer_retry(b, self._steps.get(b, 0) + 1, width)
 
     def _defer_retry(self, bucket: Bucket, step: int, width: int) -> None:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ngrammar.speculative.corpus import NgramCorpus
+from ngrammar.speculative.forced import clip
 from ngrammar.speculative.tree import PAD_TOKEN, DraftTree, carry_to_kept
 
 if TYPE_CHECKING:
@@ -91,6 +92,11 @@ class _Builder:
     @property
     def full(self) -> bool:
         return len(self.tokens) > self.budget
+
+    @property
+    def room(self) -> int:
+        """Nodes that may still be added."""
+        return self.budget + 1 - len(self.tokens)
 
     def chain(self, node: int) -> list[int]:
         """The nodes from the root's first child down to ``node`` (empty for the root)."""
@@ -340,7 +346,8 @@ class DraftProposer:
         if self.forced is not None and not builder.full and leaves:
             builder.goto(0)
             assert builder.matcher is not None
-            for alt in self.forced.alternatives(builder.matcher.jump_forward(), 1 + ALTERNATIVES)[1:]:
+            text, _ = clip(builder.matcher.jump_forward(), builder.room)
+            for alt in self.forced.alternatives(text, 1 + ALTERNATIVES)[1:]:
                 builder.add_path(0, alt)
         self._count("alternative", builder, n)
 
@@ -351,7 +358,7 @@ class DraftProposer:
             return []
         builder.goto(at)
         assert builder.matcher is not None
-        text = builder.matcher.jump_forward()
+        text, whole = clip(builder.matcher.jump_forward(), builder.room)
         if not text:
             return []
         canonical = self.forced.canonical(text)
@@ -359,7 +366,7 @@ class DraftProposer:
         if not nodes:
             return []
         leaves = [nodes[-1]]
-        if len(nodes) == len(canonical):  # the whole text is drafted: hedge its last token's merge
+        if whole and len(nodes) == len(canonical):  # the whole text is drafted: hedge its last token's merge
             parent = builder.parents[nodes[-1]]
             kept = 0
             for token in self.forced.overhang_candidates(self.forced.vocab[canonical[-1]])[:OVERHANG_TRIES]:

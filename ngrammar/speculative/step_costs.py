@@ -1,4 +1,4 @@
-"""Measured decode-step costs per (batch-size bucket, grammar or not, draft width).
+"""Measured decode-step costs per (batch-size bucket, grammar class, draft width).
 
 A step's cost is a property of the hardware and the batch: the lower median of the last few step
 times per (bucket, width), a median because one slow step (a first launch, a page fault, a busy
@@ -10,16 +10,29 @@ of the nearest larger bucket timed at both.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-Bucket = tuple[int, bool]  # (batch size rounded up to a power of two, whether a grammar constrains it)
+# A batch's grammar class: NO_GRAMMAR, the one grammar kind its constrained members share
+# (``SamplingParams.grammar_kind``: json_schema, regex, ebnf, json_object), or MIXED_GRAMMARS.
+NO_GRAMMAR = "none"
+MIXED_GRAMMARS = "mixed"
+Bucket = tuple[int, str]  # (batch size rounded up to a power of two, its grammar class)
 
 
-def bucket_of(batch_size: int, constrained: bool) -> Bucket:
-    # A constrained verify step also builds a grammar bitmask for every tree node on the host, so
-    # it costs more than an unconstrained one of the same shape: timed apart.
-    return 1 << max(batch_size - 1, 0).bit_length(), constrained
+def grammar_class(kinds: Iterable[str | None]) -> str:
+    """The grammar class of a batch whose members have these grammar kinds (None: no grammar)."""
+    found = {k for k in kinds if k is not None}
+    if not found:
+        return NO_GRAMMAR
+    return found.pop() if len(found) == 1 else MIXED_GRAMMARS
+
+
+def bucket_of(batch_size: int, grammar: str = NO_GRAMMAR) -> Bucket:
+    # A constrained step also settles, fills and checks grammar rows on the host (a verify step
+    # one per tree node), at a cost that differs by kind (a regex's rows are cheap, any-JSON's
+    # dear): each grammar class is timed apart, so a verify step is priced at its own kind's cost.
+    return 1 << max(batch_size - 1, 0).bit_length(), grammar
 
 
 @dataclass
@@ -78,9 +91,9 @@ class StepCosts:
         costs = self.bucket_costs(bucket)
         return costs[width] if width in costs else self._estimate(bucket, width)
 
-    def plain_seconds(self, batch_size: int, constrained: bool) -> float | None:
+    def plain_seconds(self, batch_size: int, grammar: str = NO_GRAMMAR) -> float | None:
         """A plain step's measured time at this batch size (not normalized), or None while untimed."""
-        bucket = bucket_of(batch_size, constrained)
+        bucket = bucket_of(batch_size, grammar)
         plain = self.cost(bucket, 1)
         return None if plain is None else plain * batch_size / bucket[0]
 

@@ -107,7 +107,7 @@ class CorpusUpkeep:
             old = self._index_cost
             self._index_cost = per_token if old is None or per_token < old else old + 0.2 * (per_token - old)
 
-    def index_plain_step(self, seqs: Sequence[DraftRequest], read_wait: float, constrained: bool) -> None:
+    def index_plain_step(self, seqs: Sequence[DraftRequest], read_wait: float, grammar: str) -> None:
         """Index a plain step's batch (its forward just launched) when that is cheap next to the step.
 
         A request that starts repeating itself while decoding plainly must find its repetition in
@@ -124,9 +124,9 @@ class CorpusUpkeep:
         indexing off for good (a batch that never verifies would never re-measure it); one,
         because a whole batch's catch-up is what the rule keeps off a host-bound step. What the
         indexing leaves of the idle time goes to shadow drafts (``_shadow_step``). ``read_wait``:
-        what the engine's last commit waited for the device (``LLMEngine.read_wait``); ``constrained``:
-        whether the batch has a grammar (plain steps are timed apart)."""
-        plain = self.policy.costs.plain_seconds(len(seqs), constrained)
+        what the engine's last commit waited for the device (``LLMEngine.read_wait``); ``grammar``:
+        the batch's grammar class (``step_costs.grammar_class``: plain steps are timed apart)."""
+        plain = self.policy.costs.plain_seconds(len(seqs), grammar)
         cost = self._index_cost
         idle = 0.0 if plain is None else self._idle_seconds(plain, read_wait)
         allowed = None if plain is None else max(PLAIN_INDEX_SHARE * plain, idle)
@@ -190,7 +190,7 @@ class CorpusUpkeep:
         last = stats.steps == self._plain_host_step + 1 and stats.last_step_seconds <= HIDDEN_SLACK * plain
         return min(wait + (self._plain_host_seconds if last else 0.0), plain) - IDLE_MARGIN * plain
 
-    def index_budget(self, batch_size: int, constrained: bool) -> float | None:
+    def index_budget(self, batch_size: int, grammar: str) -> float | None:
         """Host seconds a verify step may spend indexing: a plain step's time at this batch size,
         a lower bound of the verify forward's that the indexing hides behind (the grammar masks
         and the KV compaction queue after it, in what remains of the forward). None: not timed
@@ -198,7 +198,7 @@ class CorpusUpkeep:
         budget would only lose n-grams."""
         if self.device.type != "cuda":
             return None
-        return self.policy.costs.plain_seconds(batch_size, constrained)
+        return self.policy.costs.plain_seconds(batch_size, grammar)
 
     def forget(self, seq_ids: list[str]) -> None:
         self.shadows.forget(seq_ids)
