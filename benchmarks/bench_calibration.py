@@ -23,7 +23,7 @@ def run_calibration(
 ) -> dict[str, Any]:
     """Each grounded prompt alone (batch 1), stepped by hand so that every verify step's expectation
     (``AdaptiveDraftPolicy.priced``) meets its outcome (``NgramSpecWorker`` last accepted drafts)."""
-    eng, worker = spec.engine, spec.engine.spec
+    eng, worker = spec.engine, spec.engine.ngram
     assert worker is not None and isinstance(worker.policy, AdaptiveDraftPolicy), (
         "calibration needs the adaptive policy"
     )

@@ -76,7 +76,7 @@ def run_grammar_benchmark(
 ) -> dict[str, Any]:
     """Per workload: plain and NGRAM, without and with the grammar, and NGRAM + grammar with the
     readback switch, each run ``repeats`` times in a row."""
-    assert spec.engine.spec is not None
+    assert spec.engine.ngram is not None
     workloads = {
         "json-extraction": (extraction_prompts(batch_size), dict(json_schema=RECORD_SCHEMA)),
         "regex-logs": (regex_prompts(batch_size), dict(regex=LOG_REGEX)),
@@ -94,9 +94,9 @@ def run_grammar_benchmark(
         ]
         _rate(spec, prompts, variants[3][2])  # warm the corpus and grammar caches
         for label, llm, params, readback in variants:
-            spec.engine.spec.readback_links = readback
+            spec.engine.ngram.readback_links = readback
             figs = [_rate(llm, prompts, params) for _ in range(repeats)]
-            spec.engine.spec.readback_links = False
+            spec.engine.ngram.readback_links = False
             rate = statistics.median(f[0] for f in figs)
             gms = statistics.median(f[1] for f in figs)
             fms = statistics.median(f[2] for f in figs)
@@ -224,7 +224,7 @@ def run_structured_benchmark(
     grammar, NGRAM + grammar as before the draft proposer (n-gram drafts, pruned), with
     grammar-forced drafts, and with field memory too (one run each: greedy, so the tokens per
     step are deterministic given the policy's widths)."""
-    worker = spec.engine.spec
+    worker = spec.engine.ngram
     assert worker is not None
     proposer = worker.proposer
     memory = proposer.memory

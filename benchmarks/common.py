@@ -91,7 +91,7 @@ def _fmt(x: Any) -> str:
 def forget_outputs(llm: Any) -> None:
     """Empty the n-gram corpus (and the field memory) so a repeated prompt cannot draft from its own
     earlier output."""
-    spec = llm.engine.spec
+    spec = llm.engine.ngram
     if spec is not None:
         spec.corpus.reset()
         if spec.proposer.memory is not None:
@@ -162,7 +162,7 @@ def switch_pairs(
     """``verify_pairs`` of one engine whose NGRAM worker attribute ``switch`` is set to ``a``'s
     value for side a and ``b``'s for side b (name, value), restored afterwards: one engine, so the
     two sides share everything but the switch."""
-    worker = llm.engine.spec
+    worker = llm.engine.ngram
     before = getattr(worker, switch)
 
     def side(value: Any) -> Callable[[], VerifyRun]:

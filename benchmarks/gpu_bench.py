@@ -99,7 +99,7 @@ def bench_small_model(
     # Plain decoding that commits every step before launching the next (what overlap scheduling hides).
     stepwise = LLM(**_engine_kwargs(model, graphs), overlap_schedule=False)
     res["engine_start_s"] = time.perf_counter() - t
-    assert spec.engine.spec is not None
+    assert spec.engine.ngram is not None
     cats = _categories()
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     run_chat(plain, cats["open"][:2], greedy)
@@ -282,12 +282,12 @@ def _trace_summary(trace: list[StepRecord]) -> dict[str, dict[str, Any]]:
 
 
 def _grammar_variants(plain: LLM, spec: LLM, bs: int, max_tokens: int, repeats: int) -> dict[str, Any]:
-    assert spec.engine.spec is not None
+    assert spec.engine.ngram is not None
     prompts = extraction_prompts(bs)
     base = SamplingParams(max_tokens=max_tokens, temperature=0)
     gram = SamplingParams(max_tokens=max_tokens, temperature=0, json_schema=RECORD_SCHEMA)
     out: dict[str, Any] = {}
-    worker = spec.engine.spec
+    worker = spec.engine.ngram
     worker.sync_debug = True  # raises if anything syncs between drafting and the verify launch
     try:
         run_chat(spec, prompts, gram)
@@ -391,7 +391,7 @@ def links_equal_work(spec: LLM, prompts: list[Any], max_tokens: int, repeats: in
     With the policy on, the variants' different step times change which steps verify, and bf16
     verify and plain steps round differently, so the two ``_grammar_variants`` rows emit
     different text."""
-    worker = spec.engine.spec
+    worker = spec.engine.ngram
     assert worker is not None and spec.engine.config.speculative.policy == "fixed"
     params = SamplingParams(max_tokens=max_tokens, temperature=0, json_schema=RECORD_SCHEMA)
     # Both sides draft and trim the same trees: the same verify steps, the same tokens.

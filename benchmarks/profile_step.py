@@ -149,7 +149,7 @@ def _variants(
 
 def _max_width(llm: LLM) -> int:
     """The widest verify step the engine may run (1 without speculation)."""
-    return 1 if llm.engine.spec is None else llm.engine.spec.policy.max_width
+    return 1 if llm.engine.ngram is None else llm.engine.ngram.policy.max_width
 
 
 def phase_variant(llm: LLM, prompts: list[Any], max_tokens: int, grammar: bool = False) -> dict[str, Any]:

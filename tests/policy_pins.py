@@ -14,7 +14,7 @@ from typing import Any
 def pin_step_costs(llm: Any, plain: float = 0.010, per_node: float = 0.0002) -> None:
     """Teach ``llm``'s draft policy a fixed time per step (``plain`` seconds per member, plus
     ``per_node`` per extra tree node) in place of each measured one; a chain break is not charged."""
-    worker = llm.engine.spec
+    worker = llm.engine.ngram
     assert worker is not None, "pin_step_costs needs an engine with speculation"
     policy = worker.policy
     observe = policy.observe

@@ -70,7 +70,7 @@ def test_links_equal_work_runs_both_link_paths_on_the_same_tokens(spec_llm: Any)
     assert out["host_links_tok_s"] > 0 and out["readback_tok_s"] > 0 and out["ratio"] > 0
     assert out["host_links_verify_ms"] > 0 and out["readback_verify_ms"] > 0
     assert stats.spec_steps >= steps + 4  # each of the four runs verified
-    assert spec_llm.engine.spec.readback_links is False
+    assert spec_llm.engine.ngram.readback_links is False
 
 
 def test_draft_replay_accepts_copied_text_and_nothing_of_novel_text() -> None:

@@ -112,7 +112,7 @@ def test_config_validation() -> None:
 
 def test_the_acceptor_kernel_is_cuda_only(static_spec_llm: LLM) -> None:
     # Triton compiles for CUDA only: a CPU engine's graph path (no capture) keeps the torch ops.
-    worker = static_spec_llm.engine.spec
+    worker = static_spec_llm.engine.ngram
     assert worker is not None and not worker.accept_kernel
 
 
@@ -378,7 +378,7 @@ def test_kernel_acceptor_and_torch_acceptor_give_the_same_tokens() -> None:
     )
     fused = LLM(**kw)  # type: ignore[arg-type]
     ops = LLM(**kw, cuda_graph=False)  # type: ignore[arg-type]
-    assert fused.engine.spec.accept_kernel and ops.engine.runner.graphs is None
+    assert fused.engine.ngram.accept_kernel and ops.engine.runner.graphs is None
     copy = [f"Repeat this list exactly: {', '.join(str(i) for i in range(k, k + 30))}." for k in range(5)]
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     for prompts in (copy[:1], copy[:3], copy + PROMPTS[:2]):

@@ -355,8 +355,8 @@ def test_a_request_outgrowing_the_pool_fails_and_frees_its_pages(speculative: st
     alloc = small.engine.blocks.allocator
     alloc.check_integrity()
     assert alloc.num_free == alloc.num_pages  # the failed sequence's pages were released
-    if small.engine.spec is not None:
-        assert not small.engine.spec.policy.acceptance.seq_bias and not small.engine.spec.policy._lengths
+    if small.engine.ngram is not None:
+        assert not small.engine.ngram.policy.acceptance.seq_bias and not small.engine.ngram.policy._lengths
 
 
 def _fields(p: SamplingParams) -> dict:  # type: ignore[type-arg]

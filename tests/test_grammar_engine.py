@@ -185,12 +185,12 @@ def test_no_device_read_before_the_verify_launch(spec_llm: LLM) -> None:
         verify_steps = _split_steps(events)
         assert verify_steps and all(step == ["forward", "to_host"] for step in verify_steps)
         events.clear()
-        assert eng.spec is not None
-        eng.spec.readback_links = True  # the benchmark switch: the old readback path must show up
+        assert eng.ngram is not None
+        eng.ngram.readback_links = True  # the benchmark switch: the old readback path must show up
         try:
             spec_llm.chat(CITY_PROMPT, SamplingParams(max_tokens=8, temperature=0, json_schema=CITY_SCHEMA))
         finally:
-            eng.spec.readback_links = False
+            eng.ngram.readback_links = False
         assert ["to_host", "forward", "to_host"] in _split_steps(events)
 
 
@@ -246,7 +246,7 @@ def test_grammar_pruning_keeps_outputs_and_calls_off_hopeless_verify_steps(llm: 
     are verified at a narrower width. Here the prompt's lowercase words are what the corpus
     drafts, and the grammar allows only capitals."""
     eng = spec_llm.engine
-    assert eng.spec is not None
+    assert eng.ngram is not None
     prompts = [_chat("Repeat exactly: apples, bananas, cherries, apples, bananas, cherries"), CITY_PROMPT]
     params = [
         SamplingParams(
@@ -266,6 +266,6 @@ def test_grammar_pruning_keeps_outputs_and_calls_off_hopeless_verify_steps(llm: 
     assert spec[0].text.startswith("APPLES")
     assert st.vetoed_steps > vetoed and st.grammar_pruned_nodes > pruned
     widths = {r.width for r in trace if r.kind == "verify"}
-    assert widths and min(widths) < eng.spec.config.num_draft_tokens  # fixed D = 8, pruned narrower
+    assert widths and min(widths) < eng.ngram.config.num_draft_tokens  # fixed D = 8, pruned narrower
     alloc = eng.blocks.allocator
     assert alloc.num_free == alloc.num_pages

@@ -252,7 +252,7 @@ def test_ngram_with_overlap_is_lossless() -> None:
     assert stats.spec_steps > 0 and stats.chained_steps > 0  # both kinds of step ran
     assert stats.shadow_samples > 0  # plain steps taught the policy through shadow drafts ...
     assert (
-        spec.engine.spec is not None and len(spec.engine.spec.upkeep.shadows) == 0
+        spec.engine.ngram is not None and len(spec.engine.ngram.upkeep.shadows) == 0
     )  # ... and none outlives its request
     assert spec.engine.blocks.allocator.num_free == spec.engine.blocks.allocator.num_pages
 
@@ -284,8 +284,8 @@ def test_a_decision_ahead_sees_the_committed_match_lengths(spec_llm: LLM) -> Non
     """With a token in flight the policy decides for the step after it from the match lengths of
     the committed tokens (it prices the token in flight itself, see the next test)."""
     eng = spec_llm.engine
-    assert eng.spec is not None
-    worker = eng.spec
+    assert eng.ngram is not None
+    worker = eng.ngram
     rid = eng.add_request([5, 6, 7, 8, 2, 5, 6, 7], SamplingParams(max_tokens=4, temperature=0))
     seq = eng.requests[rid].seqs[0]
     other = eng.add_request([5, 6, 7, 8, 9, 5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0))
@@ -358,8 +358,8 @@ def test_a_committed_length_one_does_not_drain_the_chain_when_only_its_bound_wou
     step costing 1.6 plain ones, length 2 clears the policy's bar by 8% and the mixture at length 1
     misses it by 8%.)"""
     eng = spec_llm.engine
-    assert eng.spec is not None
-    worker = eng.spec
+    assert eng.ngram is not None
+    worker = eng.ngram
     one = eng.add_request([40001, 40002, 40003, 40004, 40002], SamplingParams(max_tokens=4, temperature=0))
     two = eng.add_request([40011, 40012, 40013, 40011, 40012], SamplingParams(max_tokens=4, temperature=0))
     at_one, at_two = eng.requests[one].seqs[0], eng.requests[two].seqs[0]
@@ -432,12 +432,12 @@ def test_the_plain_step_restarting_the_chain_carries_the_verify_steps_tail() -> 
         num_draft_tokens=4,
     )
     eng = spec.engine
-    assert eng.spec is not None
+    assert eng.ngram is not None
     widths = [4]  # the first decode step verifies, every later one is plain
-    eng.spec.choose_width = lambda seqs, draining, ahead=False: widths.pop() if widths else 1  # type: ignore[method-assign]
+    eng.ngram.choose_width = lambda seqs, draining, ahead=False: widths.pop() if widths else 1  # type: ignore[method-assign]
     observed: list[tuple[int, float, float | None]] = []
-    observe = eng.spec.observe_step
-    eng.spec.observe_step = lambda bs, width, seconds, restart=None, result=None: (  # type: ignore[method-assign]
+    observe = eng.ngram.observe_step
+    eng.ngram.observe_step = lambda bs, width, seconds, restart=None, result=None: (  # type: ignore[method-assign]
         observed.append((width, seconds, restart)),
         observe(bs, width, seconds, restart, result),
     )

@@ -176,7 +176,7 @@ def test_the_next_trees_are_drafted_between_a_launch_and_its_read(pipe_llm: LLM,
     step N + 1 are drafted after step N's launch and before its read (where on a GPU its
     forward runs); the step-by-step engine reads each step back before drafting anything."""
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    worker = pipe_llm.engine.spec
+    worker = pipe_llm.engine.ngram
     assert worker is not None
     stamps: list[tuple[str, float]] = []
     worker.on_prepare = lambda: stamps.append(("prepare", time.perf_counter()))

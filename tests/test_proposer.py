@@ -314,7 +314,7 @@ def test_forced_drafts_keep_greedy_outputs_on_random_schemas(
     prompts = [[{"role": "user", "content": f"Fill in this JSON schema: {json.dumps(s)}"}] for s in schemas]
     params = [SamplingParams(max_tokens=32, temperature=0, json_schema=s) for s in schemas]
     plain = [o.outputs[0].token_ids for o in llm.chat(prompts, params)]
-    proposer = forced_llm.engine.spec.proposer  # type: ignore[union-attr]
+    proposer = forced_llm.engine.ngram.proposer  # type: ignore[union-attr]
     before = proposer.source_nodes.get("forced", 0)
     batched = [o.outputs[0].token_ids for o in forced_llm.chat(prompts, params)]
     alone = [forced_llm.chat(p, q)[0].outputs[0].token_ids for p, q in zip(prompts[:4], params[:4])]
@@ -337,7 +337,7 @@ def test_sampling_with_forced_drafts_follows_the_grammar(forced_llm: LLM) -> Non
     """Sampled outputs under a grammar with forced text stay grammatical, through verify steps
     that carried forced drafts."""
     regex = r'\{"answer": "(yes|no)", "sure": (true|false)\}'
-    proposer = forced_llm.engine.spec.proposer  # type: ignore[union-attr]
+    proposer = forced_llm.engine.ngram.proposer  # type: ignore[union-attr]
     before = proposer.source_nodes.get("forced", 0)
     out = forced_llm.generate(
         "Answer in JSON:", SamplingParams(max_tokens=24, temperature=0.8, n=4, seed=5, regex=regex)
@@ -442,7 +442,7 @@ def test_a_capped_batch_times_and_prices_only_the_widths_it_can_use() -> None:
 
 def test_external_corpora_errors_and_removal(forced_llm: LLM, tmp_path: Path) -> None:
     eng = forced_llm.engine
-    corpora = eng.spec.proposer.corpora  # type: ignore[union-attr]
+    corpora = eng.ngram.proposer.corpora  # type: ignore[union-attr]
     assert corpora is not None and corpora.names() == ["units"]
     with pytest.raises(DraftCorpusError, match="does not exist"):
         corpora.add("missing", path=str(tmp_path / "nope.txt"))

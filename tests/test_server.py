@@ -688,7 +688,7 @@ def test_draft_corpus_endpoints_read_files_only_inside_the_configured_folder(
     secret.write_text("not for clients")
     closed = TestClient(create_app(live.state.engine))
     open_ = TestClient(create_app(live.state.engine, config=ServerConfig(draft_corpus_dir=str(inside))))
-    corpora = live.state.engine.spec.proposer.corpora
+    corpora = live.state.engine.ngram.proposer.corpora
     try:
         assert (
             "draft-corpus-dir"

@@ -166,7 +166,7 @@ def test_an_engine_with_nothing_to_pick_drafts_no_shadows() -> None:
         ({"num_draft_tokens": 4}, 1),
     ):
         llm = LLM(device="cpu", dtype="float32", kv_cache_tokens=1024, speculative="ngram", **kw)
-        worker = llm.engine.spec
+        worker = llm.engine.ngram
         assert worker is not None
         seq = Sequence(
             "repeats",

@@ -622,7 +622,7 @@ def test_plain_steps_index_the_output_so_a_repetition_is_matched() -> None:
         ngram_index_prompt=False,
     )
     out = spec.generate(GROUNDED[1], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
-    corpus = spec.engine.spec.corpus
+    corpus = spec.engine.ngram.corpus
     # A step indexes the tokens committed before it: all but the last output token.
     tokens = list(out.prompt_token_ids) + out.token_ids[:-1]
     assert corpus.ngram_count(tuple(tokens[-4:])) >= 1
@@ -638,7 +638,7 @@ def test_plain_steps_skip_indexing_where_it_would_cost_a_share_of_the_step() -> 
         spec_policy="fixed",
         num_draft_tokens=1,
     )
-    upkeep = spec.engine.spec.upkeep
+    upkeep = spec.engine.ngram.upkeep
     calls = []
     index = upkeep.index_outputs
     upkeep.index_outputs = lambda seqs, budget=None: (calls.append(len(seqs)), index(seqs, budget))  # type: ignore[method-assign]

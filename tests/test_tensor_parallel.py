@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from ngrammar import LLM, SamplingParams
+from ngrammar.engine.speculator import NoSpeculation
 from ngrammar.model.parallel import ParallelConfigError, check_tensor_parallel
 from ngrammar.model.sharding import split_dim
 from ngrammar.runner.model_runner import StepInput
@@ -104,14 +105,17 @@ def test_plain_greedy_outputs_are_identical(tp3: LLM, llm: LLM) -> None:
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 8, 6)]
     ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     eng = tp3.engine
-    spec, eng.spec = eng.spec, None  # the same ranks, decoding plainly (chained steps: overlap on)
+    spec, eng.speculator = (
+        eng.speculator,
+        NoSpeculation(),
+    )  # the same ranks, decoding plainly (chained steps: overlap on)
     try:
         chained, mixed = eng.stats.chained_steps, eng.stats.mixed_steps
         got = [o.outputs[0].token_ids for o in tp3.generate(prompts, params)]
         assert eng.stats.chained_steps > chained
         assert eng.stats.mixed_steps > mixed  # the third prefilled alongside the second's decode
     finally:
-        eng.spec = spec
+        eng.speculator = spec
     assert got == ref
 
 

@@ -17,38 +17,24 @@ import itertools
 import random
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ngrammar.attention.factory import attention_backend
-from ngrammar.attention.metadata import AttentionBackend
 from ngrammar.config import EngineConfig
-from ngrammar.distributed.driver import start_tensor_parallel
-from ngrammar.engine.block_manager import BlockManager, PageAllocator
+from ngrammar.engine.builder import EngineParts, attach_graphs, build_parts, mixed_step_tokens
 from ngrammar.engine.grammar_rows import GrammarRows
-from ngrammar.engine.logprobs import logprob_tensors, unpack_logprobs
+from ngrammar.engine.logprobs import unpack_logprobs
+from ngrammar.engine.plain_step import PendingDecode, commit_runs, decode_input, prefill_input, sample_plain
+from ngrammar.engine.requests import Request, collect_outputs, tokenize_prompt, validate_prompt
 from ngrammar.engine.scheduler import Scheduler
 from ngrammar.engine.sequence import Sequence
+from ngrammar.engine.speculator import NoSpeculation, Speculator
 from ngrammar.engine.stats import EngineStats, StepKind, StepRecord, timed_forward
 from ngrammar.engine.verify_step import NgramSpecWorker, PendingVerify, VerifyResult
-from ngrammar.model.config import ModelConfig
-from ngrammar.model.loader import Checkpoint, resolve_checkpoint
-from ngrammar.model.parallel import check_tensor_parallel, tensor_parallel_quantization
-from ngrammar.model.tokenizer import Message, Tokenizer
-from ngrammar.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from ngrammar.model.tokenizer import Message
+from ngrammar.outputs import RequestOutput
 from ngrammar.runner.cuda_graph import graph_capturable
-from ngrammar.runner.model_runner import (
-    ModelRunner,
-    PendingRead,
-    StepInput,
-    kv_bytes_per_token,
-    resolve_device,
-    resolve_dtype,
-    resolve_quantization,
-)
-from ngrammar.runner.sampler import SamplingTensors, sample
 from ngrammar.runner.transfer import to_device
 from ngrammar.sampling_params import InvalidRequestError, SamplingParams
 from ngrammar.speculative.forced import forced_text
@@ -60,95 +46,20 @@ if TYPE_CHECKING:
 __all__ = ["EngineStats", "LLMEngine", "Request", "StepKind", "StepRecord"]
 
 
-def tokenize_prompt(
-    tokenizer: Tokenizer, vocab_size: int, prompt: str | list[int] | Seq[Message]
-) -> list[int]:
-    """A prompt's token ids: text (encoded), chat messages (templated) or ids (range-checked)."""
-    if isinstance(prompt, str):
-        if not prompt:
-            raise InvalidRequestError("prompt is empty")
-        return tokenizer.encode_prompt(prompt)
-    if prompt and all(isinstance(m, dict) for m in prompt):
-        for m in prompt:  # (a message the template cannot render failed inside jinja)
-            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):  # type: ignore[union-attr]
-                raise InvalidRequestError(f"a chat message needs a string role and content, got {m!r}")
-        return tokenizer.apply_chat_template(prompt)  # type: ignore[arg-type]
-    ids = [int(t) for t in prompt]  # type: ignore[arg-type]
-    if any(not 0 <= t < vocab_size for t in ids):
-        raise InvalidRequestError("prompt token ids must be in [0, vocab_size)")
-    return ids
-
-
-def validate_prompt(prompt_ids: list[int], max_model_len: int, kv_capacity_tokens: int) -> None:
-    """A prompt must be non-empty, leave room for one output in the context and fit the KV pool."""
-    if not prompt_ids:
-        raise InvalidRequestError("prompt is empty")
-    if len(prompt_ids) >= max_model_len:
-        raise InvalidRequestError(
-            f"prompt is {len(prompt_ids)} tokens; the model's context is {max_model_len} tokens"
-        )
-    if len(prompt_ids) + 1 > kv_capacity_tokens:
-        raise InvalidRequestError(
-            f"prompt is {len(prompt_ids)} tokens; the KV cache holds {kv_capacity_tokens} tokens"
-        )
-
-
-@dataclass
-class Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    reported: list[int] = field(default_factory=list)  # token counts already reported, per seq
-    stream: bool = True  # report every step's progress, not only the final output
-
-    @property
-    def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
-
-
-@dataclass
-class _InFlight:
-    """A plain decode step sampled on the device whose tokens are not committed yet."""
-
-    seqs: list[Sequence]
-    tokens: torch.Tensor  # [B] int64 on the device: each sequence's sampled token
-    read: PendingRead  # the tokens (and logprob tensors) on their way to the host
-    launched: float  # perf_counter() at the start of the engine step that launched it
-    # The first plain step after a verify step (overlap): the verify engine step's host time after
-    # its commit, which the device sat idle through (``_run_decode``); None for any other step.
-    restart: float | None = None
-
-
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
-        if config.data_parallel_size > 1:
-            raise ValueError(
-                f"data_parallel_size {config.data_parallel_size}: replicas run behind the server "
-                "(ngrammar serve --dp N); one engine is one replica"
-            )
+    def __init__(self, config: EngineConfig, parts: EngineParts | None = None) -> None:
+        """``parts``: already built from ``config`` (``build_parts``), else built here."""
         self.config = config
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        checkpoint = resolve_checkpoint(config.model)
-        self.model_config = checkpoint.config
-        self.model_name = checkpoint.name
-        self.tokenizer = Tokenizer(checkpoint.tokenizer_dir, checkpoint.config.eos_token_ids)
-        self.max_model_len = self._context_length(config.max_model_len, checkpoint.config)
-        quantization = resolve_quantization(config.quantization, config.dtype, self.device)
-        if config.tensor_parallel_size > 1:  # before any process starts or weight is read
-            check_tensor_parallel(checkpoint.config, config.tensor_parallel_size, self.device, config.nnodes)
-            quantization = tensor_parallel_quantization(quantization, config.tensor_parallel_size)
-        num_pages = self._num_pages()
-        # The pool gets one page past the allocator's range (page ``num_pages``): no sequence ever
-        # owns it, so CUDA-graph padding rows write their K/V there.
-        self.runner = self._runner(checkpoint, num_pages + 1, quantization)
-        self.blocks = BlockManager(PageAllocator(num_pages, config.page_size), config.prefix_cache)
+        self.parts = parts = parts if parts is not None else build_parts(config)
+        self.device, self.dtype = parts.device, parts.dtype
+        self.model_config, self.model_name = parts.model_config, parts.model_name
+        self.tokenizer, self.max_model_len = parts.tokenizer, parts.max_model_len
+        self.runner, self.blocks = parts.runner, parts.blocks
         self.scheduler = Scheduler(
             self.blocks,
             config.max_running_requests,
             config.max_prefill_tokens,
-            self._mixed_step_tokens(),
+            mixed_step_tokens(config, self.device),
         )
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
@@ -165,7 +76,7 @@ class LLMEngine:
         ) and config.speculative is not None
         self.grammar_rows = GrammarRows(self.model_config.vocab_size, self.device, self.stats)
         # The step not read back yet: a plain one (overlap scheduling) or a verify one (pipelined).
-        self._in_flight: _InFlight | PendingVerify | None = None
+        self._in_flight: PendingDecode | PendingVerify | None = None
         self._step_start = 0.0  # perf_counter() at the start of the current engine step
         self._last_commit = 0.0  # perf_counter() when the last step's tokens were committed
         self._policy_drained = False  # the chain was just broken because the policy wanted a verify step
@@ -177,9 +88,9 @@ class LLMEngine:
         self.read_wait = 0.0
         self.step_trace: list[StepRecord] | None = None  # a list: every step is recorded in it
         self.replay: ReplayTarget | None = None  # benchmarks: recorded outputs decide (``set_replay``)
-        self.spec: NgramSpecWorker | None = None
+        self.speculator: Speculator = NoSpeculation()
         if config.speculative is not None:
-            self.spec = NgramSpecWorker(
+            self.speculator = NgramSpecWorker(
                 config.speculative,
                 self.runner,
                 self.grammar_rows,
@@ -193,24 +104,13 @@ class LLMEngine:
     # ----------------------------------------------------------------- set-up
     def set_replay(self, target: ReplayTarget | None) -> None:
         """Let recorded greedy outputs decide every token (``speculative/replay.py``), or stop."""
-        self.replay = target
-        if self.spec is not None:
-            self.spec.replay = target
+        self.replay = self.speculator.replay = target
 
-    def _runner(self, checkpoint: Checkpoint, num_pages: int, quantization: str) -> ModelRunner:
-        """This process's runner; with ``tensor_parallel_size`` > 1, rank 0's, which starts the other
-        ranks and sends them every step (``ngrammar.distributed``)."""
-        if self.config.tensor_parallel_size == 1:
-            return ModelRunner(
-                checkpoint,
-                self.device,
-                self.dtype,
-                num_pages,
-                self.config.page_size,
-                self._backend(),
-                quantization,
-            )
-        return start_tensor_parallel(self.config, checkpoint, self.device, self.dtype, num_pages)
+    @property
+    def ngram(self) -> NgramSpecWorker | None:
+        """The NGRAM worker, where the config speculates."""
+        spec = self.speculator
+        return spec if isinstance(spec, NgramSpecWorker) else None
 
     def close(self) -> None:
         """Release what the engine holds now: its requests, the KV pool and graphs, the other
@@ -229,71 +129,9 @@ class LLMEngine:
         if self.closed:
             raise RuntimeError("this engine is closed (LLM.close()): build a new one")
 
-    def _backend(self) -> AttentionBackend:
-        return attention_backend(self.config.attention_backend, self.device)
-
     def enable_cuda_graphs(self, capture: bool = True) -> None:
-        """Serve uniform decode / verify steps from static buffers, replaying captured CUDA graphs.
-
-        capture=False runs the same static-buffer and padding path eagerly (how it is tested on CPU).
-        Widths are every D the draft policy may pick, or a trimmed tree be verified at
-        (``DraftProposer.propose``); all graphs are captured here, up front, so no capture
-        lands inside a timed step.
-        """
-        widths = [1] if self.spec is None else self.spec.graph_widths()
-        # With tensor parallelism the greedy acceptor stays eager: each rank moves its own KV shard
-        # (``distributed.driver.DriverRunner.compact_accepted_kv``), which a rank-0-only graph would not.
-        one_rank = self.config.tensor_parallel_size == 1
-        self.runner.attach_graphs(
-            widths,
-            max_batch_size=min(self.config.cuda_graph_max_bs, self.config.max_running_requests),
-            kv_len_bound=self.max_model_len + max(widths),
-            dummy_page=self.blocks.allocator.num_pages,
-            capture=capture,
-            acceptor=self.spec.graph_acceptor if self.spec is not None and one_rank else None,
-        )
-
-    def _mixed_step_tokens(self) -> int | None:
-        """The token budget of a mixed step (None: no mixed steps)."""
-        c = self.config
-        if not c.mixed_steps:
-            return None
-        if c.mixed_step_tokens is not None:
-            return c.mixed_step_tokens
-        return 512 if self.device.type == "cuda" else 64
-
-    @staticmethod
-    def _context_length(requested: int | None, model: ModelConfig) -> int:
-        """``max_model_len``, or the model's whole context (capped at a sliding window, which is
-        not implemented: within it attention is full). Asking for more is an error, as in vLLM."""
-        if requested is None:
-            return model.max_context
-        if requested > model.max_context:
-            why = (
-                "its sliding window, not implemented here"
-                if model.max_context < model.max_position
-                else "its context"
-            )
-            raise ValueError(
-                f"max_model_len {requested} is longer than the model's {model.max_context} tokens ({why})"
-            )
-        return requested
-
-    def _num_pages(self) -> int:
-        c = self.config
-        tokens = c.kv_cache_tokens
-        if tokens is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                # each rank's pool holds its share of the KV heads
-                tokens = int(free * c.gpu_memory_utilization * c.tensor_parallel_size) // kv_bytes_per_token(
-                    self.model_config, self.dtype
-                )
-            else:
-                tokens = c.cpu_kv_cache_tokens
-        if tokens < c.page_size:
-            raise ValueError(f"the KV cache would hold {tokens} tokens, less than one page of {c.page_size}")
-        return tokens // c.page_size
+        """Serve uniform decode / verify steps from CUDA graphs (``builder.attach_graphs``)."""
+        attach_graphs(self.parts, self.config, self.speculator, capture)
 
     @property
     def grammar_backend(self) -> GrammarBackend:
@@ -319,9 +157,7 @@ class LLMEngine:
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         validate_prompt(prompt_ids, self.max_model_len, self.kv_capacity_tokens)
         if params.draft_corpora:
-            if self.spec is None:
-                raise InvalidRequestError("draft_corpora needs an engine with speculative decoding")
-            self.spec.check_corpora(params.draft_corpora)
+            self.speculator.check_corpora(params.draft_corpora)
 
     def add_request(
         self,
@@ -338,25 +174,16 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
-        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
-        seqs = [
-            Sequence(
-                request_id,
-                i,
-                prompt_ids,
-                params,
-                self.tokenizer,
-                seed=base_seed + i,
-                max_len=self.max_model_len,
-                grammar=None if compiled is None else self.grammar_backend.new_matcher(compiled),
-            )
-            for i in range(params.n)
-        ]
-        self.requests[request_id] = Request(request_id, prompt_ids, params, seqs, [0] * params.n, stream)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
+        backend = None if compiled is None else (self.grammar_backend, compiled)
+        req = Request.create(
+            request_id, prompt_ids, params, self.tokenizer, seed, self.max_model_len, backend
+        )
+        req.stream, self.requests[request_id] = stream, req
+        seqs = req.seqs
         for seq in seqs:
             self.scheduler.add(seq)
-            if self.spec is not None:
-                self.spec.on_admit(seq)
+            self.speculator.on_admit(seq)
         return request_id
 
     def compile_grammar(self, params: SamplingParams) -> Any:
@@ -395,7 +222,7 @@ class LLMEngine:
         self.check_open()
         start = self._step_start = time.perf_counter()
         host, shadow = self._host_seconds(), self.stats.shadow_seconds
-        if isinstance(self._in_flight, _InFlight) and self._chain_decode():
+        if isinstance(self._in_flight, PendingDecode) and self._chain_decode():
             kind: StepKind = "chain"
             size, width = len(self._in_flight.seqs), 1
         else:
@@ -407,21 +234,9 @@ class LLMEngine:
         if self.step_trace is not None:
             host = self._host_seconds() - host
             # The policy's last decision is this step's: the schedule's, or the chain's decided ahead.
-            reason = (
-                self.spec.reason if self.spec is not None and kind in ("chain", "decode", "verify") else ""
-            )
-            self.step_trace.append(
-                StepRecord(
-                    kind,
-                    size,
-                    width,
-                    start,
-                    self.stats.last_step_seconds,
-                    host,
-                    reason,
-                    self.stats.shadow_seconds - shadow,
-                )
-            )
+            reason = self.speculator.reason if kind in ("chain", "decode", "verify") else ""
+            seconds, shadow = self.stats.last_step_seconds, self.stats.shadow_seconds - shadow
+            self.step_trace.append(StepRecord(kind, size, width, start, seconds, host, reason, shadow))
         outputs = self._collect_outputs()
         if kind == "verify" and self._in_flight is None:
             # Committed in its own engine step: the device idled through the rest of it.
@@ -445,12 +260,11 @@ class LLMEngine:
 
         A step costs the time from the previous step's commit to its own (overlapped steps commit
         one device step apart), but never from before the engine step that launched it (idle time
-        between engine steps is nobody's cost). ``restart``: see ``_InFlight``."""
+        between engine steps is nobody's cost). ``restart``: see ``PendingDecode``."""
         now = time.perf_counter()
         seconds = now - max(self._last_commit, launched)
         self._last_commit = now
-        if self.spec is not None:
-            self.spec.observe_step(batch_size, width, seconds, restart, result)
+        self.speculator.observe_step(batch_size, width, seconds, restart, result)
 
     def _schedule_and_run(self) -> tuple[StepKind, int, int]:
         """Schedule and run one step from committed state; returns its kind, size and width
@@ -465,8 +279,8 @@ class LLMEngine:
         tail, self._verify_tail = self._verify_tail, None
         for seq in batch.failed:
             seq.finish("error", "the KV cache is too small for this request")
-        if batch.failed and self.spec is not None:
-            self.spec.on_finish(batch.failed)  # not in running any more: _retire will not see them
+        if batch.failed:
+            self.speculator.on_finish(batch.failed)  # not in running any more: _retire will not see them
         if batch.prefill:
             self._run_prefill(batch.prefill, batch.decode)
             self._last_commit = time.perf_counter()
@@ -475,8 +289,10 @@ class LLMEngine:
             return "prefill", len(batch.prefill), 1
         if not batch.decode:
             return "idle", 0, 1
-        if batch.width > 1 and self.spec is not None:
-            pending = self.spec.launch_verify(batch.decode, batch.width, self._step_start, self.pipeline)
+        if batch.width > 1:
+            pending = self.speculator.launch_verify(
+                batch.decode, batch.width, self._step_start, self.pipeline
+            )
             if pending is not None:  # (narrower than batch.width where the trees were trimmed)
                 if self.pipeline:
                     self._in_flight = pending  # committed by the next step, first thing
@@ -491,9 +307,9 @@ class LLMEngine:
         """The policy's width, or 1 where a member is too close to the end of the context for it:
         a verify step's deepest node sits at position len(tokens) + width - 2, which must stay
         inside ``max_model_len`` (the RoPE table and the KV bound end there)."""
-        if self.spec is None or not seqs:
+        if not seqs:
             return 1
-        width = self.spec.choose_width(seqs, draining=not self.scheduler.waiting)
+        width = self.speculator.choose_width(seqs, draining=not self.scheduler.waiting)
         if width > 1 and max(len(s.token_ids) for s in seqs) + width - 1 > self.max_model_len:
             return 1
         return width
@@ -503,23 +319,7 @@ class LLMEngine:
         decode sequences' plain step (one token each) and the rest the prefill chunks; a token is
         sampled for every decode sequence and every sequence whose prompt the step completes. Not
         timed for the draft policy: it is not a plain step."""
-        tokens = [[s.token_ids[-1]] for s in decode]
-        positions = [[s.num_cached] for s in decode]
-        rows = list(range(len(decode)))
-        sampled = list(decode)
-        offset = len(decode)
-        for seq, n in chunks:
-            lo = seq.num_cached
-            tokens.append(seq.token_ids[lo : lo + n])
-            positions.append(list(range(lo, lo + n)))
-            offset += n
-            if lo + n == len(seq.token_ids):  # the final chunk of a new sequence: sample its first token
-                rows.append(offset - 1)
-                sampled.append(seq)
-        members = [*decode, *(s for s, _ in chunks)]
-        step = StepInput(
-            tokens, positions, [s.num_cached for s in members], [s.pages for s in members], rows or [0]
-        )
+        step, sampled = prefill_input(chunks, decode)
         logits = timed_forward(self.runner, step, self.stats)
         for seq in decode:
             seq.num_cached += 1
@@ -531,8 +331,7 @@ class LLMEngine:
         flight = self._sample(sampled, logits[: len(sampled)])
         if decode:
             self.stats.mixed_steps += 1
-            if self.spec is not None:
-                self.spec.index_plain_step(list(decode), self.read_wait)
+            self.speculator.index_plain_step(list(decode), self.read_wait)
         self.stats.decode_tokens += sum(not s.is_finished for s in decode)  # (what the commit appends)
         self._commit(flight)
 
@@ -551,14 +350,7 @@ class LLMEngine:
 
     def _launch_decode(self, seqs: list[Sequence], input_ids: torch.Tensor | None) -> torch.Tensor:
         """Launch a plain decode forward; ``input_ids`` [B] (device): tokens not read back yet."""
-        step = StepInput(
-            [[0] if input_ids is not None else [s.token_ids[-1]] for s in seqs],
-            [[s.num_cached] for s in seqs],
-            [s.num_cached for s in seqs],
-            [s.pages for s in seqs],
-            list(range(len(seqs))),
-            input_ids=input_ids,
-        )
+        step = decode_input(seqs, input_ids)
         logits = timed_forward(self.runner, step, self.stats)
         for seq in seqs:
             seq.num_cached += 1
@@ -570,7 +362,7 @@ class LLMEngine:
         flight, are left out of the launch (``_chainable``); False (nothing launched) when the
         batch cannot simply go on."""
         flight = self._in_flight
-        assert isinstance(flight, _InFlight)
+        assert isinstance(flight, PendingDecode)
         chain = self._chainable(flight.seqs)
         if chain is None:
             return False
@@ -586,12 +378,11 @@ class LLMEngine:
         self.stats.chained_steps += 1
         return True
 
-    def _sample_and_index(self, seqs: list[Sequence], logits: torch.Tensor) -> _InFlight:
+    def _sample_and_index(self, seqs: list[Sequence], logits: torch.Tensor) -> PendingDecode:
         """Queue a plain step's sampling, then index the batch's committed tokens into the corpus:
         on a GPU that host work runs while the device computes."""
         flight = self._sample(seqs, logits)
-        if self.spec is not None:
-            self.spec.index_plain_step(seqs, self.read_wait)
+        self.speculator.index_plain_step(seqs, self.read_wait)
         return flight
 
     def _chainable(self, seqs: list[Sequence]) -> tuple[list[int], list[Sequence]] | None:
@@ -626,7 +417,7 @@ class LLMEngine:
         # The policy sees the committed tokens, one behind the step it decides for, and prices the
         # token in flight: chain unless a verify step is expected to pay; otherwise drain and decide
         # afresh with that token.
-        plain = self.spec is None or self.spec.choose_width(members, not sched.waiting, ahead=True) == 1
+        plain = self.speculator.choose_width(members, not sched.waiting, ahead=True) == 1
         if not plain:
             self.stats.policy_drains += 1
             self._policy_drained = True
@@ -636,7 +427,7 @@ class LLMEngine:
         """Commit the step in flight, if any (its forward and sampling are already queued)."""
         if self._in_flight is not None:
             flight, self._in_flight = self._in_flight, None
-            if isinstance(flight, _InFlight):
+            if isinstance(flight, PendingDecode):
                 self._commit_decode(flight)
             else:
                 self._commit_verify(flight)
@@ -648,39 +439,21 @@ class LLMEngine:
         result = pending.wait()
         self.stats.gap_start = now = time.perf_counter()
         self.read_wait = now - t
-        emitted = self._commit_runs(result.seqs, result.runs, result.logprobs, result)
+        emitted = commit_runs(result.seqs, result.runs, result.logprobs, self.blocks, result.width)
         self.stats.verify_steps += len(result.seqs)
         self.stats.verify_emitted += emitted
         self.stats.decode_tokens += emitted
         self._observe(len(result.seqs), result.chosen, result.launched, result=result)
 
-    def _commit_decode(self, flight: _InFlight) -> None:
+    def _commit_decode(self, flight: PendingDecode) -> None:
         self.stats.decode_tokens += self._commit(flight)
         self._observe(len(flight.seqs), 1, flight.launched, flight.restart)
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> _InFlight:
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> PendingDecode:
         """Grammar-mask and sample one token per sequence on the device; start reading them back."""
-        if self.replay is not None:  # row i is sequence i's last token, at position num_cached - 1
-            replay = self.replay
-            replay.apply(logits, [replay.targets(s.prompt_token_ids, [s.num_cached - 1])[0] for s in seqs])
-        self.grammar_rows.apply_plain(seqs, logits)
-        if all(s.params.greedy for s in seqs):
-            tokens = logits.argmax(dim=-1)  # no per-row parameters to copy in
-        else:
-            st = SamplingTensors.build(
-                [s.params for s in seqs],
-                [s.seed for s in seqs],
-                [len(s.token_ids) for s in seqs],
-                self.device,
-            )
-            tokens = sample(logits, st)
-        lp: list[torch.Tensor] = []
-        if any(s.params.logprobs is not None for s in seqs):
-            rows = torch.arange(len(seqs), device=self.device)[:, None]
-            lp = logprob_tensors(seqs, logits, rows, tokens[:, None])
-        return _InFlight(seqs, tokens, self.runner.to_host_async(tokens, *lp), self._step_start)
+        return sample_plain(seqs, logits, self.grammar_rows, self.runner, self.replay, self._step_start)
 
-    def _commit(self, flight: _InFlight) -> int:
+    def _commit(self, flight: PendingDecode) -> int:
         """Wait for the sampled tokens and append one per sequence that is still running; returns
         how many were appended."""
         seqs = flight.seqs
@@ -688,46 +461,14 @@ class LLMEngine:
         host = flight.read.wait()
         self.read_wait = time.perf_counter() - t
         logprobs = unpack_logprobs(seqs, host[1:], [1] * len(seqs))
-        return self._commit_runs(seqs, [[token] for token in host[0].tolist()], logprobs)
-
-    def _commit_runs(
-        self,
-        seqs: list[Sequence],
-        runs: list[list[int]],
-        logprobs: list[list[TokenLogprob]] | None,
-        verify: VerifyResult | None = None,
-    ) -> int:
-        """Append each member's run (plain: its one sampled token; ``verify``: its accepted drafts
-        and bonus), cut where a stop condition holds; returns the tokens appended.
-
-        A member that finished while its step was in flight (EOS, a stop string, an abort, a grammar
-        that failed to settle) keeps nothing. A plain token was drawn under its own grammar row,
-        so the grammar takes it later (``masked``); a verified run is checked token by token. A
-        verify step keeps the KV of the root and of all but the last kept token (the accepted
-        paths' KV was moved in place on the device), the last kept token being the next root, and
-        releases its pages past that."""
-        appended = 0
-        for b, seq in enumerate(seqs):
-            if seq.is_finished:
-                continue
-            lp = None if logprobs is None else logprobs[b]
-            start = seq.num_cached
-            kept = seq.append_tokens(runs[b], lp, masked=verify is None)
-            appended += kept
-            if verify is not None:
-                seq.num_cached = start + max(kept, 1)
-                seq.spec_verify_steps += 1
-                seq.spec_accepted_tokens += kept
-                seq.spec_draft_tokens += verify.width - 1
-                self.blocks.trim(seq, seq.num_cached)  # the KV move is queued already
-        return appended
+        return commit_runs(seqs, [[token] for token in host[0].tolist()], logprobs, self.blocks)
 
     # --------------------------------------------------------------- outputs
     def _retire(self) -> None:
         """Release the KV pages and corpus match state of finished sequences."""
         done = self.scheduler.remove_finished()
-        if self.spec is not None and done:
-            self.spec.on_finish(done)
+        if done:
+            self.speculator.on_finish(done)
 
     def _drop_finished_flight(self) -> None:
         """Forget the step in flight if every member finished while it ran (EOS, a stop, an abort):
@@ -740,44 +481,10 @@ class LLMEngine:
     def _collect_outputs(self) -> list[RequestOutput]:
         self._retire()
         self._drop_finished_flight()
-        outputs = []
-        for rid in list(self.requests):
-            req = self.requests[rid]
-            if not req.stream and not req.finished:
-                continue
-            lens = [len(s.token_ids) for s in req.seqs]
-            if lens == req.reported and not req.finished:
-                continue
-            req.reported = lens
-            outputs.append(self.request_output(req))
-            if req.finished:
-                del self.requests[rid]
-                self.stats.finished_requests += 1
+        outputs = collect_outputs(self.requests, self.stats)
         if not self.requests:
             self.stats.gap_start = None  # nothing left to launch: the device is done, not waiting
         return outputs
-
-    def request_output(self, req: Request) -> RequestOutput:
-        completions = []
-        for s in req.seqs:
-            lps = s.logprobs
-            if lps is not None:
-                lps = [TokenLogprob(t, lp.logprob, lp.top) for t, lp in zip(s.output_token_ids, lps)]
-            completions.append(
-                CompletionOutput(
-                    s.index,
-                    s.visible_text(),
-                    list(s.output_token_ids),
-                    s.finish_reason,
-                    lps,
-                    s.error,
-                    s.request_error,
-                )
-            )
-        metrics = req.seqs[0].metrics()
-        if len(req.seqs) > 1:
-            metrics["completion_tokens"] = sum(s.num_output_tokens for s in req.seqs)
-        return RequestOutput(req.request_id, req.prompt_token_ids, completions, req.finished, metrics)
 
     def kv_usage(self) -> float:
         a = self.blocks.allocator

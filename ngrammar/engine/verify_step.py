@@ -20,6 +20,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -69,7 +70,7 @@ CUDA_GRAMMAR_CHECK_DEPTH = 1
 
 @dataclass
 class VerifyResult:
-    """A verify step's outcome on the host: what the engine commits (``LLMEngine._commit_runs``)
+    """A verify step's outcome on the host: what the engine commits (``plain_step.commit_runs``)
     and what the draft policy learns (``NgramSpecWorker.observe_step``)."""
 
     seqs: list[Sequence]
@@ -250,6 +251,12 @@ class NgramSpecWorker:
         )
 
     # --------------------------------------------------------------- step
+    def acceptor(self, one_rank: bool) -> Callable[..., Any] | None:
+        """The acceptance the CUDA-graph runner captures after each verify graph (``graph_acceptor``);
+        None with tensor parallelism, where each rank moves its own KV shard
+        (``DriverRunner.compact_accepted_kv``), which a rank-0-only graph would not."""
+        return self.graph_acceptor if one_rank else None
+
     def graph_acceptor(
         self, candidates: torch.Tensor, mask: torch.Tensor, logits: torch.Tensor, slots: torch.Tensor
     ) -> tuple[TreeAcceptResult, torch.Tensor]:

@@ -947,7 +947,7 @@ def _draft_corpora(s: _Server) -> DraftCorpora:
     """The engine's external draft corpora."""
     if not isinstance(s.engine, LLMEngine):  # ``server.router.ReplicaFront``: no engine here
         raise APIError(400, "draft corpora are not served with --dp / --tp (each replica drafts on its own)")
-    spec = s.engine.spec
+    spec = s.engine.ngram
     if spec is None or spec.proposer.corpora is None:
         raise APIError(400, "draft corpora need a server started with --speculative ngram")
     return spec.proposer.corpora

@@ -32,7 +32,8 @@ import torch.multiprocessing as mp
 from prometheus_client import Gauge
 
 from ngrammar.config import EngineConfig
-from ngrammar.engine.engine import EngineStats, tokenize_prompt, validate_prompt
+from ngrammar.engine.engine import EngineStats
+from ngrammar.engine.requests import tokenize_prompt, validate_prompt
 from ngrammar.model.loader import resolve_checkpoint
 from ngrammar.model.parallel import MULTICAST_OFF_ENV
 from ngrammar.model.tokenizer import Message, Tokenizer

@@ -1,0 +1,140 @@
+"""The engine's parts, resolved from its config before ``LLMEngine`` starts: device, dtype,
+context length, KV pages, quantization, tensor parallelism, and the runner that follows from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ngrammar.attention.factory import attention_backend
+from ngrammar.config import EngineConfig
+from ngrammar.distributed.driver import start_tensor_parallel
+from ngrammar.engine.block_manager import BlockManager, PageAllocator
+from ngrammar.engine.speculator import Speculator
+from ngrammar.model.config import ModelConfig
+from ngrammar.model.loader import resolve_checkpoint
+from ngrammar.model.parallel import check_tensor_parallel, tensor_parallel_quantization
+from ngrammar.model.tokenizer import Tokenizer
+from ngrammar.runner.model_runner import (
+    ModelRunner,
+    kv_bytes_per_token,
+    resolve_device,
+    resolve_dtype,
+    resolve_quantization,
+)
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """What an engine is assembled from (``build_parts``)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    model_config: ModelConfig
+    model_name: str
+    tokenizer: Tokenizer
+    max_model_len: int
+    runner: ModelRunner  # with tensor parallelism, rank 0's (``DriverRunner``)
+    blocks: BlockManager
+
+
+def build_parts(config: EngineConfig) -> EngineParts:
+    """Resolve ``config`` and build the runner it names; raises ValueError for a config the model
+    or the device cannot serve, before any process starts or weight is read."""
+    if config.data_parallel_size > 1:
+        raise ValueError(
+            f"data_parallel_size {config.data_parallel_size}: replicas run behind the server "
+            "(ngrammar serve --dp N); one engine is one replica"
+        )
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    checkpoint = resolve_checkpoint(config.model)
+    model = checkpoint.config
+    max_model_len = context_length(config.max_model_len, model)
+    quantization = resolve_quantization(config.quantization, config.dtype, device)
+    tp = config.tensor_parallel_size
+    if tp > 1:
+        check_tensor_parallel(model, tp, device, config.nnodes)
+        quantization = tensor_parallel_quantization(quantization, tp)
+    num_pages = kv_pages(config, model, device, dtype)
+    # The pool gets one page past the allocator's range (page ``num_pages``): no sequence ever
+    # owns it, so CUDA-graph padding rows write their K/V there.
+    if tp == 1:
+        backend = attention_backend(config.attention_backend, device)
+        runner = ModelRunner(
+            checkpoint, device, dtype, num_pages + 1, config.page_size, backend, quantization
+        )
+    else:  # rank 0's runner starts the other ranks and sends them every step
+        runner = start_tensor_parallel(config, checkpoint, device, dtype, num_pages + 1)
+    return EngineParts(
+        device,
+        dtype,
+        model,
+        checkpoint.name,
+        Tokenizer(checkpoint.tokenizer_dir, model.eos_token_ids),
+        max_model_len,
+        runner,
+        BlockManager(PageAllocator(num_pages, config.page_size), config.prefix_cache),
+    )
+
+
+def attach_graphs(parts: EngineParts, config: EngineConfig, speculator: Speculator, capture: bool) -> None:
+    """Serve uniform decode / verify steps from static buffers, replaying captured CUDA graphs.
+
+    capture=False runs the same static-buffer and padding path eagerly (how it is tested on CPU).
+    Widths are every D the draft policy may pick, or a trimmed tree be verified at
+    (``DraftProposer.propose``); all graphs are captured here, up front, so no capture lands inside
+    a timed step."""
+    widths = speculator.graph_widths()
+    parts.runner.attach_graphs(
+        widths,
+        max_batch_size=min(config.cuda_graph_max_bs, config.max_running_requests),
+        kv_len_bound=parts.max_model_len + max(widths),
+        dummy_page=parts.blocks.allocator.num_pages,
+        capture=capture,
+        acceptor=speculator.acceptor(config.tensor_parallel_size == 1),
+    )
+
+
+def mixed_step_tokens(config: EngineConfig, device: torch.device) -> int | None:
+    """The token budget of a mixed step (None: no mixed steps)."""
+    if not config.mixed_steps:
+        return None
+    if config.mixed_step_tokens is not None:
+        return config.mixed_step_tokens
+    return 512 if device.type == "cuda" else 64
+
+
+def context_length(requested: int | None, model: ModelConfig) -> int:
+    """``max_model_len``, or the model's whole context (capped at a sliding window, which is not
+    implemented: within it attention is full). Asking for more is an error, as in vLLM."""
+    if requested is None:
+        return model.max_context
+    if requested > model.max_context:
+        why = (
+            "its sliding window, not implemented here"
+            if model.max_context < model.max_position
+            else "its context"
+        )
+        raise ValueError(
+            f"max_model_len {requested} is longer than the model's {model.max_context} tokens ({why})"
+        )
+    return requested
+
+
+def kv_pages(config: EngineConfig, model: ModelConfig, device: torch.device, dtype: torch.dtype) -> int:
+    """The KV pool's pages: ``kv_cache_tokens``, else a share of free GPU memory (CUDA) or
+    ``cpu_kv_cache_tokens``."""
+    tokens = config.kv_cache_tokens
+    if tokens is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            # each rank's pool holds its share of the KV heads
+            share = int(free * config.gpu_memory_utilization * config.tensor_parallel_size)
+            tokens = share // kv_bytes_per_token(model, dtype)
+        else:
+            tokens = config.cpu_kv_cache_tokens
+    if tokens < config.page_size:
+        raise ValueError(f"the KV cache would hold {tokens} tokens, less than one page of {config.page_size}")
+    return tokens // config.page_size
