@@ -1,6 +1,6 @@
 """CPU side by side (``python -m benchmarks spec --device cpu``): batch 1, greedy, the same prompts
 (one per workload category), in one run: ngrammar plain and NGRAM per precision (float32 weights;
-the 4-bit weights on the kernels measured cheapest per row count), transformers plain and prompt
+the GGUF's 4-bit weights on one kernel at every row count), transformers plain and prompt
 lookup, and llama.cpp plain and prompt lookup when ``llama_cpp`` is importable (optional, never a
 CI dependency). tok/s = generated tokens / wall time of each request, prefill included, for all.
 Engines are built one at a time (a shared box's memory)."""
@@ -49,7 +49,6 @@ def ngrammar_runs(kw: dict[str, Any], prompts: list[Any], max_tokens: int, repea
             label = f"ngrammar {'NGRAM' if spec else 'plain'} {name}"
             spec_kw = {"speculative": "ngram", "num_draft_tokens": 8} if spec else {}
             llm = LLM(**{**kw, **extra, **spec_kw})
-            table = llm.engine.runner.kernel_table
             toks: list[list[int]] = []
 
             def run(msgs: list[dict[str, str]], llm: LLM = llm, toks: list[list[int]] = toks) -> int:
@@ -59,8 +58,6 @@ def ngrammar_runs(kw: dict[str, Any], prompts: list[Any], max_tokens: int, repea
 
             results[label] = _rate(run, prompts, repeats)
             outputs[label] = toks[1::repeats]  # the first repeat of each prompt (after the warm-up)
-            if table is not None:
-                results[label]["kernels"] = table.describe()  # type: ignore[assignment]
             del llm
             gc.collect()
         plain, ngram = outputs[f"ngrammar plain {name}"], outputs[f"ngrammar NGRAM {name}"]
@@ -162,14 +159,10 @@ def run_cpu_benchmark(
         if not isinstance(fig, dict):
             continue
         rates = [fig[c] for c in cats]
-        rows.append(
-            [label, statistics.mean(rates), statistics.mean(fig[c] for c in grounded)]
-            + rates
-            + [fig.get("kernels", "")]
-        )
+        rows.append([label, statistics.mean(rates), statistics.mean(fig[c] for c in grounded)] + rates)
     print_table(
         f"CPU batch 1, greedy, {max_tokens} tokens, best of {repeats} (tok/s, prefill included)",
-        ["system", "all", "grounded", *cats, "kernels"],
+        ["system", "all", "grounded", *cats],
         rows,
     )
     for name in PRECISIONS:

@@ -1,10 +1,8 @@
 """Weight-only 4-bit projections on the CPU (ngrammar/model/quant.py).
 
-The int4 kernel's zero-point convention, GGUF Q4_0 / Q4_1 blocks round-tripping, every kernel's
-form against the dequantized weights (a max abs error bound), the notice for a model without 4-bit
-weights, perplexity within 1% of the float32 model, and losslessness stated for low-precision
-kernels: NGRAM may leave plain decoding only where plain's top-2 logits are closer than the
-kernels' rounding bound.
+The int4 kernel's zero-point convention, GGUF Q4_0 / Q4_1 / Q8_0 blocks round-tripping, the packed
+weight against the dequantized one (a max abs error bound), the notice for a model without 4-bit
+weights, perplexity within 1% of the float32 model. Row invariance: tests/test_row_invariance.py.
 """
 
 from __future__ import annotations
@@ -16,32 +14,22 @@ import numpy as np
 import pytest
 import torch
 
-from ngrammar import LLM, SamplingParams
+from ngrammar import LLM
 from ngrammar.model.loader import Checkpoint, load_gguf_q4
 from ngrammar.model.quant import (
-    KERNELS,
-    KernelTable,
+    PackedWeight,
     Q4Weight,
-    build_form,
-    candidate_kernels,
-    parse_kernel_table,
     q4_from_blocks,
     q4_to_blocks,
+    q8_as_q4,
     quantize_q4_1,
-    run_form,
-    set_kernel_table,
+    quantize_q8_0,
 )
 from ngrammar.runner.model_runner import StepInput, resolve_quantization
 
-ALL_FORMS = "1:int4,2:int4_bf16,4:fp16,8:bf16"  # every low-precision kernel's form is built
-# One-row steps on torch's int4 kernel with bf16 activations, wider ones on fp16 weights: the two
-# kernels round differently, so batched and one-row logits differ (as on an AMX machine's default).
-MIXED = KernelTable((1, 64), (("int4_bf16", "fp16"), ("fp16",)))
-# The kernels' rounding bound on a logit (test_kernels_logits_agree_within_half_the_bound checks each
-# kernel within half of it of the float32 model): bf16-rounded activations (int4_bf16, bf16) move
-# SmolLM2's logits by about half a logit; fp32 activations on the int4 codes by a few hundredths.
+# The rounding bound on a logit of the 4-bit model against the float32 one (the same weights,
+# dequantized): bf16-rounded activations, scales and zeros move SmolLM2's logits by about half a logit.
 LOGIT_BOUND = 2.0
-LOW_PRECISION = [k for k in candidate_kernels(True) if k != "fp32"]
 
 
 def random_q4(n: int, k: int, seed: int = 0) -> Q4Weight:
@@ -55,7 +43,8 @@ def random_q4(n: int, k: int, seed: int = 0) -> Q4Weight:
 def test_int4_kernel_computes_q_minus_8_times_scale_plus_zero() -> None:
     w = random_q4(64, 128)
     x = torch.randn(3, 128)
-    packed, sz = build_form("int4", w.dequantize(), w)
+    packed = torch._convert_weight_to_int4pack_for_cpu(w.codes.to(torch.int32), 1)
+    sz = torch.stack([w.scale, w.zero], -1).transpose(0, 1).contiguous()
     out = torch._weight_int4pack_mm_for_cpu(x, packed, 32, sz)
     q = w.codes.float().view(64, 4, 32)
     ref = x @ ((q - 8) * w.scale[..., None] + w.zero[..., None]).view(64, 128).T
@@ -97,35 +86,42 @@ def test_quantize_q4_1_error_is_half_a_step_and_blocks_round_trip() -> None:
     assert torch.allclose(back.zero, q.zero, rtol=0, atol=1e-3 * q.scale.max().item())
 
 
-# Relative rounding of each form against the dequantized weights: fp32 exact; int4 codes exact with
-# fp32 scales; bf16 activations, scales and weights 2^-8 each; fp16 weights 2^-11.
-FORM_EPS = {"int4": 1e-5, "int4_bf16": 2**-6, "fp16": 2**-10, "bf16": 2**-7, "fp32": 1e-5}
+# bf16 activations, scales and zeros: 2^-8 relative rounding each, summed.
+PACKED_EPS = 2**-6
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_every_kernel_matches_the_dequantized_weights(checkpoint: Checkpoint, kernel: str) -> None:
-    if kernel not in candidate_kernels(True):
-        pytest.skip(f"{kernel} is not in this torch build")
+def test_packed_weight_matches_the_dequantized_weights(checkpoint: Checkpoint) -> None:
     q4 = load_gguf_q4(checkpoint)["model.layers.0.mlp.gate_proj.weight"]
     dense = q4.dequantize()
     x = torch.randn(5, dense.shape[1])
-    out = run_form(kernel, build_form(kernel, dense, q4), x)
+    out = PackedWeight(q4)(x)
     ref = x.double() @ dense.double().T
     # |error| <= eps * sum_k |x_k| (|q - 8| scale + |zero|): each term's rounding, summed.
     mag = (q4.codes.float() - 8).abs().view(dense.shape[0], -1, 32) * q4.scale[..., None]
     mag = (mag + q4.zero.abs()[..., None]).view_as(dense)
-    bound = FORM_EPS[kernel] * (x.abs().double() @ mag.double().T) + 1e-5
+    bound = PACKED_EPS * (x.abs().double() @ mag.double().T) + 1e-5
     assert ((out.double() - ref).abs() <= bound).all(), (out.double() - ref).abs().max()
 
 
-def test_kernel_table_parsing_and_choice() -> None:
-    t = parse_kernel_table("1:int4,16:bf16,64:fp16")
-    assert t.kernels_for(1)[0] == "int4" and t.kernels_for(9)[0] == "bf16" and t.kernels_for(500)[0] == "fp16"
-    assert t.kernels_for(1)[1] == "bf16"  # a weight without codes (the LM head) runs the first dense kernel
-    with pytest.raises(ValueError):
-        parse_kernel_table("16:fp16,1:int4")
-    with pytest.raises(ValueError):
-        parse_kernel_table("1:int3")
+def test_q8_0_blocks_round_trip_and_run_as_two_4bit_halves() -> None:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    rows, cols = 16, 128
+    w = np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32)
+    blocks = quantize(w, GGMLQuantizationType.Q8_0)
+    gguf_w = torch.from_numpy(dequantize(blocks, GGMLQuantizationType.Q8_0).reshape(rows, cols))
+    codes, d = quantize_q8_0(gguf_w)
+    back = (codes.float().view(rows, -1, 32) * d[..., None]).view(rows, cols)
+    assert torch.equal(back, gguf_w)  # the GGUF's own blocks, bit for bit
+    halves = q8_as_q4(codes, d)
+    assert torch.allclose(halves.dequantize().view(rows, 2, cols).sum(1), gguf_w, atol=1e-6)
+    x = torch.randn(3, cols)
+    out = PackedWeight(halves, copies=2)(x)
+    ref = x.double() @ gguf_w.double().T
+    bound = PACKED_EPS * (x.abs().double() @ gguf_w.abs().double().T * 2) + 1e-4
+    assert ((out.double() - ref).abs() <= bound).all()
+    assert PackedWeight(halves, copies=2).shape == (rows, cols)
 
 
 def test_quantization_is_resolved_per_device() -> None:
@@ -146,7 +142,7 @@ def test_a_model_without_4bit_weights_says_so(tmp_path: Path, capfd: pytest.Capt
     auto = LLM(model=str(folder), device="cpu", kv_cache_tokens=256, quantization="auto")
     lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("ngrammar:")]
     assert len(lines) == 1 and "no 4-bit" in lines[0] and "--quantization int4" in lines[0]
-    assert auto.engine.runner.kernel_table is None
+    assert not auto.engine.runner.quantized
     LLM(model=str(folder), device="cpu", dtype="float32", kv_cache_tokens=256, quantization="auto")
     assert "ngrammar:" not in capfd.readouterr().err  # an explicit dtype asks for no quantization
     LLM(model=str(folder), device="cpu", kv_cache_tokens=256, quantization="none")
@@ -157,34 +153,16 @@ def test_a_model_without_4bit_weights_says_so(tmp_path: Path, capfd: pytest.Capt
     q = LLM(model=str(folder), device="cpu", kv_cache_tokens=256, quantization="int4")
     lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("ngrammar:")]
     assert len(lines) == 1 and "quantizing 8 of 8 projections" in lines[0]
-    assert q.engine.runner.kernel_table is not None
+    assert q.engine.runner.quantized
     ref, out = logits(auto, IDS), logits(q, IDS)
     cosine = torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), 0)
     assert 0.98 < cosine < 1  # 4-bit weights of random ones: close, not equal
 
 
 @pytest.fixture(scope="module")
-def quant_llms(monkeypatch_module: pytest.MonkeyPatch) -> tuple[LLM, LLM]:
-    """The embedded model's 4-bit weights: plain with every low-precision kernel's form, and NGRAM
-    verifying every step with MIXED's forms."""
-    monkeypatch_module.setenv("NGRAMMAR_CPU_KERNELS", ALL_FORMS)
-    plain = LLM(device="cpu", kv_cache_tokens=2048, quantization="auto")
-    monkeypatch_module.setenv("NGRAMMAR_CPU_KERNELS", "1:int4_bf16,64:fp16")  # MIXED's forms only
-    spec = LLM(
-        device="cpu",
-        kv_cache_tokens=2048,
-        quantization="auto",
-        speculative="ngram",
-        num_draft_tokens=8,
-        spec_policy="fixed",
-    )
-    return plain, spec
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():  # type: ignore[no-untyped-def]
-    with pytest.MonkeyPatch.context() as mp:
-        yield mp
+def quant_llm() -> LLM:
+    """The embedded model on its 4-bit weights (the CPU default)."""
+    return LLM(device="cpu", kv_cache_tokens=2048, quantization="auto")
 
 
 def text_ids(llm: LLM, n: int = 256) -> list[int]:
@@ -207,66 +185,18 @@ def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
     return math.exp(-logp.gather(1, torch.tensor(ids[1:])[:, None]).mean().item())
 
 
-@pytest.mark.slow  # two engines with every kernel form: run with `pytest -m slow`
-def test_perplexity_within_one_percent_of_float32(llm: LLM, quant_llms: tuple[LLM, LLM]) -> None:
-    q = quant_llms[0]
+@pytest.mark.slow  # a second engine: run with `pytest -m slow`
+def test_perplexity_within_one_percent_of_float32(llm: LLM, quant_llm: LLM) -> None:
     ids = text_ids(llm)
     ref = perplexity(all_logits(llm, ids), ids)
-    model = q.engine.runner.model
-    try:
-        for kernel in LOW_PRECISION:
-            set_kernel_table(model, KernelTable.fixed(kernel))
-            ppl = perplexity(all_logits(q, ids), ids)
-            print(f"perplexity fp32 {ref:.4f} {kernel} {ppl:.4f} ({ppl / ref - 1:+.3%})")
-            assert abs(ppl / ref - 1) < 0.01, kernel
-    finally:
-        set_kernel_table(model, parse_kernel_table(ALL_FORMS))
+    ppl = perplexity(all_logits(quant_llm, ids), ids)
+    print(f"perplexity fp32 {ref:.4f} int4 {ppl:.4f} ({ppl / ref - 1:+.3%})")
+    assert abs(ppl / ref - 1) < 0.01
 
 
-@pytest.mark.slow  # two engines with every kernel form: run with `pytest -m slow`
-def test_kernels_logits_agree_within_half_the_bound(llm: LLM, quant_llms: tuple[LLM, LLM]) -> None:
-    """Each kernel's logits within LOGIT_BOUND / 2 of the float32 model's (the same weights,
-    dequantized), so two kernels' logits differ by less than LOGIT_BOUND."""
-    q = quant_llms[0]
-    ids = text_ids(q, 128)
-    ref = all_logits(llm, ids)
-    model = q.engine.runner.model
-    try:
-        for kernel in LOW_PRECISION:
-            set_kernel_table(model, KernelTable.fixed(kernel))
-            worst = (all_logits(q, ids) - ref).abs().max().item()
-            print(f"max |logit - float32 model's| {kernel}: {worst:.4f}")
-            assert worst < LOGIT_BOUND / 2, kernel
-    finally:
-        set_kernel_table(model, parse_kernel_table(ALL_FORMS))
-
-
-@pytest.mark.slow  # two engines with every kernel form: run with `pytest -m slow`
-def test_ngram_diverges_from_plain_only_at_near_ties(quant_llms: tuple[LLM, LLM]) -> None:
-    """With one-row steps on one kernel and verify steps on another, greedy NGRAM may leave plain
-    decoding only where plain's top-2 logits differ by less than the kernels' rounding bound."""
-    from test_spec_engine import PROMPTS
-
-    plain, spec = quant_llms
-    for llm in quant_llms:
-        set_kernel_table(llm.engine.runner.model, MIXED)
-    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=2)
-    try:
-        ref = plain.generate(PROMPTS, params, use_tqdm=False)
-        got = spec.generate(PROMPTS, params, use_tqdm=False)
-    finally:
-        set_kernel_table(plain.engine.runner.model, parse_kernel_table(ALL_FORMS))
-    identical = 0
-    for r, g in zip(ref, got):
-        if r.token_ids == g.token_ids:
-            identical += 1
-            continue
-        i = next(j for j, (a, b) in enumerate(zip(r.token_ids, g.token_ids)) if a != b)
-        assert r.logprobs is not None
-        step = r.logprobs[i]
-        others = [lp for t, lp in step.top if t != step.token_id]
-        gap = step.logprob - max(others)  # logprob gaps are logit gaps
-        print(f"divergence at token {i}: plain's top-2 gap {gap:.4f}")
-        assert gap < LOGIT_BOUND
-    print(f"NGRAM identical to plain on {identical}/{len(PROMPTS)} prompts")
-    assert spec.engine.stats.spec_steps > 0
+@pytest.mark.slow  # a second engine: run with `pytest -m slow`
+def test_logits_within_the_bound_of_float32(llm: LLM, quant_llm: LLM) -> None:
+    ids = text_ids(quant_llm, 128)
+    worst = (all_logits(quant_llm, ids) - all_logits(llm, ids)).abs().max().item()
+    print(f"max |logit - float32 model's|: {worst:.4f}")
+    assert worst < LOGIT_BOUND

@@ -21,7 +21,7 @@ from ngrammar.model.llama import LlamaForCausalLM
 from ngrammar.model.loader import Checkpoint, iter_weights, load_gguf_q4, release_freed_memory
 from ngrammar.model.ops import default_ops
 from ngrammar.model.parallel import local_model_config
-from ngrammar.model.quant import KernelTable, apply_quantization
+from ngrammar.model.quant import apply_quantization
 from ngrammar.model.sharding import iter_shard_weights
 from ngrammar.runner.cuda_graph import CUDAGraphRunner
 from ngrammar.runner.transfer import to_device
@@ -169,10 +169,10 @@ class ModelRunner:
         model.load_hf_weights(weights)
         if device.type == "cpu":
             column_major_weights(model)
-        # The cheapest kernel per row count when projections are quantized (None: dense weights).
-        self.kernel_table: KernelTable | None = None
-        if quantization != "none":
-            self.kernel_table = apply_quantization(model, load_gguf_q4(checkpoint), quantization, dtype)
+        # Whether the projections and the LM head run on 4-bit weights (model/quant.py).
+        self.quantized = quantization != "none" and apply_quantization(
+            model, load_gguf_q4(checkpoint), quantization
+        )
         self.model = model.eval()
         if device.type == "cpu":
             release_freed_memory()
