@@ -4,10 +4,16 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ngrammar-setup
+# The row-invariant CPU kernels (C++, built in place with gcc and torch's headers).
+KERNELS := ngrammar/_cpu_kernels.stamp
 
 .PHONY: setup demo test lint bench clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(KERNELS)
+
+$(KERNELS): $(STAMP) ngrammar/csrc/cpu_kernels.cpp ngrammar/csrc/build.py
+	$(BIN)/python ngrammar/csrc/build.py -q
+	touch $(KERNELS)
 
 $(STAMP): pyproject.toml requirements-ci.txt Makefile
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -42,4 +48,4 @@ bench: setup
 	$(BIN)/python -m benchmarks
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info ngrammar/_cpu_kernels*

@@ -1,63 +1,79 @@
-"""The torch SDPA backend's paged attention: a lone request with consecutive pages reads its K/V as a
-slice of the pool (no gather), with the same result as the gather."""
+"""The torch backend's paged attention on a CPU: the row kernel (every row alone over its visible
+keys, in sequence order) against the masked matmul-softmax-matmul reference, for causal chunks after a
+prefix, tree masks, padded batches of unequal requests and a mixed decode + prefill step."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
 
 from ngrammar.attention.metadata import AttentionMetadata
-from ngrammar.attention.sdpa import TorchSDPABackend, contiguous_first_slot, kv_slot_indices
+from ngrammar.attention.sdpa import RowPlan, TorchSDPABackend, sdpa_plan
+
+PS = 4
 
 
-def _meta(page_tables: list[list[int]], kv_lens: list[int], q_len: int, tree: bool) -> AttentionMetadata:
-    ps = 4
-    slots = [
-        pages[i // ps] * ps + i % ps for pages, n in zip(page_tables, kv_lens) for i in range(n - q_len, n)
-    ]
-    width = max(len(p) for p in page_tables)
-    table = torch.tensor([p + [0] * (width - len(p)) for p in page_tables])
+def meta_for(kv_lens: list[int], q_lens: list[int], tree: bool = False, seed: int = 0) -> AttentionMetadata:
+    """Requests on scattered pages (a shuffled pool), each with its new block at the end; ``tree``:
+    a random ancestor-closed mask per request (node i's parent is a random earlier node)."""
+    g = torch.Generator().manual_seed(seed)
+    pages_each = [-(-n // PS) for n in kv_lens]
+    pool = (torch.randperm(sum(pages_each) + 3, generator=g) + 1).tolist()
+    tables, at = [], 0
+    for p in pages_each:
+        tables.append(pool[at : at + p])
+        at += p
+    width = max(pages_each)
+    slots = [tables[b][i // PS] * PS + i % PS for b, n in enumerate(kv_lens) for i in range(n - q_lens[b], n)]
+    qm = max(q_lens)
     mask = None
-    if tree:  # node i sees the root and itself (a star)
-        mask = torch.eye(q_len, dtype=torch.bool).expand(len(kv_lens), q_len, q_len).clone()
-        mask[:, :, 0] = True
+    if tree:
+        mask = torch.zeros(len(kv_lens), qm, qm, dtype=torch.bool)
+        for b, q in enumerate(q_lens):
+            for i in range(q):
+                mask[b, i, i] = True
+                if i:
+                    parent = int(torch.randint(0, i, (1,), generator=g))
+                    mask[b, i] |= mask[b, parent]
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots),
-        page_table=table,
+        page_table=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
         kv_lens=torch.tensor(kv_lens),
-        q_lens=torch.full((len(kv_lens),), q_len),
-        q_start=torch.arange(len(kv_lens) + 1) * q_len,
-        max_q_len=q_len,
+        q_lens=torch.tensor(q_lens),
+        q_start=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()]),
+        max_q_len=qm,
         max_kv_len=max(kv_lens),
-        page_size=ps,
+        page_size=PS,
         tree_mask=mask,
     )
 
 
-@pytest.mark.parametrize("q_len,tree", [(1, False), (5, False), (4, True)])
-def test_consecutive_pages_read_a_slice_with_the_gathers_result(q_len: int, tree: bool) -> None:
-    torch.manual_seed(q_len)
+def run(meta: AttentionMetadata, dtype: torch.dtype, reference: bool) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    t = int(meta.slot_mapping.shape[0])
+    pages = int(meta.page_table.max()) + 1
+    q, k, v = (torch.randn(t, h, 16, generator=g).to(dtype) for h in (6, 2, 2))
+    cache = torch.randn(2, pages, PS, 2, 16, generator=g).to(dtype)
     backend = TorchSDPABackend()
-    meta = _meta([[3, 4, 5, 6]], [14], q_len, tree)
-    plan = backend.plan(meta)
-    assert plan.first_slot == 12  # page 3, offset 0
-    cache = torch.randn(2, 8, 4, 2, 8)  # [k/v, pages, page size, kv heads, d]
-    q, k, v = torch.randn(q_len, 4, 8), torch.randn(q_len, 2, 8), torch.randn(q_len, 2, 8)
-    sliced = backend.forward(q.clone(), k, v, cache.clone(), plan, 0.35)
-    gathered = backend.forward(
-        q.clone(),
-        k,
-        v,
-        cache.clone(),
-        dataclasses.replace(plan, first_slot=None, kv_slots=kv_slot_indices(meta)),
-        0.35,
-    )
-    torch.testing.assert_close(sliced, gathered, rtol=1e-6, atol=1e-6)
+    plan = sdpa_plan(meta) if reference else backend.plan(meta)
+    assert isinstance(plan, RowPlan) != reference
+    return backend.forward(q, k, v, cache, plan, 0.25).float()
 
 
-def test_only_a_lone_request_on_consecutive_pages_gets_a_slice() -> None:
-    assert contiguous_first_slot(_meta([[3, 4, 6]], [10], 1, False)) is None  # a gap
-    assert contiguous_first_slot(_meta([[3, 4], [5, 6]], [8, 8], 1, False)) is None  # two requests
-    assert contiguous_first_slot(_meta([[7, 8, 1]], [8], 1, False)) == 28  # the unused third page is ignored
+CASES = [
+    ([37], [1], False),  # decode
+    ([300], [120], False),  # a chunk after a prefix
+    ([40, 9, 23], [1, 1, 1], False),  # a padded decode batch
+    ([30, 50], [8, 5], True),  # tree verify
+    ([40, 70, 12], [1, 30, 1], False),  # a mixed step: decode rows and a prefill chunk
+]
+
+
+@pytest.mark.parametrize("kv_lens,q_lens,tree", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_kernel_matches_the_masked_reference(
+    kv_lens: list[int], q_lens: list[int], tree: bool, dtype: torch.dtype
+) -> None:
+    meta = meta_for(kv_lens, q_lens, tree)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(run(meta, dtype, False), run(meta, dtype, True), rtol=tol, atol=tol)

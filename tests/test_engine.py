@@ -38,33 +38,6 @@ def test_logits_match_transformers(llm: LLM, hf_model) -> None:  # type: ignore[
     assert rel.item() <= 1e-4
 
 
-def test_cpu_weights_are_column_major_and_compute_the_same_logits(llm: LLM) -> None:
-    """On the CPU every 2-D weight is stored column-major (the GEMM reads it untransposed, which
-    was 1.16x faster at batch 8); a forward gives the logits of row-major weights up to fp32
-    rounding."""
-    from ngrammar.runner.model_runner import column_major_weights
-
-    runner = llm.engine.runner
-    weights = [p for p in runner.model.parameters() if p.dim() == 2]
-    assert weights and all(p.stride() == (1, p.shape[0]) for p in weights)
-    ids = llm.tokenizer.encode("Column-major weights, the same numbers")
-    blocks = llm.engine.blocks
-    pages = blocks.allocator.allocate(-(-len(ids) // blocks.page_size))
-    step = StepInput([ids], [list(range(len(ids)))], [0], [pages], list(range(len(ids))))
-    try:
-        col = runner.forward(step).clone()
-        with torch.no_grad():
-            for p in weights:
-                p.data = p.data.contiguous()
-        row = runner.forward(step)
-    finally:
-        column_major_weights(runner.model)
-        blocks.allocator.free(pages)
-    # The GEMM sums in another order: equal up to fp32 rounding.
-    assert ((col - row).abs().max() / row.abs().max()).item() <= 1e-5
-    assert all(p.stride() == (1, p.shape[0]) for p in weights)
-
-
 def test_greedy_matches_transformers_generate(llm: LLM, hf_model) -> None:  # type: ignore[no-untyped-def]
     outs = llm.generate(PROMPTS, GREEDY)
     for prompt, out in zip(PROMPTS, outs):

@@ -19,13 +19,12 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ngrammar.attention.metadata import AttentionBackend
 from ngrammar.model.config import ModelConfig
 from ngrammar.model.ops import LayerOps, TorchOps
-from ngrammar.model.quant import PackedWeight, Q4Weight
+from ngrammar.model.quant import PackedWeight, Q4Weight, project
 
 if TYPE_CHECKING:
     from ngrammar.model.parallel import TensorParallel
@@ -216,7 +215,7 @@ class LlamaForCausalLM(nn.Module):
         if self.packed_head is not None:
             return self.packed_head(hidden).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight)
+        logits = project(hidden, weight, None)
         return (logits if self.tp is None else self.tp.gather_logits(logits)).float()
 
     @torch.no_grad()

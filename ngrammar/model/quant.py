@@ -21,6 +21,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ngrammar.kernels import cpu as cpu_kernels
+
 if TYPE_CHECKING:
     from ngrammar.model.llama import LlamaForCausalLM
 
@@ -155,9 +157,13 @@ class PackedWeight:
 
 
 def project(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [T, K] -> x @ weight.T + bias: a dense weight through ``F.linear``, a packed one its kernel."""
+    """x [T, K] -> x @ weight.T + bias: a packed weight on its kernel, a float32 one on a CPU on the
+    row-invariant ``linear`` (torch's GEMM sums in an order that depends on T), others ``F.linear``."""
     if isinstance(weight, PackedWeight):
         return weight(x, bias)
+    if x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32:
+        out = cpu_kernels.linear(x, weight)
+        return out if bias is None else out + bias
     return F.linear(x, weight, bias)
 
 

@@ -91,18 +91,6 @@ def resolve_quantization(quantization: str, dtype: str, device: torch.device) ->
     return quantization
 
 
-@torch.no_grad()
-def column_major_weights(model: torch.nn.Module) -> None:
-    """Store every 2-D weight (the projections, the embedding that is also the LM head)
-    column-major: logically still [N, K], in memory [K, N], so the CPU GEMM in ``F.linear`` reads it
-    without a transpose (measurably faster forwards on the CPU). The GEMM may sum in another
-    order: logits agree up to fp32 rounding. CUDA keeps row-major weights: the fused Triton
-    kernels read rows."""
-    for param in model.parameters():
-        if param.dim() == 2:
-            param.data = param.data.t().contiguous().t()
-
-
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     return config.num_layers * 2 * config.kv_size * torch.tensor([], dtype=dtype).element_size()
 
@@ -167,8 +155,6 @@ class ModelRunner:
         model.rotary.__init__(c)  # type: ignore[misc]  # buffers were created on meta; rebuild them for real
         model.rotary.to(device)
         model.load_hf_weights(weights)
-        if device.type == "cpu":
-            column_major_weights(model)
         # Whether the projections and the LM head run on 4-bit weights (model/quant.py).
         self.quantized = quantization != "none" and apply_quantization(
             model, load_gguf_q4(checkpoint), quantization

@@ -1,0 +1,178 @@
+// Row-invariant CPU kernels: every output is one fixed-order reduction, whatever the rows beside it.
+//
+// A dot product sums into 16 lanes (lane j takes elements j, j + 16, ...) and then the lanes in
+// order; attention reduces over a row's visible keys in sequence order. Tiling over rows only
+// changes which rows share a weight load, never an output's order of operations. Built with
+// -ffp-contract=off and without fast-math, so the vectorized code computes exactly the scalar
+// semantics: the result is the same on every ISA clone (AVX-512, AVX2, SSE2) and thread count.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;
+
+#define ROW_INVARIANT_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+
+// sum_k a[k] * b[k] over n elements: lane j accumulates k = j (mod 16), then the lanes in order.
+template <typename T>
+inline float dot_lanes(const float* a, const T* b, int64_t n) {
+  float acc[kLanes] = {0.f};
+  int64_t k = 0;
+  for (; k + kLanes <= n; k += kLanes) {
+    for (int j = 0; j < kLanes; ++j) acc[j] += a[k + j] * static_cast<float>(b[k + j]);
+  }
+  for (int j = 0; k + j < n; ++j) acc[j] += a[k + j] * static_cast<float>(b[k + j]);
+  float s = 0.f;
+  for (int j = 0; j < kLanes; ++j) s += acc[j];
+  return s;
+}
+
+// R rows of x against one weight row w: out[r] = dot_lanes(x[r], w), the weight read once.
+template <int R>
+inline void dot_rows(const float* x, int64_t ldx, const float* w, int64_t n, float* out, int64_t ldo) {
+  float acc[R][kLanes] = {};
+  int64_t k = 0;
+  for (; k + kLanes <= n; k += kLanes) {
+    for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < kLanes; ++j) acc[r][j] += x[r * ldx + k + j] * w[k + j];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; k + j < n; ++j) acc[r][j] += x[r * ldx + k + j] * w[k + j];
+    float s = 0.f;
+    for (int j = 0; j < kLanes; ++j) s += acc[r][j];
+    out[r * ldo] = s;
+  }
+}
+
+ROW_INVARIANT_CLONES
+void linear_columns(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_t n0, int64_t n1,
+                    int64_t n) {
+  for (int64_t col = n0; col < n1; ++col) {
+    const float* wr = w + col * k;
+    int64_t row = 0;
+    for (; row + 4 <= m; row += 4) dot_rows<4>(x + row * k, k, wr, k, y + row * n + col, n);
+    for (; row < m; ++row) dot_rows<1>(x + row * k, k, wr, k, y + row * n + col, n);
+  }
+}
+
+// One query row and head (q in float32) over its visible keys (cache slots, in sequence order);
+// out [d] float32.
+template <typename T>
+ROW_INVARIANT_CLONES void attend_row(const float* q, const T* keys, const T* values, const int64_t* slots,
+                                     int64_t count, int64_t stride, int64_t d, float scale, float* scores,
+                                     float* out) {
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t l = 0; l < count; ++l) {
+    scores[l] = dot_lanes(q, keys + slots[l] * stride, d) * scale;
+    top = scores[l] > top ? scores[l] : top;
+  }
+  float total = 0.f;
+  for (int64_t l = 0; l < count; ++l) {
+    scores[l] = std::exp(scores[l] - top);
+    total += scores[l];
+  }
+  for (int64_t i = 0; i < d; ++i) out[i] = 0.f;
+  for (int64_t l = 0; l < count; ++l) {
+    const T* v = values + slots[l] * stride;
+    const float p = scores[l];
+    for (int64_t i = 0; i < d; ++i) out[i] += p * static_cast<float>(v[i]);
+  }
+  for (int64_t i = 0; i < d; ++i) out[i] /= total;
+}
+
+}  // namespace
+
+// x [M, K] float32 @ w [N, K].T -> [M, N] float32; parallel over output columns.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear: x [M, K], w [N, K]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat, "linear: float32 only");
+  TORCH_CHECK(w.is_contiguous(), "linear: w must be row-major contiguous [N, K]");
+  const auto xc = x.contiguous();
+  const int64_t m = xc.size(0), k = xc.size(1), n = w.size(0);
+  auto y = torch::empty({m, n}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) { linear_columns(xp, wp, yp, m, k, n0, n1, n); });
+  return y;
+}
+
+// Paged attention, one row at a time. q [T, Hq, d]; cache [2, pages, page_size, Hkv, d] (K/V of
+// this step already written, q's dtype); row_req / row_idx [T]: each row's request and index in its
+// new block; page_table [B, max_pages]; kv_lens / q_lens [B]; tree_mask [B, Qm, Qm] bool, or empty
+// for causal. Row (b, i) sees kv 0 .. kv_lens[b] - q_lens[b] - 1 and block column j where the mask
+// allows (causal: j <= i), in that order. Sums in float32; the output is rounded to q's dtype.
+template <typename T>
+void paged_attention_impl(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& req,
+                          const torch::Tensor& idx, const torch::Tensor& table, const torch::Tensor& kvl,
+                          const torch::Tensor& ql, const torch::Tensor& mask, float scale, torch::Tensor& out) {
+  const int64_t t = q.size(0), hq = q.size(1), d = q.size(2);
+  const int64_t pages = cache.size(1), ps = cache.size(2), hkv = cache.size(3);
+  const bool tree = mask.numel() > 0;
+  const int64_t qm = tree ? mask.size(1) : 0;
+  const T* qp = q.data_ptr<T>();
+  const T* keys = cache.data_ptr<T>();
+  const T* values = keys + pages * ps * hkv * d;
+  const int64_t* reqp = req.data_ptr<int64_t>();
+  const int64_t* idxp = idx.data_ptr<int64_t>();
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t* kvp = kvl.data_ptr<int64_t>();
+  const int64_t* qlp = ql.data_ptr<int64_t>();
+  const bool* mp = tree ? mask.data_ptr<bool>() : nullptr;
+  const int64_t max_pages = table.size(1), group = hq / hkv, stride = hkv * d;
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, t * hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> slots;
+    std::vector<float> scores, qf(d), of(d);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t row = task / hkv, kh = task % hkv, b = reqp[row], i = idxp[row];
+      const int64_t prefix = kvp[b] - qlp[b];
+      slots.clear();
+      for (int64_t l = 0; l < kvp[b]; ++l) {
+        const int64_t j = l - prefix;
+        if (j >= 0 && (tree ? !mp[(b * qm + i) * qm + j] : j > i)) continue;
+        TORCH_CHECK(l / ps < max_pages, "paged_attention: kv index past the page table");
+        slots.push_back(tp[b * max_pages + l / ps] * ps + l % ps);
+      }
+      scores.resize(slots.size());
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t h = kh * group + g;
+        for (int64_t e = 0; e < d; ++e) qf[e] = static_cast<float>(qp[(row * hq + h) * d + e]);
+        attend_row<T>(qf.data(), keys + kh * d, values + kh * d, slots.data(), static_cast<int64_t>(slots.size()),
+                      stride, d, scale, scores.data(), of.data());
+        for (int64_t e = 0; e < d; ++e) op[(row * hq + h) * d + e] = static_cast<T>(of[e]);
+      }
+    }
+  });
+}
+
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& row_req,
+                              const torch::Tensor& row_idx, const torch::Tensor& page_table,
+                              const torch::Tensor& kv_lens, const torch::Tensor& q_lens,
+                              const torch::Tensor& tree_mask, double scale) {
+  TORCH_CHECK(q.scalar_type() == cache.scalar_type(), "paged_attention: q and the cache share a dtype");
+  TORCH_CHECK(cache.is_contiguous() && cache.dim() == 5 && q.dim() == 3, "paged_attention: q [T, Hq, d], cache [2, pages, ps, Hkv, d]");
+  TORCH_CHECK(cache.size(4) == q.size(2) && q.size(1) % cache.size(3) == 0, "paged_attention: head shapes");
+  TORCH_CHECK(tree_mask.numel() == 0 || tree_mask.scalar_type() == torch::kBool, "paged_attention: bool tree mask");
+  const auto qc = q.contiguous();
+  auto out = torch::empty_like(qc);
+  AT_DISPATCH_FLOATING_TYPES_AND2(torch::kBFloat16, torch::kHalf, qc.scalar_type(), "paged_attention", [&] {
+    paged_attention_impl<scalar_t>(qc, cache, row_req.contiguous(), row_idx.contiguous(), page_table.contiguous(),
+                                   kv_lens.contiguous(), q_lens.contiguous(), tree_mask.contiguous(),
+                                   static_cast<float>(scale), out);
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &linear, "x @ w.T, every output one fixed-order dot (float32)");
+  m.def("paged_attention", &paged_attention, "paged attention, every row reduced in sequence order");
+}
