@@ -1,8 +1,9 @@
 """CPU side by side (``python -m benchmarks spec --device cpu``): batch 1, greedy, the same prompts
-(one per workload category), in one run: ngrammar plain and NGRAM per precision (float32 weights;
-the GGUF's 4-bit weights on one kernel at every row count), transformers plain and prompt
+(one per workload category), in one run: ngrammar plain and NGRAM per precision (the default, the
+GGUF's 4-bit weights, and float32), transformers plain and prompt
 lookup, and llama.cpp plain and prompt lookup when ``llama_cpp`` is importable (optional, never a
-CI dependency). tok/s = generated tokens / wall time of each request, prefill included, for all.
+CI dependency). tok/s = generated tokens / wall time of each request, prefill included, for all;
+outputs stop at EOS.
 Engines are built one at a time (a shared box's memory)."""
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Any
 from benchmarks.common import chat, load_workload, print_table
 from ngrammar import LLM, SamplingParams
 
-PRECISIONS = {"float32": {"dtype": "float32"}, "int4": {"quantization": "int4"}}
+# The default (the GGUF's 4-bit weights) and float32.
+PRECISIONS: dict[str, dict[str, str]] = {"4-bit": {}, "float32": {"dtype": "float32"}}
 
 
 def prompts_per_category() -> list[tuple[str, list[dict[str, str]]]]:
@@ -41,7 +43,7 @@ def _rate(run: Callable[[list[dict[str, str]]], int], prompts: list[Any], repeat
 
 
 def ngrammar_runs(kw: dict[str, Any], prompts: list[Any], max_tokens: int, repeats: int) -> dict[str, Any]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)  # outputs stop at EOS
     results: dict[str, Any] = {}
     outputs: dict[str, list[list[int]]] = {}
     for name, extra in PRECISIONS.items():
@@ -90,7 +92,6 @@ def transformers_runs(prompts: list[Any], max_tokens: int, repeats: int) -> dict
                     ids,
                     attention_mask=torch.ones_like(ids),
                     max_new_tokens=max_tokens,
-                    min_new_tokens=max_tokens,
                     do_sample=False,
                     **extra,
                 )
@@ -123,12 +124,9 @@ def llama_cpp_runs(prompts: list[Any], max_tokens: int, repeats: int, threads: i
             verbose=False,
             draft_model=draft,
         )
-        eos = llm.token_eos()
 
-        def run(msgs: list[dict[str, str]], llm: Any = llm, eos: int = eos) -> int:
-            out = llm.create_chat_completion(
-                msgs, max_tokens=max_tokens, temperature=0.0, logit_bias={eos: -1e9}
-            )
+        def run(msgs: list[dict[str, str]], llm: Any = llm) -> int:
+            out = llm.create_chat_completion(msgs, max_tokens=max_tokens, temperature=0.0)
             return int(out["usage"]["completion_tokens"])
 
         try:  # a peer that fails is reported, and the run keeps every other figure
