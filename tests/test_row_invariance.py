@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 from test_attention import PS, meta_for
 
 from ngrammar import LLM
+from ngrammar.attention.metadata import AttentionMetadata
+from ngrammar.attention.sdpa import TorchSDPABackend
 from ngrammar.kernels import cpu as cpu_kernels
 from ngrammar.model.quant import PackedWeight, Q4Weight, q8_as_q4, quantize_q8_0
-from ngrammar.runner.attention import AttentionMetadata, TorchSDPABackend
 from ngrammar.runner.model_runner import StepInput
 
 ROWS = st.integers(2, 64)

@@ -10,9 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ngrammar.kernels import cpu as cpu_kernels
-
 from ngrammar.attention.metadata import AttentionMetadata
+from ngrammar.kernels import cpu as cpu_kernels
 
 
 def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
