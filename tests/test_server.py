@@ -24,6 +24,8 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from ngrammar import LLM, SamplingParams
+from ngrammar.engine.engine import LLMEngine
+from ngrammar.llm import build_engine_config
 from ngrammar.server import create_app
 
 # The OpenAI client is a test extra: where it is missing (the GPU image) this module is skipped.
@@ -46,7 +48,9 @@ class LiveServer:
     def __init__(self) -> None:
         # Overlap scheduling on (the CUDA default): requests join, finish and get cancelled while
         # a plain step is in flight, and outputs must still equal the offline engine's.
-        self.app = create_app({**ENGINE_KWARGS, "overlap_schedule": True})
+        # An engine instance: served in this process, so tests can reach into it (the engine-core
+        # process is tested in test_engine_core.py).
+        self.app = create_app(LLMEngine(build_engine_config(**ENGINE_KWARGS, overlap_schedule=True)))
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
@@ -514,7 +518,7 @@ def test_without_max_tokens_each_prompt_runs_to_its_own_context_end() -> None:
     """Regression: every prompt of a batch got the room the longest one left (a 4-token prompt
     stopped after 18 tokens under a 48-token context); and, as in vLLM, a prompt plus max_tokens past
     the context is refused instead of being cut short silently."""
-    app = create_app({**ENGINE_KWARGS, "max_model_len": 48})
+    app = create_app(LLMEngine(build_engine_config(**ENGINE_KWARGS, max_model_len=48)))
     with TestClient(app) as client:
         tokenizer = app.state.server.engine.tokenizer
         prompts = ["Hi", "Tell me a story about a dragon and a knight, with a castle and a quest, please"]

@@ -23,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -39,6 +40,7 @@ from ngrammar.sampling_params import InvalidRequestError, SamplingParams
 from ngrammar.server.config import ServerConfig
 from ngrammar.server.engine_loop import (
     AsyncEngine,
+    ClientDisconnected,
     EngineFailure,
     EngineUnavailable,
     QueueFull,
@@ -49,11 +51,8 @@ from ngrammar.server.metrics import CONTENT_TYPE, ServerMetrics
 from ngrammar.server.protocol import (
     AssistantMessage,
     ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatDelta,
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionChoice,
@@ -83,8 +82,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_ALIAS = "default"
-_DISCONNECT_CHECK_S = 0.1  # how often a waiting handler asks whether its client is still there
-_POLL_S = 0.5  # longest wait for engine progress before re-checking the client
 _ENDPOINTS = frozenset(
     {
         "/v1/chat/completions",
@@ -123,10 +120,6 @@ class APIError(Exception):
         # ASCII-escaped JSON: a message can never fail to encode (a lone surrogate would).
         body = json.dumps(ErrorResponse(error=self.info).model_dump())
         return Response(body, status_code=self.status, headers=self.headers, media_type="application/json")
-
-
-class ClientDisconnected(Exception):
-    """The HTTP client went away while its request was running."""
 
 
 def _as_api_error(exc: BaseException) -> APIError:
@@ -333,21 +326,22 @@ def _json(model: BaseModel, exclude: set[str] | None = None) -> str:
     return model.model_dump_json(exclude=exclude)
 
 
-def _sse(payload: str) -> str:
-    return f"data: {payload}\n\n"
+def _sse(payload: bytes) -> bytes:
+    return b"data: " + payload + b"\n\n"
 
 
-_SSE_DONE = "data: [DONE]\n\n"
+_SSE_DONE = b"data: [DONE]\n\n"
+_encode = msgspec.json.Encoder().encode
 
 
 class _Renderer(Protocol):
-    """Turns a group's progress into SSE payloads (JSON text) for one endpoint's stream format."""
+    """Turns a group's progress into SSE payloads (JSON bytes) for one endpoint's stream format."""
 
-    def start(self, num_prompts: int) -> list[str]: ...
+    def start(self, num_prompts: int) -> list[bytes]: ...
 
-    def update(self, group: RequestGroup) -> list[str]: ...
+    def update(self, group: RequestGroup) -> list[bytes]: ...
 
-    def finish(self, group: RequestGroup) -> list[str]: ...
+    def finish(self, group: RequestGroup) -> list[bytes]: ...
 
 
 @dataclasses.dataclass
@@ -374,72 +368,40 @@ class _Cursor:
         return delta, lps, finish
 
 
-class _ChatStream:
-    def __init__(self, server: _Server, rid: str, body: ChatCompletionRequest) -> None:
+class _ChunkStream:
+    """An OpenAI stream's chunks, rendered as bytes around a prefix fixed per stream: a chunk is one
+    ``msgspec`` encode of its choices (plain dicts), no pydantic model per token. Usage is null
+    until the last chunk when the client asked for it (``stream_options.include_usage``), and
+    absent otherwise, as OpenAI sends it."""
+
+    object_name = ""
+
+    def __init__(self, server: _Server, rid: str, n: int, include_usage: bool) -> None:
         self.server = server
-        self.rid = rid
-        self.n = body.n
-        self.want_logprobs = body.logprobs
-        self.include_usage = body.include_usage
-        self.created = int(time.time())
+        self.n = n
+        self.include_usage = include_usage
         self.cursors: dict[int, _Cursor] = {}
+        head = {
+            "id": rid,
+            "object": self.object_name,
+            "created": int(time.time()),
+            "model": server.model_name,
+        }
+        self.head = _encode(head)[:-1] + b',"choices":'
+        self.tail = b',"usage":null}' if include_usage else b"}"
 
-    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-        chunk = ChatCompletionChunk(
-            id=self.rid, created=self.created, model=self.server.model_name, choices=choices, usage=usage
-        )
-        return _json(chunk, None if self.include_usage else {"usage"})  # usage: null until the last chunk
+    def _chunk(self, choices: list[dict[str, Any]]) -> bytes:
+        return self.head + _encode(choices) + self.tail
 
-    def start(self, num_prompts: int) -> list[str]:
-        opening = [
-            ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
-            for i in range(num_prompts * self.n)
-        ]
-        return [self._chunk(opening)]
+    def _choice(
+        self, index: int, cursor: _Cursor, delta: str, lps: list[TokenLogprob], finish: str | None
+    ) -> dict[str, Any]:
+        raise NotImplementedError
 
-    def update(self, group: RequestGroup) -> list[str]:
-        choices = []
-        for index, c in _choices(group, self.n):
-            part = self.cursors.setdefault(index, _Cursor()).take(c)
-            if part is None:
-                continue
-            _raise_completion_error(c)
-            delta, lps, finish = part
-            logprobs = _chat_logprobs(self.server.tokenizer, lps) if self.want_logprobs and lps else None
-            choices.append(
-                ChatChunkChoice(
-                    index=index,
-                    delta=ChatDelta(content=delta or None),
-                    logprobs=logprobs,
-                    finish_reason=finish,
-                )
-            )
-        return [self._chunk(choices)] if choices else []
-
-    def finish(self, group: RequestGroup) -> list[str]:
-        return [self._chunk([], _group_usage(group))] if self.include_usage else []
-
-
-class _CompletionStream:
-    def __init__(self, server: _Server, rid: str, body: CompletionRequest) -> None:
-        self.server = server
-        self.rid = rid
-        self.n = body.n
-        self.want_logprobs = body.logprobs is not None
-        self.include_usage = body.include_usage
-        self.created = int(time.time())
-        self.cursors: dict[int, _Cursor] = {}
-
-    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> str:
-        chunk = CompletionResponse(
-            id=self.rid, created=self.created, model=self.server.model_name, choices=choices, usage=usage
-        )
-        return _json(chunk, None if self.include_usage else {"usage"})
-
-    def start(self, num_prompts: int) -> list[str]:
+    def start(self, num_prompts: int) -> list[bytes]:
         return []
 
-    def update(self, group: RequestGroup) -> list[str]:
+    def update(self, group: RequestGroup) -> list[bytes]:
         choices = []
         for index, c in _choices(group, self.n):
             cursor = self.cursors.setdefault(index, _Cursor())
@@ -447,15 +409,57 @@ class _CompletionStream:
             if part is None:
                 continue
             _raise_completion_error(c)
-            delta, lps, finish = part
-            logprobs = None
-            if self.want_logprobs and lps:
-                logprobs = _completion_logprobs(self.server.tokenizer, lps, cursor.offsets)
-            choices.append(CompletionChoice(index=index, text=delta, logprobs=logprobs, finish_reason=finish))
+            choices.append(self._choice(index, cursor, *part))
         return [self._chunk(choices)] if choices else []
 
-    def finish(self, group: RequestGroup) -> list[str]:
-        return [self._chunk([], _group_usage(group))] if self.include_usage else []
+    def finish(self, group: RequestGroup) -> list[bytes]:
+        if not self.include_usage:
+            return []
+        usage = _group_usage(group).model_dump_json().encode()
+        return [self.head + b'[],"usage":' + usage + b"}"]
+
+
+class _ChatStream(_ChunkStream):
+    object_name = "chat.completion.chunk"
+
+    def __init__(self, server: _Server, rid: str, body: ChatCompletionRequest) -> None:
+        super().__init__(server, rid, body.n, body.include_usage)
+        self.want_logprobs = body.logprobs
+
+    def start(self, num_prompts: int) -> list[bytes]:
+        opening = {"role": "assistant", "content": ""}
+        return [self._chunk([_chat_choice(i, opening) for i in range(num_prompts * self.n)])]
+
+    def _choice(
+        self, index: int, cursor: _Cursor, delta: str, lps: list[TokenLogprob], finish: str | None
+    ) -> dict[str, Any]:
+        logprobs = None
+        if self.want_logprobs and lps:
+            logprobs = _chat_logprobs(self.server.tokenizer, lps).model_dump()
+        return _chat_choice(index, {"content": delta} if delta else {}, logprobs, finish)
+
+
+def _chat_choice(
+    index: int, delta: dict[str, str], logprobs: Any = None, finish: str | None = None
+) -> dict[str, Any]:
+    """A chat chunk's choice (``protocol.ChatChunkChoice``'s fields; the delta without nulls)."""
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+
+class _CompletionStream(_ChunkStream):
+    object_name = "text_completion"
+
+    def __init__(self, server: _Server, rid: str, body: CompletionRequest) -> None:
+        super().__init__(server, rid, body.n, body.include_usage)
+        self.want_logprobs = body.logprobs is not None
+
+    def _choice(
+        self, index: int, cursor: _Cursor, delta: str, lps: list[TokenLogprob], finish: str | None
+    ) -> dict[str, Any]:
+        logprobs = None
+        if self.want_logprobs and lps:
+            logprobs = _completion_logprobs(self.server.tokenizer, lps, cursor.offsets).model_dump()
+        return {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish}
 
 
 class _GenerateStream:
@@ -466,18 +470,18 @@ class _GenerateStream:
         self.started = started
         self.sent_tokens = -1
 
-    def start(self, num_prompts: int) -> list[str]:
+    def start(self, num_prompts: int) -> list[bytes]:
         return []
 
-    def update(self, group: RequestGroup) -> list[str]:
+    def update(self, group: RequestGroup) -> list[bytes]:
         out = group.latest.get(group.request_ids[0])
         if out is None or (len(out.token_ids) == self.sent_tokens and not out.finished):
             return []
         _raise_completion_error(out.outputs[0])
         self.sent_tokens = len(out.token_ids)
-        return [_json(_generate_response(out, self.started))]
+        return [_json(_generate_response(out, self.started)).encode()]
 
-    def finish(self, group: RequestGroup) -> list[str]:
+    def finish(self, group: RequestGroup) -> list[bytes]:
         return []
 
 
@@ -713,16 +717,15 @@ class _Server:
         )
 
     async def _progress(self, request: Request, group: RequestGroup) -> AsyncIterator[None]:
-        """Yields after each batch of engine progress; raises ClientDisconnected if the client left."""
-        last_check = 0.0
-        while not group.done:
-            now = time.monotonic()
-            if now - last_check >= _DISCONNECT_CHECK_S:
-                last_check = now
-                if await request.is_disconnected():
-                    raise ClientDisconnected()
-            if await group.wait_update(_POLL_S):
+        """Yields after each batch of engine progress; raises ClientDisconnected if the client left
+        (noticed by one task waiting for the disconnect message: no polling, no timer per token)."""
+        watcher = asyncio.ensure_future(_watch_disconnect(request, group))
+        try:
+            while not group.done:
+                await group.wait_update()
                 yield
+        finally:
+            watcher.cancel()
 
     async def collect(self, request: Request, group: RequestGroup) -> None:
         """Wait until every request of the group finished (aborting them if we stop early)."""
@@ -741,12 +744,18 @@ class _Server:
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    async def _events(self, request: Request, group: RequestGroup, renderer: _Renderer) -> AsyncIterator[str]:
+    async def _events(
+        self, request: Request, group: RequestGroup, renderer: _Renderer
+    ) -> AsyncIterator[bytes]:
         # Cancellation (the client went away) lands in ``finally`` too, which aborts the requests.
         try:
             for payload in renderer.start(len(group.request_ids)):
                 yield _sse(payload)
+            sent, interval = 0, self.config.stream_interval
             async for _ in self._progress(request, group):
+                if interval > 1 and sent and not group.done and group.num_tokens - sent < interval:
+                    continue  # (the first tokens go at once: the time to the first token is not batched)
+                sent = group.num_tokens
                 for payload in renderer.update(group):
                     yield _sse(payload)
             for payload in renderer.finish(group):
@@ -758,7 +767,7 @@ class _Server:
             error = _as_api_error(e)
             if error.status >= 500:
                 log.error("stream failed", exc_info=e)
-            yield _sse(json.dumps(ErrorResponse(error=error.info).model_dump()))
+            yield _sse(json.dumps(ErrorResponse(error=error.info).model_dump()).encode())
             yield _SSE_DONE
         finally:
             group.abort()
@@ -796,6 +805,12 @@ class _Server:
             "stats": stats,
             "config": _jsonable(dataclasses.asdict(self.engine.config)),
         }
+
+
+async def _watch_disconnect(request: Request, group: RequestGroup) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    group.disconnected()
 
 
 def _jsonable(value: Any) -> Any:
@@ -1010,21 +1025,7 @@ def create_app(
     if max_queue is not None:
         config = dataclasses.replace(config, max_queue=max_queue)
     metrics = ServerMetrics()
-    if isinstance(engine, LLMEngine):
-        llm_engine: LLMEngine | None = engine
-    else:
-        engine_config = build_engine_config(**dict(engine or {}))
-        several = engine_config.data_parallel_size > 1 or engine_config.tensor_parallel_size > 1
-        llm_engine = None if several else LLMEngine(engine_config)
-    if llm_engine is None:
-        # Replica processes behind a router with AsyncEngine's interface (server/router.py)
-        from ngrammar.server.router import start_replicas
-
-        front, router = start_replicas(engine_config, config.max_queue, metrics)
-        server = _Server(front, router, metrics, config)  # type: ignore[arg-type]
-    else:
-        _ = llm_engine.grammar_backend  # build it now: handler threads must share one, not race to create it
-        server = _Server(llm_engine, AsyncEngine(llm_engine, config.max_queue, metrics), metrics, config)
+    server = _serving(engine, config, metrics)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -1043,6 +1044,27 @@ def create_app(
     _install_error_handlers(app)
     _install_routes(app, server)
     return app
+
+
+def _serving(
+    engine: LLMEngine | Mapping[str, Any] | None, config: ServerConfig, metrics: ServerMetrics
+) -> _Server:
+    """An engine instance is served in this process (its loop on a thread); one built here from
+    keyword arguments runs in an engine-core process (``server/core.py``), or, with ``--dp`` /
+    ``--tp``, in replica processes behind a router (``server/router.py``)."""
+    if isinstance(engine, LLMEngine):
+        _ = engine.grammar_backend  # build it now: handler threads must share one, not race to create it
+        return _Server(engine, AsyncEngine(engine, config.max_queue, metrics), metrics, config)
+    engine_config = build_engine_config(**dict(engine or {}))
+    if engine_config.data_parallel_size > 1 or engine_config.tensor_parallel_size > 1:
+        from ngrammar.server.router import start_replicas
+
+        front, router = start_replicas(engine_config, config.max_queue, metrics)
+        return _Server(front, router, metrics, config)  # type: ignore[arg-type]
+    from ngrammar.server.core_client import start_core
+
+    front, client = start_core(engine_config, config.max_queue, metrics)
+    return _Server(front, client, metrics, config)  # type: ignore[arg-type]
 
 
 def serve(args: argparse.Namespace) -> int:

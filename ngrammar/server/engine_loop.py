@@ -31,7 +31,7 @@ import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ngrammar.engine.engine import EngineStats, LLMEngine
 from ngrammar.outputs import RequestOutput
@@ -98,6 +98,14 @@ _Command = _Add | _Abort | _Wake
 _Item = RequestOutput | BaseException
 
 
+class _Aborts(Protocol):
+    def abort(self, request_id: str) -> None: ...
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away while its request was running."""
+
+
 class RequestGroup:
     """The engine requests of one HTTP request (one per prompt) and their latest outputs.
 
@@ -105,7 +113,7 @@ class RequestGroup:
     queue up while a client is slow can be folded into the newest one without losing anything.
     """
 
-    def __init__(self, owner: AsyncEngine, request_ids: list[str]) -> None:
+    def __init__(self, owner: _Aborts, request_ids: list[str]) -> None:
         self.request_ids = request_ids
         self.latest: dict[str, RequestOutput] = {}
         self._owner = owner
@@ -120,15 +128,28 @@ class RequestGroup:
         """Called on the event loop (via call_soon_threadsafe) by the engine thread."""
         self._queue.put_nowait((request_id, item))
 
-    async def wait_update(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for progress and fold in every queued update.
+    @property
+    def num_tokens(self) -> int:
+        """Output tokens of every request of the group so far."""
+        return sum(len(c.token_ids) for out in self.latest.values() for c in out.outputs)
+
+    def disconnected(self) -> None:
+        """The client went away: the waiting handler raises ``ClientDisconnected``."""
+        self._queue.put_nowait(("", ClientDisconnected()))
+
+    async def wait_update(self, timeout_s: float | None = None) -> bool:
+        """Wait (up to ``timeout_s``, or until something arrives) for progress and fold in every
+        queued update.
 
         Returns whether anything arrived; re-raises an error the engine reported for a request.
         """
-        try:
-            first = await asyncio.wait_for(self._queue.get(), timeout_s)
-        except TimeoutError:
-            return False
+        if timeout_s is None:
+            first = await self._queue.get()
+        else:
+            try:
+                first = await asyncio.wait_for(self._queue.get(), timeout_s)
+            except TimeoutError:
+                return False
         self._apply(first)
         while not self._queue.empty():
             self._apply(self._queue.get_nowait())

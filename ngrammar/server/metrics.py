@@ -57,6 +57,11 @@ class ServerMetrics:
             "ngrammar_num_inflight", "Requests accepted and not finished (bounded by max_queue)", registry=r
         )
         self.kv_usage = Gauge("ngrammar_kv_cache_usage", "Fraction of KV cache pages in use", registry=r)
+        self.compiles = Gauge(
+            "ngrammar_kernel_compiles",
+            "Kernel compilations in the engine core since it started (its warm-up's included)",
+            registry=r,
+        )
         self.prefix_queries = Counter(
             "ngrammar_prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache (first admissions)",
@@ -112,6 +117,9 @@ class ServerMetrics:
             self.e2e_latency.observe(m["e2e_latency_s"])
         if "spec_accept_length" in m:
             self.accept_length.observe(m["spec_accept_length"])
+
+    def set_compiles(self, count: int) -> None:
+        self.compiles.set(count)
 
     def set_gauges(self, snap: EngineSnapshot) -> None:
         self.queue_depth.set(snap.num_waiting)

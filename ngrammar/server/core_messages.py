@@ -1,0 +1,96 @@
+"""The engine-core protocol: what the API server and an engine core send each other (msgspec).
+
+API server -> core: ``Add`` (a prepared request: token ids and validated params), ``Abort``,
+``Stop``. Core -> API server: ``Ready`` (or ``StartFailed``) once its engine is built, then one
+``StepDelta`` per loop turn that changed something: the new token ids of every request that
+progressed (never the whole output again, never one message per token), finish reasons, logprobs,
+usage and the core's load.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from ngrammar.engine.stats import EngineStats
+from ngrammar.sampling_params import SamplingParams
+
+
+class Add(msgspec.Struct, tag=True, array_like=True):
+    request_id: str
+    group: str  # the HTTP request it belongs to: cores hand requests over round-robin by group
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class Abort(msgspec.Struct, tag=True, array_like=True):
+    request_id: str
+
+
+class Stop(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+Command = Add | Abort | Stop
+
+
+class SeqDelta(msgspec.Struct, array_like=True):
+    """What one completion (of a request's n) gained in one step."""
+
+    index: int
+    token_ids: list[int]  # new tokens only
+    finish_reason: str | None = None
+    error: str | None = None
+    request_error: bool = False  # the error is the request's fault (400), not the engine's
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None  # (id, logprob, top)
+
+
+class RequestDelta(msgspec.Struct, array_like=True):
+    request_id: str
+    seqs: list[SeqDelta]
+    finished: bool = False
+    metrics: dict[str, float] | None = None  # the engine's request metrics, with the final delta
+
+
+class RequestFailed(msgspec.Struct, array_like=True):
+    """The engine refused a request the server's checks let through (bad input: 400) or failed
+    while running it (500); the request is gone from the core."""
+
+    request_id: str
+    kind: str  # the exception's class name
+    message: str
+
+
+class Load(msgspec.Struct, array_like=True):
+    num_running: int
+    num_waiting: int  # in the scheduler plus handed to the core and not yet to the engine
+    kv_pages_free: int  # (cached prefix pages nobody reads count as free)
+    kv_pages_total: int
+    kv_pages_cached: int
+    stats: EngineStats
+    compiles: int  # kernel compilations since the core started, its warm-up's included
+
+
+class StepDelta(msgspec.Struct, tag=True, array_like=True):
+    requests: list[RequestDelta]
+    failed: list[RequestFailed]
+    load: Load
+    step_seconds: float | None  # None: the turn ran no step (only admissions or aborts)
+
+
+class Ready(msgspec.Struct, tag=True, array_like=True):
+    model_name: str
+    max_model_len: int
+    kv_capacity_tokens: int
+    page_size: int
+    compiles: int  # kernels and graphs compiled while warming up
+
+
+class StartFailed(msgspec.Struct, tag=True, array_like=True):
+    message: str
+
+
+Report = StepDelta | Ready | StartFailed
+
+encoder = msgspec.msgpack.Encoder()
+command_decoder = msgspec.msgpack.Decoder(Command)
+report_decoder = msgspec.msgpack.Decoder(Report)

@@ -1,0 +1,259 @@
+"""The server with its engine in an engine-core process (``create_app`` from keyword arguments, as
+``ngrammar serve`` builds it): outputs rebuilt from the core's deltas equal the offline engine's,
+streamed or not; cancellation frees KV pages in the core; the core's death is a 5xx, never a hang.
+
+One server per module (its core's start loads the model once); the crash test runs last and kills it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from ngrammar import LLM, SamplingParams
+from ngrammar.server import create_app
+from ngrammar.server.core_client import CoreClient
+
+ENGINE_KWARGS: dict[str, Any] = dict(device="cpu", dtype="float32", kv_cache_tokens=8192, speculative="ngram")
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+MULTI_BYTE = "ok 🙃🙏 é"  # byte-level BPE splits these characters over several tokens
+
+
+class CoreServer:
+    def __init__(self) -> None:
+        self.app = create_app(ENGINE_KWARGS)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = int(s.getsockname()[1])
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
+            time.sleep(0.05)
+
+    @property
+    def core(self) -> CoreClient:
+        loop = self.app.state.server.loop
+        assert isinstance(loop, CoreClient)
+        return loop
+
+
+@pytest.fixture(scope="module")
+def live() -> Iterator[CoreServer]:
+    server = CoreServer()
+    yield server
+    server.server.should_exit = True
+    server.thread.join(60)
+    assert server.core.process.poll() is not None, "the engine core outlived its server"
+
+
+@pytest.fixture(scope="module")
+def http(live: CoreServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=f"http://127.0.0.1:{live.port}", timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return LLM(**ENGINE_KWARGS)
+
+
+def wait_idle(http: httpx.Client, timeout_s: float = 20.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = http.get("/server_info").json()
+        idle = info["num_inflight"] == 0 and info["num_running"] == 0 and info["num_waiting"] == 0
+        if idle and info["kv_pages_free"] == info["kv_pages_total"]:
+            return info
+        assert time.monotonic() < deadline, f"the server did not go idle: {info}"
+        time.sleep(0.05)
+
+
+def streamed(http: httpx.Client, path: str, body: dict[str, Any]) -> tuple[dict[int, str], dict[int, str]]:
+    """Each choice's joined text and finish reason from an SSE stream."""
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    with http.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            for c in chunk["choices"]:
+                part = c["delta"].get("content") if "delta" in c else c["text"]
+                texts[c["index"]] = texts.get(c["index"], "") + (part or "")
+                if c["finish_reason"] is not None:
+                    finish[c["index"]] = c["finish_reason"]
+    return texts, finish
+
+
+CASES: list[tuple[str, dict[str, Any], SamplingParams]] = [
+    ("Count: 1, 2,", {"max_tokens": 16}, SamplingParams(max_tokens=16, temperature=0)),
+    (
+        "Count: 1, 2,",
+        {"max_tokens": 16, "stop": [" 5,", "9"]},
+        SamplingParams(max_tokens=16, temperature=0, stop=[" 5,", "9"]),
+    ),
+    (
+        "A person as JSON:",
+        {"max_tokens": 32, "json_schema": SCHEMA},
+        SamplingParams(max_tokens=32, temperature=0, json_schema=SCHEMA),
+    ),
+    (
+        "Say:",
+        {"max_tokens": 16, "regex": MULTI_BYTE},
+        SamplingParams(max_tokens=16, temperature=0, regex=MULTI_BYTE),
+    ),
+    (
+        "Say:",
+        {"max_tokens": 16, "regex": MULTI_BYTE + " end", "stop": ["🙏"]},
+        SamplingParams(max_tokens=16, temperature=0, regex=MULTI_BYTE + " end", stop=["🙏"]),
+    ),
+    (
+        "The capital of France is",
+        {"max_tokens": 8, "n": 2, "logprobs": 2},
+        SamplingParams(max_tokens=8, temperature=0, n=2, logprobs=2),
+    ),
+]
+
+
+def test_streamed_equals_non_streamed_equals_offline(http: httpx.Client, offline: LLM) -> None:
+    expected = offline.generate([c[0] for c in CASES], [c[2] for c in CASES])
+    for (prompt, extra, _), out in zip(CASES, expected):
+        body = {"prompt": prompt, "temperature": 0, **extra}
+        plain = http.post("/v1/completions", json=body)
+        assert plain.status_code == 200, plain.text
+        choices = plain.json()["choices"]
+        want = {c.index: c.text for c in out.outputs}
+        assert {c["index"]: c["text"] for c in choices} == want, body
+        assert {c["index"]: c["finish_reason"] for c in choices} == {
+            c.index: c.finish_reason for c in out.outputs
+        }
+        texts, finish = streamed(http, "/v1/completions", body)
+        assert texts == want and finish == {c.index: c.finish_reason for c in out.outputs}, body
+    native = http.post(
+        "/generate",
+        json={
+            "text": CASES[3][0],
+            "sampling_params": {"max_new_tokens": 16, "temperature": 0, "regex": MULTI_BYTE},
+        },
+    )
+    assert native.json()["output_ids"] == expected[3].token_ids
+    assert expected[3].text == MULTI_BYTE
+    wait_idle(http)
+
+
+def test_multi_byte_tokens_stream_whole_characters_and_keep_their_logprob_bytes(http: httpx.Client) -> None:
+    body = {"prompt": "Say:", "max_tokens": 16, "temperature": 0, "regex": MULTI_BYTE, "logprobs": 0}
+    lps = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert any(t.startswith("bytes:") for t in lps["tokens"]), lps["tokens"]  # a character split over tokens
+    chat = {
+        "messages": [{"role": "user", "content": "Say it."}],
+        "max_tokens": 16,
+        "temperature": 0,
+        "regex": MULTI_BYTE,
+    }
+    texts, _ = streamed(http, "/v1/chat/completions", chat)
+    assert texts == {0: MULTI_BYTE}
+    assert "\ufffd" not in texts[0]
+
+
+def test_cancelled_stream_frees_kv_pages_in_the_core(http: httpx.Client, live: CoreServer) -> None:
+    wait_idle(http)
+    body = {"prompt": "Tell me a very long story.", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=f"http://127.0.0.1:{live.port}", timeout=60) as own:
+        with own.stream("POST", "/v1/completions", json=body) as r:
+            received = 0
+            for line in r.iter_lines():
+                received += line.startswith("data: ")
+                if received >= 3:
+                    break
+            busy = http.get("/server_info").json()
+            assert busy["num_inflight"] == 1 and busy["kv_pages_free"] < busy["kv_pages_total"]
+    wait_idle(http, timeout_s=10)  # 2000 tokens would take minutes: only an abort is this fast
+
+
+def compiles(http: httpx.Client) -> float:
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        if family.name == "ngrammar_kernel_compiles":
+            return float(family.samples[0].value)
+    raise AssertionError("no compile counter in /metrics")
+
+
+def test_a_prefix_hit_prefill_compiles_nothing_after_the_start(http: httpx.Client) -> None:
+    before = compiles(http)
+    prompt = "The prefix cache keeps the pages of this prompt for the next request. " * 6
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+    http.post("/v1/completions", json=body)
+    again = http.post("/v1/completions", json=body).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert compiles(http) == before
+
+
+def test_queue_bound_and_bad_input_hold_across_the_process_boundary(
+    http: httpx.Client, live: CoreServer
+) -> None:
+    core = live.core
+    saved, core.max_queue = core.max_queue, 2
+    try:
+        r = http.post("/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 2})
+        assert r.status_code == 400 and "queue" in r.json()["error"]["message"]
+    finally:
+        core.max_queue = saved
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "regex": "a[^\\s\\S]"})
+    assert r.status_code == 400, r.text
+    wait_idle(http)
+
+
+def test_a_dead_core_fails_requests_with_5xx_and_health_with_503(
+    http: httpx.Client, live: CoreServer
+) -> None:
+    """Last in the module: it kills the shared server's core."""
+    body = {"prompt": "Tell me a very long story.", "max_tokens": 2000, "ignore_eos": True}
+    results: dict[str, Any] = {}
+
+    def plain() -> None:
+        results["plain"] = http.post("/v1/completions", json=body)
+
+    def stream() -> None:
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            results["stream"] = [line for line in r.iter_lines() if line.startswith("data: ")]
+
+    threads = [threading.Thread(target=plain), threading.Thread(target=stream)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while http.get("/server_info").json()["num_running"] < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.kill(live.core.process.pid, signal.SIGKILL)
+    for t in threads:
+        t.join(30)
+        assert not t.is_alive(), "a request hung after the core died"
+    assert (
+        results["plain"].status_code == 500 and "engine core" in results["plain"].json()["error"]["message"]
+    )
+    last = json.loads(results["stream"][-2][6:])
+    assert "engine core" in last["error"]["message"] and results["stream"][-1] == "data: [DONE]"
+    assert http.get("/health").status_code == 503
+    assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 503
