@@ -63,10 +63,10 @@ def run_tp_step_times(
 
 
 async def _router_throughput(kwargs: dict[str, Any], dp: int, requests: int, max_tokens: int) -> float:
-    from ngrammar.server.router import start_replicas
+    from ngrammar.server.core_client import start_cores
 
     config = build_engine_config(**{**kwargs, "data_parallel_size": dp})
-    front, router = start_replicas(config, max(requests, 1), None)
+    front, router = start_cores(config, max(requests, 1), None)
     router.start()
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)

@@ -96,7 +96,7 @@ def test_metrics_and_server_info_sum_the_replicas(dp2: LiveServer, oai: openai.O
             time.sleep(0.05)
         text = http.get("/metrics").text
         assert http.get("/health").status_code == 200
-        assert "not served with --dp" in http.get("/v1/draft_corpora").json()["error"]["message"]
+        assert "--speculative ngram" in http.get("/v1/draft_corpora").json()["error"]["message"]
     pages = [r.load.kv_pages_total for r in dp2.router.replicas]
     assert info["kv_pages_total"] == sum(pages) == 2 * 4096 // 16
     assert info["step_running_s"] == 0.0  # no replica holds a request

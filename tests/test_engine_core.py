@@ -23,7 +23,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ngrammar import LLM, SamplingParams
 from ngrammar.server import create_app
+from ngrammar.server.core import EngineCore
 from ngrammar.server.core_client import CoreClient
+from ngrammar.server.core_messages import Add
+from ngrammar.server.warmup import CompileCounter
 
 ENGINE_KWARGS: dict[str, Any] = dict(device="cpu", dtype="float32", kv_cache_tokens=8192, speculative="ngram")
 SCHEMA = {
@@ -63,7 +66,9 @@ def live() -> Iterator[CoreServer]:
     yield server
     server.server.should_exit = True
     server.thread.join(60)
-    assert server.core.process.poll() is not None, "the engine core outlived its server"
+    assert all(c.process.poll() is not None for c in server.core.replicas), (
+        "an engine core outlived its server"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +140,28 @@ CASES: list[tuple[str, dict[str, Any], SamplingParams]] = [
         SamplingParams(max_tokens=8, temperature=0, n=2, logprobs=2),
     ),
 ]
+
+
+def test_the_core_sends_new_tokens_once_and_refusals_in_the_same_turn(offline: LLM) -> None:
+    core = EngineCore(offline.engine, CompileCounter())
+    ids = offline.engine.tokenize("Count: 1, 2,")
+    core.handle(Add("bad", "g", ids, SamplingParams(max_tokens=4, draft_corpora=("nope",))))
+    refused = core.turn()
+    assert refused is not None and [f.request_id for f in refused.failed] == ["bad"] and not core.busy
+    params = SamplingParams(max_tokens=8, temperature=0, n=2, logprobs=1)
+    core.handle(Add("ok", "g", ids, params))
+    tokens: dict[int, list[int]] = {0: [], 1: []}
+    logprobs: dict[int, list[int]] = {0: [], 1: []}
+    finished = False
+    while core.busy:
+        delta = core.turn()
+        for r in [] if delta is None else delta.requests:
+            for d in r.seqs:
+                tokens[d.index] += d.token_ids
+                logprobs[d.index] += [t for t, _, _ in d.logprobs or []]
+            finished = r.finished
+    want = offline.generate("Count: 1, 2,", params)[0].outputs
+    assert finished and [tokens[0], tokens[1]] == [c.token_ids for c in want] == [logprobs[0], logprobs[1]]
 
 
 def test_streamed_equals_non_streamed_equals_offline(http: httpx.Client, offline: LLM) -> None:
@@ -225,6 +252,22 @@ def test_queue_bound_and_bad_input_hold_across_the_process_boundary(
     wait_idle(http)
 
 
+def test_draft_corpora_are_served_by_the_core(http: httpx.Client, offline: LLM) -> None:
+    text = "The lighthouse keeper climbed the stairs every evening to light the lamp."
+    added = http.post("/v1/draft_corpora", json={"name": "lore", "documents": [text]})
+    assert added.status_code == 200 and added.json()["name"] == "lore", added.text
+    assert [c["name"] for c in http.get("/v1/draft_corpora").json()["data"]] == ["lore"]
+    body = {"prompt": "The lighthouse keeper", "max_tokens": 12, "temperature": 0, "draft_corpora": ["lore"]}
+    served = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    assert (
+        served
+        == offline.generate("The lighthouse keeper", SamplingParams(max_tokens=12, temperature=0))[0].text
+    )
+    assert http.post("/v1/completions", json={**body, "draft_corpora": ["nope"]}).status_code == 400
+    assert http.delete("/v1/draft_corpora/lore").json() == {"name": "lore", "removed": True}
+    assert http.delete("/v1/draft_corpora/lore").status_code == 404
+
+
 def test_a_dead_core_fails_requests_with_5xx_and_health_with_503(
     http: httpx.Client, live: CoreServer
 ) -> None:
@@ -246,7 +289,7 @@ def test_a_dead_core_fails_requests_with_5xx_and_health_with_503(
     while http.get("/server_info").json()["num_running"] < 2:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    os.kill(live.core.process.pid, signal.SIGKILL)
+    os.kill(live.core.replicas[0].process.pid, signal.SIGKILL)
     for t in threads:
         t.join(30)
         assert not t.is_alive(), "a request hung after the core died"

@@ -165,12 +165,12 @@ def test_mixed_steps_match_separate_steps(llm: LLM, ref: LLM) -> None:
 
 
 def test_usage_reports_cached_tokens() -> None:
-    from ngrammar.server.app import _usage
+    from ngrammar.server.rendering import outputs_usage
 
     def out(prompt: int, cached: int) -> RequestOutput:
         c = CompletionOutput(0, "x", [1, 2], "stop", None, None, False)
         return RequestOutput("r", list(range(prompt)), [c], True, {"cached_tokens": cached})
 
-    usage = _usage([out(40, 32), out(10, 0)])
+    usage = outputs_usage([out(40, 32), out(10, 0)])
     assert usage.prompt_tokens == 50 and usage.completion_tokens == 4
     assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens == 32

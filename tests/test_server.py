@@ -575,7 +575,7 @@ def test_logprob_tokens_keep_their_bytes() -> None:
     from ngrammar.model.loader import resolve_checkpoint
     from ngrammar.model.tokenizer import Tokenizer
     from ngrammar.outputs import TokenLogprob
-    from ngrammar.server.app import _chat_logprobs, _completion_logprobs, _TextOffsets
+    from ngrammar.server.rendering import TextOffsets, chat_logprobs, completion_logprobs
 
     tokenizer = Tokenizer(resolve_checkpoint(None).tokenizer_dir)
     text = "ok 🙃🙏 é"
@@ -584,9 +584,9 @@ def test_logprob_tokens_keep_their_bytes() -> None:
     lps = [
         TokenLogprob(t, -0.5, tuple((a, -1.0 - k) for k, a in enumerate(alternatives) if a != t)) for t in ids
     ]
-    chat = _chat_logprobs(tokenizer, lps)
+    chat = chat_logprobs(tokenizer, lps)
     assert b"".join(bytes(c.bytes or []) for c in chat.content).decode() == text
-    legacy = _completion_logprobs(tokenizer, lps, _TextOffsets())
+    legacy = completion_logprobs(tokenizer, lps, TextOffsets())
     assert any(t.startswith("bytes:") for t in legacy.tokens)
     assert all(
         len(top) == len(lp.top) + 1 and top[tok] == -0.5

@@ -70,7 +70,7 @@ def test_a_completion_keeps_the_leading_space_of_its_first_token(sp_tokenizer: T
 def test_logprob_bytes_and_offsets_follow_the_text(sp_tokenizer: Tokenizer) -> None:
     """The logprob tokens' bytes join to the completion's text, offsets point into it, and of two
     tokens with one text (byte fallback's "e" and <0x65>) the best-ranked one keeps its logprob."""
-    from ngrammar.server.app import _chat_logprobs, _completion_logprobs, _TextOffsets
+    from ngrammar.server.rendering import TextOffsets, chat_logprobs, completion_logprobs
 
     prompt = sp_tokenizer.encode("The model")
     out = sp_tokenizer.encode(" loads € now")
@@ -78,17 +78,17 @@ def test_logprob_bytes_and_offsets_follow_the_text(sp_tokenizer: Tokenizer) -> N
     detok.step(prompt + out)
     lps = [TokenLogprob(t, -0.25) for t in out]
     assert (
-        bytes(b for c in _chat_logprobs(sp_tokenizer, lps).content for b in c.bytes or []).decode()
+        bytes(b for c in chat_logprobs(sp_tokenizer, lps).content for b in c.bytes or []).decode()
         == detok.text
     )
-    legacy = _completion_logprobs(sp_tokenizer, lps, _TextOffsets())
+    legacy = completion_logprobs(sp_tokenizer, lps, TextOffsets())
     expected = [
         len(sp_tokenizer.decode(prompt + out[:k]).rstrip("\ufffd")) - len(sp_tokenizer.decode(prompt))
         for k in range(len(out))
     ]
     assert legacy.text_offset == expected
     e, byte_e = sp_tokenizer.hf.convert_tokens_to_ids(["e", "<0x65>"])
-    top = _completion_logprobs(
-        sp_tokenizer, [TokenLogprob(e, -0.245, ((e, -0.245), (byte_e, -1.5)))], _TextOffsets()
+    top = completion_logprobs(
+        sp_tokenizer, [TokenLogprob(e, -0.245, ((e, -0.245), (byte_e, -1.5)))], TextOffsets()
     ).top_logprobs[0]
     assert top == {"e": -0.245}

@@ -11,17 +11,23 @@ process exits when its parent is gone (checked every turn), so no engine outlive
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
 import sys
 import traceback
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+from ngrammar.config import EngineConfig
 from ngrammar.server.core_messages import (
     Abort,
     Add,
+    CorpusCall,
+    CorpusReply,
     Load,
     Ready,
     RequestDelta,
@@ -35,7 +41,6 @@ from ngrammar.server.core_messages import (
 )
 
 if TYPE_CHECKING:
-    from ngrammar.config import EngineConfig
     from ngrammar.engine.engine import LLMEngine, Request
     from ngrammar.engine.sequence import Sequence
     from ngrammar.server.warmup import CompileCounter
@@ -49,8 +54,9 @@ _IDLE_POLL_MS = 50  # an idle core's longest wait for a command before it checks
 
 
 class EngineCore:
-    def __init__(self, engine: LLMEngine, compiles: CompileCounter) -> None:
+    def __init__(self, engine: LLMEngine, compiles: CompileCounter, index: int = 0) -> None:
         self.engine = engine
+        self.index = index
         self.compiles = compiles
         # Engine requests handed over while the scheduler waits on fewer sequences than this.
         self.feed_below = max(engine.config.max_running_requests, 1)
@@ -60,6 +66,9 @@ class EngineCore:
         self._sent: dict[str, list[int]] = {}  # output tokens reported so far, per sequence
         self._ended: dict[str, list[bool]] = {}  # whether each sequence's finish was reported
         self._failed: list[RequestFailed] = []
+        # Corpus calls tokenize and index on a worker thread; the loop sends their replies.
+        self._corpus_pool = ThreadPoolExecutor(1, thread_name_prefix="draft-corpora")
+        self._calls: list[tuple[int, Future[Any]]] = []
 
     @property
     def busy(self) -> bool:
@@ -80,10 +89,43 @@ class EngineCore:
             del self._pending[add.group]
         self._failed.append(RequestFailed(add.request_id, "Aborted", "aborted before it started"))
 
+    def call_corpora(self, call: CorpusCall) -> None:
+        self._calls.append((call.call, self._corpus_pool.submit(self._run_corpus_call, call)))
+
+    def corpus_replies(self) -> list[CorpusReply]:
+        """Replies of the corpus calls that finished since the last time."""
+        done = [(call, f) for call, f in self._calls if f.done()]
+        if not done:
+            return []
+        self._calls = [(call, f) for call, f in self._calls if not f.done()]
+        replies = []
+        for call, f in done:
+            error = f.exception()
+            if error is None:
+                replies.append(CorpusReply(self.index, call, f.result()))
+            else:
+                replies.append(CorpusReply(self.index, call, error=f"{error}"))
+        return replies
+
+    def _run_corpus_call(self, call: CorpusCall) -> Any:
+        from ngrammar.speculative.external import DraftCorpusError
+
+        spec = self.engine.ngram
+        if spec is None or spec.proposer.corpora is None:
+            raise DraftCorpusError("draft corpora need a server started with --speculative ngram")
+        corpora = spec.proposer.corpora
+        if call.op == "list":
+            return corpora.info()
+        assert call.name is not None
+        if call.op == "add":
+            return corpora.add(call.name, call.path, call.documents, call.replace).as_dict()
+        corpora.remove(call.name)
+        return None
+
     def turn(self) -> StepDelta | None:
         """Admit what fits, run one step if anything runs; the delta, or None if nothing changed."""
-        changed = bool(self._failed)
         self._feed()
+        changed = bool(self._failed)  # (refusals of requests just fed included)
         seconds = None
         if self._live:
             changed = True
@@ -97,7 +139,7 @@ class EngineCore:
             return None
         requests = [d for rid in list(self._live) if (d := self._delta(rid)) is not None]
         failed, self._failed = self._failed, []
-        return StepDelta(requests, failed, self.load(), seconds)
+        return StepDelta(self.index, requests, failed, self.load(), seconds)
 
     def load(self) -> Load:
         e = self.engine
@@ -183,45 +225,70 @@ def _seq_delta(seq: Sequence, sent: int) -> SeqDelta | None:
 # ------------------------------------------------------------------ process
 
 
+@dataclass(frozen=True)
+class CoreSpec:
+    """What an engine-core process is started with (pickled into its folder)."""
+
+    config: EngineConfig  # its own engine's: one replica (``replica_config``)
+    index: int
+    replicas: int  # the server's --dp
+    reports_folder: str  # where the server's report socket is bound
+
+
+def replica_config(config: EngineConfig, index: int) -> EngineConfig:
+    """Replica ``index``'s engine: one replica, and on CUDA its own ``tp`` devices."""
+    device = config.device
+    if device in ("auto", "cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            device = f"cuda:{index * config.tensor_parallel_size}"
+    return dataclasses.replace(config, data_parallel_size=1, device=device, dist_init_addr=None)
+
+
 def core_main(folder: str, parent: int) -> None:
     """The engine-core process (``python -m ngrammar.server.core FOLDER PARENT_PID``, started by
-    ``core_client.start_core``): its config is pickled in ``FOLDER``, where its sockets are too."""
+    ``core_client.start_cores``): its ``CoreSpec`` is pickled in ``FOLDER``, where its command socket is."""
     import zmq
 
     with open(os.path.join(folder, CONFIG_FILE), "rb") as f:
-        config: EngineConfig = pickle.load(f)
+        spec: CoreSpec = pickle.load(f)
     ctx = zmq.Context()
     commands = ctx.socket(zmq.PULL)
     commands.connect(f"ipc://{folder}/{COMMANDS_SOCKET}")
     reports = ctx.socket(zmq.PUSH)
-    reports.connect(f"ipc://{folder}/{REPORTS_SOCKET}")
+    reports.connect(f"ipc://{spec.reports_folder}/{REPORTS_SOCKET}")
     try:
         from ngrammar.engine.engine import LLMEngine
         from ngrammar.server.warmup import CompileCounter, warm_up
 
+        if spec.replicas > 1 and not spec.config.device.startswith("cuda"):
+            import torch
+
+            # CPU replicas share the cores rather than oversubscribe them (torch's default: all of them)
+            torch.set_num_threads(max(1, torch.get_num_threads() // spec.replicas))
         counter = CompileCounter().install()
-        engine = LLMEngine(config)
+        engine = LLMEngine(spec.config)
         compiles = warm_up(engine, counter)
     except BaseException as e:  # noqa: BLE001 - reported to the server, which refuses to start
         traceback.print_exc()
-        reports.send(encoder.encode(StartFailed(f"{type(e).__name__}: {e}")))
+        reports.send(encoder.encode(StartFailed(spec.index, f"{type(e).__name__}: {e}")))
+        ctx.destroy(linger=1000)
         return
-    reports.send(
-        encoder.encode(
-            Ready(
-                engine.model_name,
-                engine.max_model_len,
-                engine.kv_capacity_tokens,
-                engine.blocks.page_size,
-                compiles,
-            )
-        )
+    ready = Ready(
+        spec.index,
+        engine.model_name,
+        engine.max_model_len,
+        engine.kv_capacity_tokens,
+        engine.blocks.page_size,
+        compiles,
     )
+    reports.send(encoder.encode(ready))
     try:
-        _serve(EngineCore(engine, counter), commands, reports, parent)
+        _serve(EngineCore(engine, counter, spec.index), commands, reports, parent)
     except BaseException as e:  # noqa: BLE001 - the core ends; the server fails its requests
         traceback.print_exc()
-        print(f"ngrammar: the engine core failed: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"ngrammar: engine core {spec.index} failed: {type(e).__name__}: {e}", file=sys.stderr)
         sys.stderr.flush()
         os._exit(1)
     finally:
@@ -234,20 +301,24 @@ def _serve(core: EngineCore, commands: object, reports: object, parent: int) -> 
 
     assert isinstance(commands, zmq.Socket) and isinstance(reports, zmq.Socket)
     while os.getppid() == parent:
-        if not core.busy and not commands.poll(_IDLE_POLL_MS):
-            continue
-        while True:
-            try:
-                raw = commands.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            command = command_decoder.decode(raw)
-            if isinstance(command, Stop):
-                return
-            core.handle(command)
-        delta = core.turn()
-        if delta is not None:
-            reports.send(encoder.encode(delta), copy=False)
+        if core.busy or commands.poll(_IDLE_POLL_MS):
+            while True:
+                try:
+                    raw = commands.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                command = command_decoder.decode(raw)
+                if isinstance(command, Stop):
+                    return
+                if isinstance(command, CorpusCall):
+                    core.call_corpora(command)
+                else:
+                    core.handle(command)
+            delta = core.turn()
+            if delta is not None:
+                reports.send(encoder.encode(delta), copy=False)
+        for reply in core.corpus_replies():
+            reports.send(encoder.encode(reply))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ and /health fails.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import logging
 import os
 import pickle
@@ -31,14 +33,18 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import zmq
 import zmq.asyncio
+from prometheus_client import Gauge
 
 from ngrammar.engine.stats import EngineStats
 from ngrammar.model.tokenizer import PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer, Tokenizer
 from ngrammar.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from ngrammar.sampling_params import InvalidRequestError, SamplingParams
+from ngrammar.server.core import COMMANDS_SOCKET, CONFIG_FILE, REPORTS_SOCKET
 from ngrammar.server.core_messages import (
     Abort,
     Add,
+    CorpusCall,
+    CorpusReply,
     Load,
     Ready,
     RequestDelta,
@@ -56,16 +62,17 @@ from ngrammar.server.engine_loop import (
     QueueFull,
     RequestGroup,
 )
+from ngrammar.server.front import EngineFront
 
 if TYPE_CHECKING:
     from ngrammar.config import EngineConfig
-    from ngrammar.server.router import ReplicaFront
     from ngrammar.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 1800.0
 _STOP_TIMEOUT_S = 30.0
+_CONTEXT: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
 
 
 class CoreStartError(RuntimeError):
@@ -134,79 +141,118 @@ class _Assembly:
         return added
 
 
-class CoreClient:
-    """One engine-core process seen from the event loop (``AsyncEngine``'s interface)."""
+class CoreProcess:
+    """One engine-core process (the engine, or one ``--dp`` replica) and what the server knows of it."""
 
     def __init__(
         self,
+        index: int,
+        name: str,
         process: subprocess.Popen[bytes],
+        folder: str,
         commands: zmq.Socket[bytes],
+    ) -> None:
+        self.index = index
+        self.name = name  # in errors: "the engine core" or "data-parallel replica 1"
+        self.process = process
+        self.folder = folder
+        self.commands = commands
+        self.send_lock = threading.Lock()  # ``stop`` sends from another thread
+        self.requests: set[str] = set()  # in flight there
+        self.sequences = 0  # sequences (n of each request) in flight there
+        self.load: Load | None = None
+        self.heard = time.monotonic()  # when it last reported, or was sent work while idle
+        self.routed = 0  # requests sent to it so far
+        self.alive = True
+        self.exit_fd: int | None = None
+        self.calls: dict[int, asyncio.Future[CorpusReply]] = {}  # corpus calls awaiting its reply
+
+    def send(self, command: Add | Abort | CorpusCall | Stop) -> None:
+        with self.send_lock:
+            self.commands.send(encoder.encode(command), copy=False)
+
+
+class CoreClient:
+    """The engine-core processes seen from the event loop (``AsyncEngine``'s interface). Each prompt
+    goes to the live core with the fewest sequences in flight (``--dp``); a core that dies fails
+    only its own requests, and with none left the server answers 503."""
+
+    def __init__(
+        self,
+        replicas: list[CoreProcess],
         reports: zmq.Socket[bytes],
-        ready: Ready,
         tokenizer: Tokenizer,
         max_queue: int,
         metrics: ServerMetrics | None,
-        cleanup: Callable[[], None],
     ) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be positive, got {max_queue}")
-        self.process = process
-        self.ready = ready
+        self.replicas = replicas
         self.tokenizer = tokenizer
         self.max_queue = max_queue  # sequences; read at each submit, so it may be changed while running
         self.metrics = metrics
-        self._commands = commands
-        self._send_lock = threading.Lock()  # ``stop`` sends from another thread
-        self._sync_reports = reports
-        self._reports: zmq.asyncio.Socket | None = None
-        self._cleanup = cleanup
+        self._sync_reports = reports  # every core pushes its reports here
         self._groups: dict[str, RequestGroup] = {}
         self._assemblies: dict[str, _Assembly] = {}
+        self._homes: dict[str, CoreProcess] = {}  # the core serving each request
         self._inflight = 0  # sequences
-        self._load: Load | None = None
-        self._heard = time.monotonic()  # when the core last reported, or was sent work while idle
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: asyncio.Task[None] | None = None
         self._stopping = False
-        self._exited = False
-        self._exit_fd: int | None = None
+        self._call_ids = itertools.count()
+        self._alive_gauge = (
+            None
+            if metrics is None
+            else Gauge(
+                "ngrammar_dp_replicas_alive", "Engine-core processes serving", registry=metrics.registry
+            )
+        )
         self.snapshot = self._take_snapshot()
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Start reading the core's reports; call from the event loop that serves the handlers."""
+        """Start reading the cores' reports; call from the event loop that serves the handlers."""
         if self._reader is not None:
             return
         self._loop = asyncio.get_running_loop()
-        self._reports = zmq.asyncio.Socket.from_socket(self._sync_reports)
-        self._reader = self._loop.create_task(self._read())
-        self._exit_fd = os.pidfd_open(self.process.pid)  # readable once the process ended
-        self._loop.add_reader(self._exit_fd, self._on_exit)
+        self._reader = self._loop.create_task(self._read(zmq.asyncio.Socket.from_socket(self._sync_reports)))
+        for core in self.replicas:
+            core.exit_fd = os.pidfd_open(core.process.pid)  # readable once the process ended
+            self._loop.add_reader(core.exit_fd, self._on_exit, core)
+        self._publish()
 
     def stop(self, timeout_s: float = _STOP_TIMEOUT_S) -> None:
-        """Stop the core and wait for it (terminated if it does not stop); thread-safe."""
+        """Stop the cores and wait for them (killed if they do not stop); thread-safe."""
         self._stopping = True
-        if self.process.poll() is None:
-            self._send(Stop())
+        for core in self.replicas:
+            if core.process.poll() is None:
+                core.send(Stop())
+        deadline = time.monotonic() + timeout_s
+        for core in self.replicas:
             try:
-                self.process.wait(timeout_s)
+                core.process.wait(max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+                core.process.kill()
+                core.process.wait()
         if self._loop is not None and not self._loop.is_closed():
             try:
                 self._loop.call_soon_threadsafe(self._detach)
             except RuntimeError:  # the loop closed meanwhile
                 pass
-        self._cleanup()
+        for core in self.replicas:
+            core.commands.close(linger=0)
+            shutil.rmtree(core.folder, ignore_errors=True)
+        self._sync_reports.close(linger=0)
 
     @property
     def alive(self) -> bool:
-        return self._reader is not None and not self._stopping and not self._exited
+        return self._reader is not None and not self._stopping and any(c.alive for c in self.replicas)
 
     def step_running_for(self) -> float:
-        """Seconds the core has gone without reporting while it holds requests (0 when idle)."""
-        return time.monotonic() - self._heard if self._assemblies else 0.0
+        """Seconds the slowest busy core has gone without reporting (0 when none holds a request):
+        what ``AsyncEngine.step_running_for`` is for one engine (/health's stall check)."""
+        now = time.monotonic()
+        return max((now - c.heard for c in self.replicas if c.alive and c.requests), default=0.0)
 
     # ------------------------------------------------------ handler-side API
     def check_fits(self, num_sequences: int) -> None:
@@ -228,21 +274,26 @@ class CoreClient:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         if not self.alive:
-            raise EngineUnavailable("the engine core is not running")
+            raise EngineUnavailable("no engine core is running")
         seqs = sum(p.n for p in params)
         self.check_fits(seqs)
         if self._inflight + seqs > self.max_queue:
             raise QueueFull(self.max_queue)
         ids = [f"{prefix}-{uuid.uuid4().hex}" for _ in prompts]
         group = RequestGroup(self, ids)
-        if not self._assemblies:
-            self._heard = time.monotonic()  # an idle core's stall clock starts now
         self._inflight += seqs
         for request_id, prompt_ids, p in zip(ids, prompts, params):
+            core = min((c for c in self.replicas if c.alive), key=lambda c: (c.sequences, c.index))
+            if not core.requests:
+                core.heard = time.monotonic()  # an idle core's stall clock starts now
+            core.requests.add(request_id)
+            core.sequences += p.n
+            core.routed += 1
+            self._homes[request_id] = core
             self._groups[request_id] = group
             self._assemblies[request_id] = _Assembly(request_id, prompt_ids, p, self.tokenizer)
             try:
-                self._send(Add(request_id, ids[0], prompt_ids, p))
+                core.send(Add(request_id, ids[0], prompt_ids, p))
             finally:
                 if on_admitted is not None:
                     on_admitted()
@@ -251,43 +302,66 @@ class CoreClient:
         return group
 
     def abort(self, request_id: str) -> None:
-        if request_id in self._assemblies and self.alive:
-            self._send(Abort(request_id))
-
-    def _send(self, command: Add | Abort | Stop) -> None:
-        with self._send_lock:
-            self._commands.send(encoder.encode(command), copy=False)
+        core = self._homes.get(request_id)
+        if core is not None and core.alive and not self._stopping:
+            core.send(Abort(request_id))
 
     # ------------------------------------------------------------ event loop
-    async def _read(self) -> None:
-        assert self._reports is not None
+    async def _read(self, reports: zmq.asyncio.Socket) -> None:
         while True:
-            raw = await self._reports.recv(copy=False)
+            raw = await reports.recv(copy=False)
             try:
                 report = report_decoder.decode(raw.buffer)
             except msgspec.DecodeError:
-                log.exception("an unreadable report from the engine core")
+                log.exception("an unreadable report from an engine core")
                 continue
             if isinstance(report, StepDelta):
                 self._on_step(report)
+            elif isinstance(report, CorpusReply):
+                call = self.replicas[report.core].calls.pop(report.call, None)
+                if call is not None and not call.done():
+                    call.set_result(report)
+
+    async def corpus_call(self, op: str, **fields: Any) -> Any:
+        """``op`` on every live core's draft corpora (each drafts on its own); core 0's result.
+        Raises ``DraftCorpusError`` if a core refused it, ``EngineUnavailable`` if none runs."""
+        from ngrammar.speculative.external import DraftCorpusError
+
+        live = [c for c in self.replicas if c.alive]
+        if not live or not self.alive:
+            raise EngineUnavailable("no engine core is running")
+        assert self._loop is not None
+        call = next(self._call_ids)
+        waits = []
+        for core in live:
+            future: asyncio.Future[CorpusReply] = self._loop.create_future()
+            core.calls[call] = future
+            core.send(CorpusCall(call, op, **fields))
+            waits.append(future)
+        replies = await asyncio.gather(*waits)
+        refused = next((r.error for r in replies if r.error is not None), None)
+        if refused is not None:
+            raise DraftCorpusError(refused)
+        return replies[0].result
 
     def _on_step(self, delta: StepDelta) -> None:
-        self._heard = time.monotonic()
+        core = self.replicas[delta.core]
+        core.heard = time.monotonic()
         new_tokens = 0
         for d in delta.requests:
             assembly = self._assemblies.get(d.request_id)
             if assembly is None:
                 continue
             new_tokens += assembly.apply(d)
+            group = self._groups[d.request_id]
             if d.finished:
                 self._release(d.request_id)
                 if self.metrics is not None:
                     self.metrics.observe_finished(assembly.output)
-            group = self._groups.pop(d.request_id) if d.finished else self._groups[d.request_id]
             group.push(d.request_id, assembly.output)
         for f in delta.failed:
             self._on_failed(f)
-        self._load = delta.load
+        core.load = delta.load
         if self.metrics is not None and delta.step_seconds is not None:
             self.metrics.observe_step(delta.step_seconds, new_tokens)
         self._publish()
@@ -295,62 +369,85 @@ class CoreClient:
     def _on_failed(self, failed: RequestFailed) -> None:
         if failed.request_id not in self._assemblies:
             return
+        group = self._groups[failed.request_id]
         self._release(failed.request_id)
-        group = self._groups.pop(failed.request_id)
         if failed.kind != "Aborted":  # (an abort's handler is gone: nobody waits for it)
             group.push(failed.request_id, _rebuild_error(failed.kind, failed.message))
 
-    def _on_exit(self) -> None:
-        """The core's process ended (its pidfd became readable)."""
-        assert self._loop is not None and self._exit_fd is not None
-        self._loop.remove_reader(self._exit_fd)
-        os.close(self._exit_fd)
-        self._exited = True
+    def _on_exit(self, core: CoreProcess) -> None:
+        """A core's process ended (its pidfd became readable)."""
+        assert self._loop is not None and core.exit_fd is not None
+        self._loop.remove_reader(core.exit_fd)
+        os.close(core.exit_fd)
+        core.exit_fd = None
+        core.alive = False
         if self._stopping:
             error: BaseException = EngineUnavailable("the server is shutting down")
         else:
-            code = self.process.wait()
-            why = f"the engine core (pid {self.process.pid}) exited with code {code}"
-            log.error("%s; failing its %d requests", why, len(self._assemblies))
+            why = f"{core.name} (pid {core.process.pid}) exited with code {core.process.wait()}"
+            log.error("%s; failing its %d requests", why, len(core.requests))
             error = EngineFailure(f"{why} while serving this request")
-        for request_id in list(self._assemblies):
+        for request_id in list(core.requests):
+            group = self._groups[request_id]
             self._release(request_id)
-            self._groups.pop(request_id).push(request_id, error)
+            group.push(request_id, error)
+        for call in core.calls.values():
+            if not call.done():
+                call.set_exception(error)
+        core.calls.clear()
         self._publish()
 
     def _detach(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
-        if not self._exited:
-            self._on_exit()
+        for core in self.replicas:
+            if core.exit_fd is not None:
+                self._on_exit(core)
 
     def _release(self, request_id: str) -> None:
         assembly = self._assemblies.pop(request_id)
+        del self._groups[request_id]
+        core = self._homes.pop(request_id)
+        core.requests.discard(request_id)
+        core.sequences -= assembly.weight
         self._inflight -= assembly.weight
 
     def _publish(self) -> None:
         self.snapshot = self._take_snapshot()
-        if self.metrics is not None:
-            self.metrics.set_gauges(self.snapshot)
-            if self._load is not None:
-                self.metrics.set_compiles(self._load.compiles)
+        if self.metrics is None:
+            return
+        self.metrics.set_gauges(self.snapshot)
+        self.metrics.set_compiles(sum(c.load.compiles for c in self.replicas if c.load is not None))
+        if self._alive_gauge is not None:
+            self._alive_gauge.set(sum(c.alive for c in self.replicas))
 
     def _take_snapshot(self) -> EngineSnapshot:
-        load = self._load
-        if load is None or self._exited:
-            return EngineSnapshot(0, 0, self._inflight, 0, 0, 0, 0.0, EngineStats(), time.time())
-        free, total = load.kv_pages_free, load.kv_pages_total
+        """The live cores' loads summed (the server's gauges and /server_info)."""
+        loads = [c.load for c in self.replicas if c.alive and c.load is not None]
+        free = sum(x.kv_pages_free for x in loads)
+        total = sum(x.kv_pages_total for x in loads)
         return EngineSnapshot(
-            num_running=load.num_running,
-            num_waiting=load.num_waiting,
+            num_running=sum(x.num_running for x in loads),
+            num_waiting=sum(x.num_waiting for x in loads),
             num_inflight=self._inflight,
             kv_pages_free=free,
             kv_pages_total=total,
-            kv_pages_cached=load.kv_pages_cached,
+            kv_pages_cached=sum(x.kv_pages_cached for x in loads),
             kv_usage=1.0 - free / total if total else 0.0,
-            stats=load.stats,
+            stats=_sum_stats([x.stats for x in loads]),
             taken_at=time.time(),
         )
+
+
+def _sum_stats(stats: list[EngineStats]) -> EngineStats:
+    if len(stats) == 1:
+        return stats[0]
+    out = EngineStats()
+    for f in dataclasses.fields(EngineStats):
+        values = [getattr(s, f.name) for s in stats]
+        if values and f.name != "gap_start":  # (a core's own clock reading: no sum)
+            setattr(out, f.name, max(values) if f.name == "last_step_seconds" else sum(values))
+    return out
 
 
 def _rebuild_error(name: str, text: str) -> BaseException:
@@ -366,57 +463,90 @@ def _rebuild_error(name: str, text: str) -> BaseException:
     return EngineFailure(f"the engine failed: {name}: {text}")
 
 
-def start_core(
+def start_cores(
     config: EngineConfig, max_queue: int, metrics: ServerMetrics | None
-) -> tuple[ReplicaFront, CoreClient]:
-    """Start the engine-core process and wait until its engine is built and warmed up; raises
-    ``CoreStartError`` (the process stopped) otherwise. The front holds the tokenizer, the limits
-    and a grammar compiler for the handlers."""
-    from ngrammar.server.replica import ReplicaInfo
-    from ngrammar.server.router import ReplicaFront
+) -> tuple[EngineFront, CoreClient]:
+    """Start ``data_parallel_size`` engine-core processes (each ``tensor_parallel_size`` ranks) and
+    wait until every one has built (and warmed up) its engine; raises ``CoreStartError`` (all
+    stopped) otherwise. The front holds the tokenizer, the limits and a grammar compiler for the
+    handlers. Sizes are checked here first, before any process starts."""
+    from ngrammar.distributed.parallel import MULTICAST_OFF_ENV, check_tensor_parallel
     from ngrammar.model.loader import resolve_checkpoint
-    from ngrammar.server.core import COMMANDS_SOCKET, CONFIG_FILE, REPORTS_SOCKET
+    from ngrammar.runner.model_runner import resolve_device
 
-    resolve_checkpoint(config.model)  # converts a GGUF once, before the core reads it
-    folder = tempfile.mkdtemp(prefix="ngrammar-core-")  # private (0700): the sockets and the config
-    with open(os.path.join(folder, CONFIG_FILE), "wb") as f:
-        pickle.dump(config, f)
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    commands = ctx.socket(zmq.PUSH)
-    commands.bind(f"ipc://{folder}/{COMMANDS_SOCKET}")
-    reports = ctx.socket(zmq.PULL)
-    reports.bind(f"ipc://{folder}/{REPORTS_SOCKET}")
+    if config.nnodes > 1:
+        raise ValueError("the server runs one node's replicas; start other nodes' ranks with --node-rank")
+    checkpoint = resolve_checkpoint(config.model)  # converts a GGUF once, before the cores read it
+    device = resolve_device(config.device)
+    check_tensor_parallel(checkpoint.config, config.tensor_parallel_size, device)
+    dp = config.data_parallel_size
+    if device.type == "cuda":
+        import torch
 
-    def cleanup() -> None:
-        commands.close(linger=0)
+        need = dp * config.tensor_parallel_size
+        if torch.cuda.device_count() < need:
+            raise ValueError(
+                f"--dp {dp} x --tp {config.tensor_parallel_size} needs {need} CUDA devices, but "
+                f"{torch.cuda.device_count()} are visible"
+            )
+    os.environ.update(MULTICAST_OFF_ENV)  # inherited by every process started below
+    reports_folder = tempfile.mkdtemp(prefix="ngrammar-cores-")  # private (0700), as each core's
+    reports: zmq.Socket[bytes] = _CONTEXT.socket(zmq.PULL)
+    reports.bind(f"ipc://{reports_folder}/{REPORTS_SOCKET}")
+    cores: list[CoreProcess] = []
+    try:
+        for index in range(dp):
+            cores.append(_start_core(config, index, reports_folder))
+        readies = _wait_ready(cores, reports)
+    except BaseException:
+        for core in cores:
+            core.process.kill()
+            core.process.wait()
+            core.commands.close(linger=0)
+            shutil.rmtree(core.folder, ignore_errors=True)
         reports.close(linger=0)
-        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    finally:
+        shutil.rmtree(reports_folder, ignore_errors=True)  # every core connected: the path is not needed
+    first = readies[0]
+    kv_tokens = min(r.kv_capacity_tokens for r in readies)  # the smallest pool bounds every request
+    front = EngineFront(config, first.model_name, first.max_model_len, kv_tokens, first.page_size)
+    return front, CoreClient(cores, reports, front.tokenizer, max_queue, metrics)
 
+
+def _start_core(config: EngineConfig, index: int, reports_folder: str) -> CoreProcess:
+    from ngrammar.server.core import CoreSpec, replica_config
+
+    dp = config.data_parallel_size
+    folder = tempfile.mkdtemp(prefix=f"ngrammar-core-{index}-")
+    with open(os.path.join(folder, CONFIG_FILE), "wb") as f:
+        pickle.dump(CoreSpec(replica_config(config, index), index, dp, reports_folder), f)
+    commands: zmq.Socket[bytes] = _CONTEXT.socket(zmq.PUSH)
+    commands.bind(f"ipc://{folder}/{COMMANDS_SOCKET}")
     # A fresh interpreter (not multiprocessing's spawn, which re-imports the caller's __main__).
     process = subprocess.Popen([sys.executable, "-m", "ngrammar.server.core", folder, str(os.getpid())])
-    try:
-        ready = _wait_ready(process, reports)
-    except BaseException:
-        process.kill()
-        process.wait()
-        cleanup()
-        raise
-    info = ReplicaInfo(ready.model_name, ready.max_model_len, ready.kv_capacity_tokens, ready.page_size)
-    front = ReplicaFront(config, info, ready.kv_capacity_tokens)
-    return front, CoreClient(process, commands, reports, ready, front.tokenizer, max_queue, metrics, cleanup)
+    name = "the engine core" if dp == 1 else f"data-parallel replica {index}"
+    return CoreProcess(index, name, process, folder, commands)
 
 
-def _wait_ready(process: subprocess.Popen[bytes], reports: zmq.Socket[bytes]) -> Ready:
+def _wait_ready(cores: list[CoreProcess], reports: zmq.Socket[bytes]) -> list[Ready]:
+    """Every core's ``Ready``, in core order (they report in any order)."""
     deadline = time.monotonic() + _START_TIMEOUT_S
-    while not reports.poll(200):
-        if process.poll() is not None:
-            raise CoreStartError(
-                f"the engine core exited with code {process.returncode} while starting; its error is printed above"
-            )
-        if time.monotonic() > deadline:
-            raise CoreStartError(f"the engine core did not start in {_START_TIMEOUT_S} s")
-    report: Any = report_decoder.decode(reports.recv())
-    if isinstance(report, StartFailed):
-        raise CoreStartError(f"the engine core could not start: {report.message}")
-    assert isinstance(report, Ready)
-    return report
+    readies: dict[int, Ready] = {}
+    while len(readies) < len(cores):
+        if not reports.poll(200):
+            for core in cores:
+                if core.process.poll() is not None:
+                    raise CoreStartError(
+                        f"{core.name} exited with code {core.process.returncode} while starting; "
+                        "its error is printed above"
+                    )
+            if time.monotonic() > deadline:
+                raise CoreStartError(f"the engine cores did not start in {_START_TIMEOUT_S} s")
+            continue
+        report: Any = report_decoder.decode(reports.recv())
+        if isinstance(report, StartFailed):
+            raise CoreStartError(f"{cores[report.core].name} could not start: {report.message}")
+        assert isinstance(report, Ready)
+        readies[report.core] = report
+    return [readies[i] for i in range(len(cores))]

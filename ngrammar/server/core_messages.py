@@ -9,6 +9,8 @@ usage and the core's load.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from ngrammar.engine.stats import EngineStats
@@ -30,7 +32,19 @@ class Stop(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-Command = Add | Abort | Stop
+class CorpusCall(msgspec.Struct, tag=True, array_like=True):
+    """An operation on the engine's external draft corpora (/v1/draft_corpora), run on a worker
+    thread in the core while the engine keeps stepping; answered by a ``CorpusReply``."""
+
+    call: int
+    op: str  # "list", "add" or "remove"
+    name: str | None = None
+    path: str | None = None
+    documents: list[str] | None = None
+    replace: bool = False
+
+
+Command = Add | Abort | CorpusCall | Stop
 
 
 class SeqDelta(msgspec.Struct, array_like=True):
@@ -71,13 +85,22 @@ class Load(msgspec.Struct, array_like=True):
 
 
 class StepDelta(msgspec.Struct, tag=True, array_like=True):
+    core: int  # which core (``--dp`` replica) sent it
     requests: list[RequestDelta]
     failed: list[RequestFailed]
     load: Load
     step_seconds: float | None  # None: the turn ran no step (only admissions or aborts)
 
 
+class CorpusReply(msgspec.Struct, tag=True, array_like=True):
+    core: int
+    call: int
+    result: Any = None  # list: every corpus' info; add: the new corpus' info; remove: None
+    error: str | None = None  # why the call was refused (the request's fault: a 400, or 404 for remove)
+
+
 class Ready(msgspec.Struct, tag=True, array_like=True):
+    core: int
     model_name: str
     max_model_len: int
     kv_capacity_tokens: int
@@ -86,10 +109,11 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
 
 
 class StartFailed(msgspec.Struct, tag=True, array_like=True):
+    core: int
     message: str
 
 
-Report = StepDelta | Ready | StartFailed
+Report = StepDelta | CorpusReply | Ready | StartFailed
 
 encoder = msgspec.msgpack.Encoder()
 command_decoder = msgspec.msgpack.Decoder(Command)
