@@ -33,13 +33,14 @@ _TINY = {
 }
 
 
-def tiny_checkpoint(folder: Path) -> Path:
-    """A Hugging Face folder: the embedded model's config shrunk to one 16-wide layer, random
-    weights (seeded), the embedded tokenizer and chat template."""
+def tiny_checkpoint(folder: Path, layers: int = 1) -> Path:
+    """A Hugging Face folder: the embedded model's config shrunk to ``layers`` 16-wide layers,
+    random weights (seeded), the embedded tokenizer and chat template."""
     from safetensors.torch import save_file
 
     base = resolve_checkpoint(None)
     cfg = json.loads((base.weights_file.parent / "config.json").read_text()) | _TINY
+    cfg["num_hidden_layers"] = layers
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(cfg))
     for f in base.tokenizer_dir.iterdir():

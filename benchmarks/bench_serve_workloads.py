@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.bench_serve import ServerProcess, _one_request, _pct, _run_level
+from benchmarks.bench_serve import ServerProcess, _one_request, _pct, _request_bytes, run_level
 from benchmarks.common import print_table
 
 ANSWER_SCHEMA = {
@@ -98,9 +98,9 @@ def run_shared_prefix(
         args = [*server_args, *([] if cache else ["--no-prefix-cache"])]
         with ServerProcess(args, False) as server:
             # warm-up (grammar compile, first-request costs) on another system prompt
-            asyncio.run(_run_level(server.url, shared_prefix_bodies("Be brief.", 2, 4), 2))
-            records, wall = asyncio.run(
-                _run_level(server.url, shared_prefix_bodies(system, num_requests, max_tokens), concurrency)
+            run_level(server.port, shared_prefix_bodies("Be brief.", 2, 4), 2)
+            records, wall = run_level(
+                server.port, shared_prefix_bodies(system, num_requests, max_tokens), concurrency
             )
             info = server.server_info()
         ok = [r for r in records if r.ok]
@@ -184,7 +184,8 @@ async def _long_arrivals(
                     "stream": True,
                     "stream_options": {"include_usage": True},
                 }
-                arriving.append(asyncio.create_task(_one_request(client, body, False)))
+                port = int(url.rsplit(":", 1)[1])
+                arriving.append(asyncio.create_task(_one_request(port, _request_bytes(body), False)))
                 await asyncio.sleep(every_s)
             ttfts = [r.ttft_s for r in await asyncio.gather(*arriving)]
         gaps = [g for t in await asyncio.gather(*tasks) for g in t]
