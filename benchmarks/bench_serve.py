@@ -1,18 +1,24 @@
-"""Serving benchmark: latency and throughput of ``ngrammar serve`` under concurrent streaming clients.
+"""Serving benchmark: latency and throughput of ``ngrammar serve`` under concurrent streaming clients,
+beside the offline engine on the same requests.
 
-For each speculation mode (off / NGRAM) and each concurrency level, a fresh server subprocess is
+For each mode (plain: no grammar, no speculation; off: 1 in 4 requests JSON-schema constrained;
+ngram; ngram+grammar: all constrained) and each concurrency level, a fresh server subprocess is
 started (so the n-gram corpus holds nothing from an earlier level), ``num_requests`` streaming chat
-requests are sent with at most ``concurrency`` in flight, and the client records per request:
-TTFT (first content chunk), TPOT ((end - first token) / (tokens - 1)) and end-to-end latency.
-Every fourth request asks for a JSON-schema-constrained answer; the others ignore EOS, so their
-length is exactly ``max_tokens``.
+requests (distinct prompts) are sent with at most ``concurrency`` in flight by several client
+processes (a raw HTTP client that only searches the SSE bytes), and each request's TTFT (first
+content chunk), TPOT ((end - first token) / (tokens - 1)) and end-to-end latency are recorded.
+Unconstrained requests ignore EOS, so their length is exactly ``max_tokens``. Beside each level:
+the offline engine on the same requests, ``concurrency`` at a time, prefill included, not
+streaming (``LLM.chat``) and streaming (the engine core's delta loop in-process). Before the
+levels the client checks itself against a null server streaming twice the fastest offline rate.
 
 Prompts come from ``benchmarks/data/serve_prompts.jsonl`` (first turns of Spec-Bench subset
 questions: MT-bench categories plus short summarization and RAG items).
 
 Run from the repo root:
-  .venv/bin/python -m benchmarks.bench_serve --concurrency 1,4,16 --max-tokens 64 \\
-      --server-args "--device cpu --dtype float32 --kv-cache-tokens 16384"
+  .venv/bin/python -m benchmarks.bench_serve --concurrency 64 --num-requests 64 --max-tokens 64 \\
+      --spec plain --tiny-layers 2 \\
+      --server-args "--device cpu --dtype float32 --kv-cache-tokens 65536 --max-running-requests 64"
 """
 
 from __future__ import annotations
@@ -378,9 +384,8 @@ def offline_figures(
     llm = LLM(**engine_kwargs(args))
     convs = [b["messages"] for b, _ in bodies]
     params = [_sampling(b) for b, _ in bodies]
-    llm.chat(
-        convs[:4], params[:4], use_tqdm=False
-    )  # first-request costs (a grammar), as the servers' warm-up
+    # First-use costs (a grammar, the CPU kernels' batch shapes): one batch, not timed.
+    llm.chat(convs[:batch], params[:batch], use_tqdm=False)
     start, tokens = time.perf_counter(), 0
     for k in range(0, len(convs), batch):
         outs = llm.chat(convs[k : k + batch], params[k : k + batch], use_tqdm=False)
@@ -526,6 +531,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--server-args", default="", help="extra 'ngrammar serve' flags, e.g. '--device cpu'")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     p.add_argument("--clients", type=int, default=CLIENT_PROCESSES, help="client processes")
+    p.add_argument(
+        "--no-warmup", action="store_true", help="time a fresh server's first requests (compile stalls count)"
+    )
     p.add_argument("--server-path", default=None, help="PYTHONPATH of the servers (another checkout)")
     p.add_argument(
         "--tiny-layers",
@@ -551,6 +559,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             server_args=server_args,
             server_path=args.server_path,
             clients=args.clients,
+            warmup=not args.no_warmup,
         )
     if args.out:
         with open(args.out, "w") as f:

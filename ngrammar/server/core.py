@@ -17,12 +17,12 @@ import os
 import pickle
 import sys
 import traceback
-from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ngrammar.config import EngineConfig
+from ngrammar.server.admission import RoundRobin
 from ngrammar.server.core_messages import (
     Abort,
     Add,
@@ -60,8 +60,7 @@ class EngineCore:
         self.compiles = compiles
         # Engine requests handed over while the scheduler waits on fewer sequences than this.
         self.feed_below = max(engine.config.max_running_requests, 1)
-        self._pending: OrderedDict[str, deque[Add]] = OrderedDict()  # per group, served in turn
-        self._pending_ids: dict[str, Add] = {}
+        self._pending: RoundRobin[Add] = RoundRobin()
         self._live: dict[str, Request] = {}  # handed to the engine, not finished
         self._sent: dict[str, list[int]] = {}  # output tokens reported so far, per sequence
         self._ended: dict[str, list[bool]] = {}  # whether each sequence's finish was reported
@@ -76,17 +75,12 @@ class EngineCore:
 
     def handle(self, command: Add | Abort) -> None:
         if isinstance(command, Add):
-            self._pending.setdefault(command.group, deque()).append(command)
-            self._pending_ids[command.request_id] = command
+            self._pending.push(command.group, command.request_id, command)
             return
-        add = self._pending_ids.pop(command.request_id, None)
+        add = self._pending.remove(command.request_id)
         if add is None:
             self.engine.abort(command.request_id)  # its last delta says "abort"
             return
-        adds = self._pending[add.group]
-        adds.remove(add)
-        if not adds:
-            del self._pending[add.group]
         self._failed.append(RequestFailed(add.request_id, "Aborted", "aborted before it started"))
 
     def call_corpora(self, call: CorpusCall) -> None:
@@ -144,7 +138,7 @@ class EngineCore:
     def load(self) -> Load:
         e = self.engine
         pool = e.blocks.allocator
-        waiting = len(e.scheduler.waiting) + len(self._pending_ids)
+        waiting = len(e.scheduler.waiting) + len(self._pending)
         return Load(
             len(e.scheduler.running),
             waiting,
@@ -157,13 +151,7 @@ class EngineCore:
 
     def _feed(self) -> None:
         while self._pending and len(self.engine.scheduler.waiting) < self.feed_below:
-            group, adds = next(iter(self._pending.items()))
-            add = adds.popleft()
-            del self._pending_ids[add.request_id]
-            del self._pending[group]
-            if adds:
-                self._pending[group] = adds  # to the back of the rotation
-            self._admit(add)
+            self._admit(self._pending.pop())
 
     def _admit(self, add: Add) -> None:
         try:

@@ -39,6 +39,7 @@ from ngrammar.engine.stats import EngineStats
 from ngrammar.model.tokenizer import PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer, Tokenizer
 from ngrammar.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from ngrammar.sampling_params import InvalidRequestError, SamplingParams
+from ngrammar.server.admission import check_fits
 from ngrammar.server.core import COMMANDS_SOCKET, CONFIG_FILE, REPORTS_SOCKET
 from ngrammar.server.core_messages import (
     Abort,
@@ -235,14 +236,12 @@ class CoreClient:
                 core.process.kill()
                 core.process.wait()
         if self._loop is not None and not self._loop.is_closed():
-            try:
+            try:  # the sockets close on the loop, where the reader uses them
                 self._loop.call_soon_threadsafe(self._detach)
+                return
             except RuntimeError:  # the loop closed meanwhile
                 pass
-        for core in self.replicas:
-            core.commands.close(linger=0)
-            shutil.rmtree(core.folder, ignore_errors=True)
-        self._sync_reports.close(linger=0)
+        self._close()
 
     @property
     def alive(self) -> bool:
@@ -257,11 +256,7 @@ class CoreClient:
     # ------------------------------------------------------ handler-side API
     def check_fits(self, num_sequences: int) -> None:
         """Raise InvalidRequestError for a request of ``num_sequences`` that no wait would admit."""
-        if num_sequences > self.max_queue:
-            raise InvalidRequestError(
-                f"the request asks for {num_sequences} sequences (prompts x n), more than the server's "
-                f"queue of {self.max_queue} holds; send fewer prompts or a smaller n"
-            )
+        check_fits(num_sequences, self.max_queue)
 
     def submit(
         self,
@@ -403,6 +398,13 @@ class CoreClient:
         for core in self.replicas:
             if core.exit_fd is not None:
                 self._on_exit(core)
+        self._close()
+
+    def _close(self) -> None:
+        for core in self.replicas:
+            core.commands.close(linger=0)
+            shutil.rmtree(core.folder, ignore_errors=True)
+        self._sync_reports.close(linger=0)
 
     def _release(self, request_id: str) -> None:
         assembly = self._assemblies.pop(request_id)

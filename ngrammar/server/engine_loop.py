@@ -28,14 +28,14 @@ import queue
 import threading
 import time
 import uuid
-from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from ngrammar.engine.engine import EngineStats, LLMEngine
 from ngrammar.outputs import RequestOutput
-from ngrammar.sampling_params import InvalidRequestError, SamplingParams
+from ngrammar.sampling_params import SamplingParams
+from ngrammar.server.admission import RoundRobin, check_fits
 
 if TYPE_CHECKING:
     from ngrammar.server.metrics import ServerMetrics
@@ -182,8 +182,7 @@ class AsyncEngine:
         self._inflight = 0  # sequences
         self._weights: dict[str, int] = {}  # sequences (n) of each unfinished engine request
         # Submitted, not yet handed to the engine: one FIFO per group, served round-robin (loop thread).
-        self._pending: OrderedDict[RequestGroup, deque[_Add]] = OrderedDict()
-        self._pending_ids: dict[str, _Add] = {}
+        self._pending: RoundRobin[_Add] = RoundRobin()
         # Engine requests handed over while the scheduler waits on fewer sequences than this.
         self.feed_below = max(engine.config.max_running_requests, 1)
         self._step_started: float | None = None  # monotonic start of the step running now
@@ -223,11 +222,7 @@ class AsyncEngine:
     # ------------------------------------------------------ handler-side API
     def check_fits(self, num_sequences: int) -> None:
         """Raise InvalidRequestError for a request of ``num_sequences`` that no wait would admit."""
-        if num_sequences > self.max_queue:
-            raise InvalidRequestError(
-                f"the request asks for {num_sequences} sequences (prompts x n), more than the server's "
-                f"queue of {self.max_queue} holds; send fewer prompts or a smaller n"
-            )
+        check_fits(num_sequences, self.max_queue)
 
     def submit(
         self,
@@ -288,39 +283,24 @@ class AsyncEngine:
 
     def _handle(self, command: _Command) -> None:
         if isinstance(command, _Add):
-            self._pending.setdefault(command.group, deque()).append(command)
-            self._pending_ids[command.request_id] = command
+            self._pending.push(command.group, command.request_id, command)
         elif isinstance(command, _Abort):
-            add = self._pending_ids.get(command.request_id)
+            add = self._pending.remove(command.request_id)
             if add is None:
                 self.engine.abort(command.request_id)
                 return
-            self._unqueue(add)  # never reached the engine: nobody waits for an output
-            self._release(add.request_id)
+            self._release(add.request_id)  # never reached the engine: nobody waits for an output
             self._admitted(add)
 
     def _feed(self) -> None:
         """Hand queued engine requests to the engine, one group at a time in turn, while the
         scheduler's waiting queue is short (see the module docstring)."""
         while self._pending and len(self.engine.scheduler.waiting) < self.feed_below:
-            group, adds = next(iter(self._pending.items()))
-            add = adds.popleft()
-            del self._pending_ids[add.request_id]
-            del self._pending[group]
-            if adds:
-                self._pending[group] = adds  # to the back of the rotation
-            self._admit(add)
-
-    def _unqueue(self, add: _Add) -> None:
-        del self._pending_ids[add.request_id]
-        adds = self._pending[add.group]
-        adds.remove(add)
-        if not adds:
-            del self._pending[add.group]
+            self._admit(self._pending.pop())
 
     def _drop_pending(self, error: BaseException) -> None:
-        for add in list(self._pending_ids.values()):
-            self._unqueue(add)
+        for add in self._pending.items():
+            self._pending.remove(add.request_id)
             self._release(add.request_id)
             self._admitted(add)
             self._deliver(add.group, add.request_id, error)
@@ -413,7 +393,7 @@ class AsyncEngine:
         pool = e.blocks.allocator
         return EngineSnapshot(
             num_running=len(e.scheduler.running),
-            num_waiting=len(e.scheduler.waiting) + self._commands.qsize() + len(self._pending_ids),
+            num_waiting=len(e.scheduler.waiting) + self._commands.qsize() + len(self._pending),
             num_inflight=self._inflight,
             kv_pages_free=pool.num_free,
             kv_pages_total=pool.num_pages,
