@@ -513,8 +513,8 @@ def print_results(results: dict[str, Any]) -> None:
         for lv in results["levels"]
     ]
     print_table(
-        f"Serving, chat streaming, max_tokens={results['max_tokens']}, 1 in {STRUCTURED_EVERY} "
-        "JSON-schema constrained (+grammar: all)",
+        f"Serving, chat streaming, max_tokens={results['max_tokens']}: off / ngram 1 in {STRUCTURED_EVERY} "
+        "JSON-schema constrained, +grammar all, plain / free none; offline: same requests, same batch",
         header,
         rows,
     )

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,11 +17,11 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from ngrammar import LLM, SamplingParams
 from ngrammar.server import create_app
+from tests.serving import UvicornThread
 
 # The OpenAI client is a test extra: where it is missing (the GPU image) this module is skipped.
 openai = pytest.importorskip("openai")
@@ -31,29 +29,14 @@ openai = pytest.importorskip("openai")
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,", "The best way to learn is"]
 
 
-class LiveServer:
+class LiveServer(UvicornThread):
     def __init__(self, **engine: Any) -> None:
-        self.app = create_app({"device": "cpu", "dtype": "float32", "kv_cache_tokens": 4096, **engine})
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = int(s.getsockname()[1])
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
-            time.sleep(0.05)
+        super().__init__(create_app({"device": "cpu", "dtype": "float32", "kv_cache_tokens": 4096, **engine}))
+        self.start()
 
     @property
     def router(self) -> Any:
         return self.app.state.server.loop
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(60)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +17,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from ngrammar import LLM, SamplingParams
@@ -27,6 +25,7 @@ from ngrammar.server.core import EngineCore
 from ngrammar.server.core_client import CoreClient
 from ngrammar.server.core_messages import Add
 from ngrammar.server.warmup import CompileCounter
+from tests.serving import UvicornThread, wait_idle
 
 ENGINE_KWARGS: dict[str, Any] = dict(device="cpu", dtype="float32", kv_cache_tokens=8192, speculative="ngram")
 SCHEMA = {
@@ -38,20 +37,10 @@ SCHEMA = {
 MULTI_BYTE = "ok 🙃🙏 é"  # byte-level BPE splits these characters over several tokens
 
 
-class CoreServer:
+class CoreServer(UvicornThread):
     def __init__(self) -> None:
-        self.app = create_app(ENGINE_KWARGS)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = int(s.getsockname()[1])
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
-            time.sleep(0.05)
+        super().__init__(create_app(ENGINE_KWARGS))
+        self.start()
 
     @property
     def core(self) -> CoreClient:
@@ -64,8 +53,7 @@ class CoreServer:
 def live() -> Iterator[CoreServer]:
     server = CoreServer()
     yield server
-    server.server.should_exit = True
-    server.thread.join(60)
+    server.stop()
     assert all(c.process.poll() is not None for c in server.core.replicas), (
         "an engine core outlived its server"
     )
@@ -80,17 +68,6 @@ def http(live: CoreServer) -> Iterator[httpx.Client]:
 @pytest.fixture(scope="module")
 def offline() -> LLM:
     return LLM(**ENGINE_KWARGS)
-
-
-def wait_idle(http: httpx.Client, timeout_s: float = 20.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        info = http.get("/server_info").json()
-        idle = info["num_inflight"] == 0 and info["num_running"] == 0 and info["num_waiting"] == 0
-        if idle and info["kv_pages_free"] == info["kv_pages_total"]:
-            return info
-        assert time.monotonic() < deadline, f"the server did not go idle: {info}"
-        time.sleep(0.05)
 
 
 def streamed(http: httpx.Client, path: str, body: dict[str, Any]) -> tuple[dict[int, str], dict[int, str]]:

@@ -27,6 +27,7 @@ from ngrammar import LLM, SamplingParams
 from ngrammar.engine.engine import LLMEngine
 from ngrammar.llm import build_engine_config
 from ngrammar.server import create_app
+from tests.serving import wait_idle
 
 # The OpenAI client is a test extra: where it is missing (the GPU image) this module is skipped.
 openai = pytest.importorskip("openai")
@@ -103,18 +104,6 @@ def oai(live: LiveServer) -> openai.OpenAI:
 def offline() -> LLM:
     """A second, offline copy of the same engine configuration, to compare greedy outputs with."""
     return LLM(**ENGINE_KWARGS)
-
-
-def wait_idle(http: httpx.Client, timeout_s: float = 20.0) -> dict[str, Any]:
-    """Poll /server_info until nothing runs and every KV page is free; returns the last info."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        info = http.get("/server_info").json()
-        idle = info["num_inflight"] == 0 and info["num_running"] == 0 and info["num_waiting"] == 0
-        if idle and info["kv_pages_free"] == info["kv_pages_total"]:
-            return info
-        assert time.monotonic() < deadline, f"the server did not go idle: {info}"
-        time.sleep(0.05)
 
 
 def assert_error(response: httpx.Response, status: int) -> dict[str, Any]:
