@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from benchmarks.common import machine
@@ -41,7 +43,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--workload", default="sweep", choices=["sweep", "shared-prefix", "long-arrivals"], help="serve suite"
     )
     serve.add_argument(
-        "--modes", default="off,ngram", help="sweep: comma-separated off, ngram, ngram+grammar"
+        "--modes",
+        default="off,ngram",
+        help="sweep: comma-separated plain, off, ngram, ngram+grammar, off+grammar, free (bench_serve.MODES)",
+    )
+    serve.add_argument("--clients", type=int, default=None, help="sweep: client processes")
+    serve.add_argument(
+        "--no-serve-warmup", action="store_true", help="sweep: time a fresh server's first requests"
+    )
+    serve.add_argument(
+        "--server-path", default=None, help="sweep: PYTHONPATH of the servers (another checkout)"
+    )
+    serve.add_argument(
+        "--tiny-layers",
+        type=int,
+        default=0,
+        help="sweep: serve a host-bound random-weight Llama of this many 16-wide layers (the real tokenizer)",
     )
     serve.add_argument("--num-requests", type=int, default=None, help="sweep: per level; shared-prefix: 64")
     serve.add_argument("--concurrency", type=int, default=8, help="shared-prefix clients")
@@ -193,8 +210,6 @@ def run_benchmark(args: argparse.Namespace) -> int:
 
         result = run_verify_host_benchmark(_sizes(args, (1, 4)), args.max_tokens or 64)
     elif suite == "profile":
-        from pathlib import Path
-
         from benchmarks.profile_step import run_profile
 
         out_dir = Path(args.out).with_suffix("") if args.out else Path("profile")
@@ -214,8 +229,6 @@ def run_benchmark(args: argparse.Namespace) -> int:
             _serve_args(args), args.streams, args.max_tokens or 96, args.arrivals, args.arrival_every
         )
     elif suite in ("bombs", "footprint"):
-        from pathlib import Path
-
         from benchmarks.bench_bombs import ROOT, run_bombs, run_footprint
 
         root = Path(args.root) if args.root else ROOT
@@ -225,15 +238,27 @@ def run_benchmark(args: argparse.Namespace) -> int:
             modes = [m.strip() for m in args.bomb_modes.split(",") if m.strip()]
             result = run_bombs(root, modes, args.max_growth_mb, args.bomb_timeout)
     else:
-        from benchmarks.bench_serve import run_serve_benchmark
+        from benchmarks.bench_serve import CLIENT_PROCESSES, MODES, run_serve_benchmark
 
-        result = run_serve_benchmark(
-            concurrency=_sizes(args, (1, 4, 16)),
-            num_requests=args.num_requests,
-            max_tokens=args.max_tokens or 64,
-            server_args=_serve_args(args),
-            modes=[m.strip() for m in args.modes.split(",") if m.strip()],
-        )
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        if not set(modes) <= set(MODES):
+            raise SystemExit(f"--modes takes {', '.join(MODES)}")
+        server_args = _serve_args(args)
+        with tempfile.TemporaryDirectory() as tmp:
+            if args.tiny_layers:
+                from benchmarks.bench_host import tiny_checkpoint
+
+                server_args += ["--model", str(tiny_checkpoint(Path(tmp) / "tiny", args.tiny_layers))]
+            result = run_serve_benchmark(
+                concurrency=_sizes(args, (1, 4, 16)),
+                num_requests=args.num_requests,
+                max_tokens=args.max_tokens or 64,
+                server_args=server_args,
+                modes=modes,
+                server_path=args.server_path,
+                clients=args.clients or CLIENT_PROCESSES,
+                warmup=not args.no_serve_warmup,
+            )
     record = {"suite": suite, "date": started, "machine": machine(), "result": result}
     if args.out:
         with open(args.out, "w") as f:

@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 import pickle
+import signal
 import sys
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -310,5 +311,8 @@ def _serve(core: EngineCore, commands: object, reports: object, parent: int) -> 
 
 
 if __name__ == "__main__":
+    # Ctrl-C reaches the whole process group: the API server drains its requests, then stops this
+    # core (``Stop``); a core whose parent is gone exits on its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO)
     core_main(sys.argv[1], int(sys.argv[2]))
