@@ -472,8 +472,8 @@ def start_cores(
     wait until every one has built (and warmed up) its engine; raises ``CoreStartError`` (all
     stopped) otherwise. The front holds the tokenizer, the limits and a grammar compiler for the
     handlers. Sizes are checked here first, before any process starts."""
-    from ngrammar.model.parallel import MULTICAST_OFF_ENV, check_tensor_parallel
     from ngrammar.model.loader import resolve_checkpoint
+    from ngrammar.model.parallel import MULTICAST_OFF_ENV, check_tensor_parallel
     from ngrammar.runner.model_runner import resolve_device
 
     if config.nnodes > 1:
