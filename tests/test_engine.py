@@ -267,11 +267,15 @@ def test_bad_model_paths(tmp_path) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_long_prompt_is_chunked(llm: LLM) -> None:
-    eng = llm.engine
-    prompt = " ".join(f"item{i}" for i in range(900))  # > max_prefill_tokens: several chunks
-    assert len(llm.tokenizer.encode(prompt)) > eng.config.max_prefill_tokens
-    a = llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
-    assert len(a.token_ids) == 4
+    # A small prefill budget: the same chunking as a prompt past the default 2,048 tokens, at a
+    # fraction of the attention work.
+    chunked = LLM(device="cpu", dtype="float32", kv_cache_tokens=4096, max_prefill_tokens=128)
+    eng = chunked.engine
+    prompt = " ".join(f"item{i}" for i in range(150))  # > max_prefill_tokens: several chunks
+    assert len(chunked.tokenizer.encode(prompt)) > 3 * eng.config.max_prefill_tokens
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    a = chunked.generate(prompt, params)[0]
+    assert a.token_ids == llm.generate(prompt, params)[0].token_ids  # one chunk there
     assert eng.blocks.allocator.num_free == eng.blocks.allocator.num_pages
 
 

@@ -1,10 +1,11 @@
 // Row-invariant CPU kernels: every output is one fixed-order reduction, whatever the rows beside it.
 //
 // A dot product sums into 16 lanes (lane j takes elements j, j + 16, ...) and then the lanes in
-// order; attention reduces over a row's visible keys in sequence order. Tiling over rows only
-// changes which rows share a weight load, never an output's order of operations. Built with
-// -ffp-contract=off and without fast-math, so the vectorized code computes exactly the scalar
-// semantics: the result is the same on every ISA clone (AVX-512, AVX2, SSE2) and thread count.
+// order; attention reduces over a row's visible keys in sequence order. Tiling over rows and columns
+// only changes which loads are shared, never an output's order of operations. Built for the machine
+// that builds it (-march=native, by `make setup`) with -ffp-contract=off and without fast-math, so
+// the vectorized code computes exactly the scalar semantics: the result is the same on every ISA
+// (AVX-512, AVX2, SSE2), tile and thread count.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -18,7 +19,25 @@ namespace {
 
 constexpr int kLanes = 16;
 
-#define ROW_INVARIANT_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
 
 // sum_k a[k] * b[k] over n elements: lane j accumulates k = j (mod 16), then the lanes in order.
 template <typename T>
@@ -34,39 +53,85 @@ inline float dot_lanes(const float* a, const T* b, int64_t n) {
   return s;
 }
 
-// R rows of x against one weight row w: out[r] = dot_lanes(x[r], w), the weight read once.
-template <int R>
-inline void dot_rows(const float* x, int64_t ldx, const float* w, int64_t n, float* out, int64_t ldo) {
-  float acc[R][kLanes] = {};
+// The 16 lanes as kParts native vectors (one zmm on AVX-512, two ymm on AVX2, four xmm otherwise):
+// lane j is element j % kWidth of part j / kWidth; lane-wise mul and add only.
+// The output tile (rows x weight rows) a thread computes at once: as many accumulators as the
+// ISA's registers hold (32 zmm: 6 x 4; 16 ymm: 4 x 2 of two parts each).
+#if defined(__AVX512F__)
+constexpr int kWidth = 16, kTileR = 6, kTileC = 4;
+#elif defined(__AVX__)
+constexpr int kWidth = 8, kTileR = 4, kTileC = 2;
+#else
+constexpr int kWidth = 4, kTileR = 2, kTileC = 2;
+#endif
+constexpr int kParts = kLanes / kWidth;
+typedef float vec __attribute__((vector_size(kWidth * sizeof(float))));
+
+inline vec load_vec(const float* p) {
+  vec v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// R rows of x against C weight rows: out[r][c] = dot_lanes(x[r], w[c]) (lane j takes elements
+// j, j + 16, ...; the lanes are summed in order at the end). The tile changes only which loads are
+// shared, never an output's order of operations.
+template <int R, int C>
+inline void dot_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t n, float* out,
+                     int64_t ldo) {
+  vec acc[R][C][kParts];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      for (int p = 0; p < kParts; ++p) acc[r][c][p] = vec{};
   int64_t k = 0;
   for (; k + kLanes <= n; k += kLanes) {
-    for (int r = 0; r < R; ++r) {
-      for (int j = 0; j < kLanes; ++j) acc[r][j] += x[r * ldx + k + j] * w[k + j];
+    for (int p = 0; p < kParts; ++p) {
+      vec wv[C];
+      for (int c = 0; c < C; ++c) wv[c] = load_vec(w + c * ldw + k + p * kWidth);
+      for (int r = 0; r < R; ++r) {
+        const vec xv = load_vec(x + r * ldx + k + p * kWidth);
+        for (int c = 0; c < C; ++c) acc[r][c][p] += xv * wv[c];
+      }
     }
   }
   for (int r = 0; r < R; ++r) {
-    for (int j = 0; k + j < n; ++j) acc[r][j] += x[r * ldx + k + j] * w[k + j];
-    float s = 0.f;
-    for (int j = 0; j < kLanes; ++j) s += acc[r][j];
-    out[r * ldo] = s;
+    for (int c = 0; c < C; ++c) {
+      float lanes[kLanes];
+      __builtin_memcpy(lanes, acc[r][c], sizeof(lanes));
+      for (int j = 0; k + j < n; ++j) lanes[j] += x[r * ldx + k + j] * w[c * ldw + k + j];
+      float s = 0.f;
+      for (int j = 0; j < kLanes; ++j) s += lanes[j];
+      out[r * ldo + c] = s;
+    }
   }
 }
 
-ROW_INVARIANT_CLONES
+constexpr int64_t kRowBlock = 36;  // rows of x kept in cache while a thread sweeps its columns
+
 void linear_columns(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_t n0, int64_t n1,
                     int64_t n) {
-  for (int64_t col = n0; col < n1; ++col) {
-    const float* wr = w + col * k;
-    int64_t row = 0;
-    for (; row + 4 <= m; row += 4) dot_rows<4>(x + row * k, k, wr, k, y + row * n + col, n);
-    for (; row < m; ++row) dot_rows<1>(x + row * k, k, wr, k, y + row * n + col, n);
+  for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
+    const int64_t r1 = r0 + kRowBlock < m ? r0 + kRowBlock : m;
+    int64_t col = n0;
+    for (; col + kTileC <= n1; col += kTileC) {
+      const float* wr = w + col * k;
+      int64_t row = r0;
+      for (; row + kTileR <= r1; row += kTileR) dot_tile<kTileR, kTileC>(x + row * k, k, wr, k, k, y + row * n + col, n);
+      for (; row < r1; ++row) dot_tile<1, kTileC>(x + row * k, k, wr, k, k, y + row * n + col, n);
+    }
+    for (; col < n1; ++col) {
+      const float* wr = w + col * k;
+      int64_t row = r0;
+      for (; row + kTileR <= r1; row += kTileR) dot_tile<kTileR, 1>(x + row * k, k, wr, k, k, y + row * n + col, n);
+      for (; row < r1; ++row) dot_tile<1, 1>(x + row * k, k, wr, k, k, y + row * n + col, n);
+    }
   }
 }
 
 // One query row and head (q in float32) over its visible keys (cache slots, in sequence order);
 // out [d] float32.
 template <typename T>
-ROW_INVARIANT_CLONES void attend_row(const float* q, const T* keys, const T* values, const int64_t* slots,
+void attend_row(const float* q, const T* keys, const T* values, const int64_t* slots,
                                      int64_t count, int64_t stride, int64_t d, float scale, float* scores,
                                      float* out) {
   float top = -std::numeric_limits<float>::infinity();
