@@ -204,6 +204,31 @@ def test_pool_tree_masks_equal_serial_tree_masks(
     assert torch.equal(pooled, serial)
 
 
+def test_pool_threads_write_a_bitmask_made_in_inference_mode(
+    backend: GrammarBackend, compiled: list[xgr.CompiledGrammar]
+) -> None:
+    """Regression: the engine makes its bitmasks inside its step (inference mode); the pool's threads
+    wrote them outside it and failed at every constrained verify step of a batch past ``SERIAL_BELOW``."""
+    pool = GrammarFillPool(threads=2, serial_below=0)
+    try:
+        matchers = [backend.new_matcher(compiled[i % len(compiled)]) for i in range(6)]
+        d = 4
+        links = [links_from_parents([-1, 0, 0, 1]) for _ in matchers]
+        nxt = torch.tensor([n for n, _ in links])
+        sib = torch.tensor([s for _, s in links])
+        tokens = torch.zeros(len(matchers), d, dtype=torch.int64)
+        with torch.inference_mode():
+            bitmask = allocate_bitmask(len(matchers) * d, VOCAB)
+            pool.fill_trees(matchers, nxt, sib, tokens, bitmask)
+            rows = allocate_bitmask(len(matchers), VOCAB)
+            pool.fill_rows(matchers, list(range(len(matchers))), rows)
+        serial = allocate_bitmask(len(matchers) * d, VOCAB)
+        build_tree_bitmask(matchers, nxt, sib, tokens, serial)
+        assert torch.equal(bitmask, serial)
+    finally:
+        pool.close()
+
+
 def test_fill_threads_leave_the_engine_loop_a_core() -> None:
     assert fill_threads(1) == 0
     assert fill_threads(2) == 1

@@ -117,8 +117,16 @@ class GrammarFillPool:
             return [work(0, n)]
         parts = min(self.threads + 1, n)
         bounds = [n * k // parts for k in range(parts + 1)]
+        # Inference mode is per thread: a worker writing the engine's bitmask (an inference tensor
+        # when the engine's step made it) must run in the caller's mode.
+        inference = torch.is_inference_mode_enabled()
+
+        def in_callers_mode(lo: int, hi: int) -> T:
+            with torch.inference_mode(inference):
+                return work(lo, hi)
+
         futures: list[Future[T]] = [
-            self._pool.submit(work, bounds[k], bounds[k + 1]) for k in range(parts - 1)
+            self._pool.submit(in_callers_mode, bounds[k], bounds[k + 1]) for k in range(parts - 1)
         ]
         mine = work(bounds[-2], bounds[-1])
         return [f.result() for f in futures] + [mine]
