@@ -29,9 +29,11 @@ from ngrammar.grammar.tree_mask import build_tree_bitmask
 if TYPE_CHECKING:
     import xgrammar as xgr
 
-# Matchers below which one chunk on the caller's thread beats handing chunks to the pool: a
-# hand-off costs tens of microseconds, a row a few (benchmarks: python -m benchmarks grammar --host-fill).
-SERIAL_BELOW = 48
+# Matchers below which one chunk on the caller's thread beats handing chunks to the pool. On a GPU
+# host the engine's batched xgrammar call beat the pool at every batch measured (64 and 128 members:
+# the workers contend for the GIL between xgrammar calls), so the pool only takes batches past that
+# (python -m benchmarks.gpu_bench --parts smollm2, equal-work json_object pairs; LOG.md).
+SERIAL_BELOW = 192
 MAX_FILL_THREADS = 8  # more threads than this only split a batch into chunks too small to pay
 
 T = TypeVar("T")
