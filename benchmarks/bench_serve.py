@@ -115,7 +115,10 @@ class ServerProcess:
 
     def __enter__(self) -> ServerProcess:
         env = None if self.server_path is None else {**os.environ, "PYTHONPATH": self.server_path}
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        # ``python -m`` puts the working directory first on sys.path: run another checkout from its root.
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=self.server_path
+        )
         try:
             self._wait_healthy()
         except BaseException:

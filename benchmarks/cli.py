@@ -216,13 +216,13 @@ def run_benchmark(args: argparse.Namespace) -> int:
         result = run_profile(
             _llm(args, False), _llm(args, True), list(_sizes(args, (1, 8))), args.max_tokens or 128, out_dir
         )
-    elif args.workload == "shared-prefix":
+    elif suite == "serve" and args.workload == "shared-prefix":
         from benchmarks.bench_serve_workloads import run_shared_prefix
 
         result = run_shared_prefix(
             _serve_args(args), args.num_requests or 64, args.concurrency, args.max_tokens or 24
         )
-    elif args.workload == "long-arrivals":
+    elif suite == "serve" and args.workload == "long-arrivals":
         from benchmarks.bench_serve_workloads import run_long_arrivals
 
         result = run_long_arrivals(

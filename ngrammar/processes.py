@@ -1,4 +1,5 @@
-"""Starting ngrammar's own child processes (tensor-parallel ranks, data-parallel replicas).
+"""Starting ngrammar's tensor-parallel rank processes (engine cores, ``--dp`` replicas included, are
+fresh interpreters started by ``server/core_client.py``).
 
 Children run only ngrammar's entry points, so they must not re-run the user's script:
 multiprocessing's "spawn" start method imports the parent's ``__main__`` in every child, which

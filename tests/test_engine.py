@@ -447,3 +447,20 @@ def test_sampling_params_take_none_and_refuse_bad_types_as_request_errors(llm: L
     ids = tuple(llm.tokenizer.encode("The capital of France is"))
     params = SamplingParams(max_tokens=2, temperature=0)
     assert llm.generate(ids, params)[0].token_ids == llm.generate([list(ids)], params)[0].token_ids
+
+
+def test_a_bad_tokenizer_fails_before_any_weight_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: the builder loaded the tokenizer after the runner (weights read, TP ranks started)."""
+    from ngrammar.config import EngineConfig
+    from ngrammar.engine import builder
+
+    built: list[str] = []
+
+    def bad_tokenizer(*args: object, **kwargs: object) -> None:
+        raise ValueError("bad tokenizer.json")
+
+    monkeypatch.setattr(builder, "Tokenizer", bad_tokenizer)
+    monkeypatch.setattr(builder, "ModelRunner", lambda *a, **k: built.append("runner"))
+    with pytest.raises(ValueError, match="bad tokenizer"):
+        builder.build_parts(EngineConfig(device="cpu", kv_cache_tokens=256))
+    assert built == []

@@ -51,6 +51,9 @@ def build_parts(config: EngineConfig) -> EngineParts:
     dtype = resolve_dtype(config.dtype, device)
     checkpoint = resolve_checkpoint(config.model)
     model = checkpoint.config
+    tokenizer = Tokenizer(
+        checkpoint.tokenizer_dir, model.eos_token_ids
+    )  # a bad one fails before any weight is read
     max_model_len = context_length(config.max_model_len, model)
     quantization = resolve_quantization(config.quantization, config.dtype, device)
     tp = config.tensor_parallel_size
@@ -72,7 +75,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
         dtype,
         model,
         checkpoint.name,
-        Tokenizer(checkpoint.tokenizer_dir, model.eos_token_ids),
+        tokenizer,
         max_model_len,
         runner,
         BlockManager(PageAllocator(num_pages, config.page_size), config.prefix_cache),
