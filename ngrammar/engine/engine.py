@@ -176,10 +176,9 @@ class LLMEngine:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         backend = None if compiled is None else (self.grammar_backend, compiled)
-        req = Request.create(
-            request_id, prompt_ids, params, self.tokenizer, seed, self.max_model_len, backend
+        self.requests[request_id] = req = Request.create(
+            request_id, prompt_ids, params, self.tokenizer, seed, self.max_model_len, backend, stream
         )
-        req.stream, self.requests[request_id] = stream, req
         seqs = req.seqs
         for seq in seqs:
             self.scheduler.add(seq)

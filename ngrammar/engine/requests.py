@@ -68,6 +68,7 @@ class Request:
         seed: int,
         max_len: int,
         grammar: tuple[GrammarBackend, Any] | None,
+        stream: bool = True,
     ) -> Request:
         """A request of ``params.n`` sequences, sequence i seeded ``seed + i``, each with its own
         matcher of a compiled grammar (``grammar``: the backend that compiled it, and the grammar)."""
@@ -84,7 +85,7 @@ class Request:
             )
             for i in range(params.n)
         ]
-        return cls(request_id, prompt_ids, params, seqs, [0] * params.n)
+        return cls(request_id, prompt_ids, params, seqs, [0] * params.n, stream)
 
     @property
     def finished(self) -> bool:
