@@ -33,9 +33,10 @@ _TINY = {
 }
 
 
-def tiny_checkpoint(folder: Path, layers: int = 1) -> Path:
+def tiny_checkpoint(folder: Path, layers: int = 1, weights: bool = True) -> Path:
     """A Hugging Face folder: the embedded model's config shrunk to ``layers`` 16-wide layers,
-    random weights (seeded), the embedded tokenizer and chat template."""
+    random weights (seeded; ``weights=False``: none, for ``load_format`` dummy), the embedded
+    tokenizer and chat template."""
     from safetensors.torch import save_file
 
     base = resolve_checkpoint(None)
@@ -46,6 +47,8 @@ def tiny_checkpoint(folder: Path, layers: int = 1) -> Path:
     for f in base.tokenizer_dir.iterdir():
         if f.name.startswith(("tokenizer", "chat_template")):
             shutil.copy(f, folder / f.name)
+    if not weights:
+        return folder
     g = torch.Generator().manual_seed(0)
     h, i, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d

@@ -96,15 +96,22 @@ class EngineConfig:
     model: str | None = _opt(None, "GGUF file or Hugging Face folder (default: embedded SmolLM2-135M)")
     device: str = _opt("auto", "cpu, cuda, cuda:N or auto")
     dtype: str = _opt("auto", "float32, bfloat16, float16 or auto")
-    # Weight-only 4-bit projections on a CPU (model/quant.py), each step on the kernel measured
-    # cheapest at its row count. auto: on a CPU with dtype auto, the model's own 4-bit (GGUF Q4_0 /
-    # Q4_1) weights, or a notice that it has none; otherwise none. An explicit dtype keeps its weights.
-    # Default auto: end to end on a CPU the 4-bit path is faster, plain and NGRAM (BENCHMARKS.md).
+    # Weight-only 4-bit projections on a CPU (model/quant.py), one kernel at every row count.
+    # auto: on a CPU with dtype auto, the model's own 4-bit (GGUF Q4_0 / Q4_1) weights, or a notice
+    # that it has none; otherwise none. An explicit dtype keeps its weights.
     quantization: str = _opt(
         "auto",
         "int4: 4-bit weights (a GGUF's own, else quantized at load; CPU only); none: the checkpoint's "
         "weights in dtype; auto: int4 on a CPU when dtype is auto and the model has 4-bit weights",
         ["auto", "none", "int4"],
+    )
+    # vLLM's ``--load-format dummy``: time a large model's shape with no checkpoint to read (its
+    # outputs are noise; benchmarks pair it with recorded outputs, speculative/replay.py).
+    load_format: str = _opt(
+        "auto",
+        "auto: the checkpoint's weights; dummy: seeded random weights of its architecture (only "
+        "config.json and the tokenizer are read; for benchmarks)",
+        ["auto", "dummy"],
     )
     page_size: int = _opt(16, "KV page size in tokens (a power of two)")
     kv_cache_tokens: int | None = _opt(None, "KV pool size in tokens (default: from memory)")
@@ -161,6 +168,10 @@ class EngineConfig:
             raise ValueError("mixed_step_tokens must be at least one page")
         if self.quantization not in ("auto", "none", "int4"):
             raise ValueError(f"quantization must be auto, none or int4, got {self.quantization!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.load_format == "dummy" and self.tensor_parallel_size > 1:
+            raise ValueError("load_format dummy runs on one rank (--tp 1)")
         if self.attention_backend not in ("auto", "sdpa", "triton"):
             raise ValueError(
                 f"attention_backend must be auto, sdpa or triton, got {self.attention_backend!r}"

@@ -127,3 +127,27 @@ def test_the_serve_plot_groups_levels_by_mode_in_concurrency_order(tmp_path: Any
     src.write_text(json.dumps(log))
     main(str(src), str(dst))
     assert dst.stat().st_size > 0
+
+
+def test_the_replay_benchmark_reproduces_its_recording_on_another_shape() -> None:
+    """gpu_bench's replay part on a CPU, small: the other shape's NGRAM engine replays SmolLM2's
+    recorded outputs exactly, and the controls are reported."""
+    import dataclasses
+
+    from benchmarks.gpu_bench import LLAMA3_8B, bench_replay
+
+    shape = dataclasses.replace(
+        LLAMA3_8B,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+    )
+    res = bench_replay(None, [1], 24, 1, shape=shape, categories=("extraction",))
+    cell = res["8b_replay/b1/extraction"]
+    assert cell["replay_exact"] and cell["identical"] == 1.0
+    assert res["smollm2_live/b1/extraction"]["identical"] == 1.0
+    assert "live_ratio_error" in res["smollm2_replay/b1/extraction"]
+    assert res["8b_replay_cost"]["free_tok_s"] > 0

@@ -70,3 +70,37 @@ def test_replay_refuses_a_prompt_it_has_no_record_of(tiny: Path) -> None:
 def test_a_record_must_start_with_its_prompt() -> None:
     with pytest.raises(ValueError, match="start with its prompt"):
         ReplayTarget({(1, 2): [1, 3, 4]}, 0)
+
+
+def test_dummy_weights_replay_a_recording_and_need_no_checkpoint(tmp_path: Path) -> None:
+    """``load_format="dummy"``: a folder with only config.json and the tokenizer serves (seeded
+    random weights, the same in every engine), and replay over it reproduces a recording exactly;
+    without dummy the same folder is refused."""
+    from ngrammar.model.loader import ModelLoadError
+
+    folder = tiny_checkpoint(tmp_path / "shape", layers=2, weights=False)
+    params = SamplingParams(max_tokens=32, temperature=0)
+    real = LLM(**SPEC, num_draft_tokens=8)
+    recorded = real.generate(PROMPTS[0], params)[0]
+    with pytest.raises(ModelLoadError, match="safetensors"):
+        LLM(str(folder), **SPEC)
+    dummy = LLM(str(folder), **SPEC, num_draft_tokens=8, load_format="dummy")
+    again = LLM(str(folder), **SPEC, num_draft_tokens=8, load_format="dummy")
+    free = dummy.generate(PROMPTS[0], params)[0].outputs[0].token_ids
+    assert again.generate(PROMPTS[0], params)[0].outputs[0].token_ids == free  # seeded weights
+    assert free != recorded.outputs[0].token_ids
+    eos = dummy.engine.model_config.eos_token_ids[0]
+    dummy.engine.set_replay(
+        ReplayTarget.from_outputs([(recorded.prompt_token_ids, recorded.outputs[0].token_ids)], eos)
+    )
+    got = dummy.generate(PROMPTS[0], params)[0]
+    assert _spec_figures([got]) == _spec_figures([recorded])
+
+
+def test_dummy_load_format_is_validated() -> None:
+    from ngrammar.config import EngineConfig
+
+    with pytest.raises(ValueError, match="load_format"):
+        EngineConfig(load_format="random")
+    with pytest.raises(ValueError, match="one rank"):
+        EngineConfig(load_format="dummy", tensor_parallel_size=2)

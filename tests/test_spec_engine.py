@@ -853,3 +853,22 @@ def test_accepted_path_kv_is_compacted_on_the_device_as_the_host_loop_would() ->
             flat_want[:, :, slots[b, j]] = flat_old[:, :, slots[b, nodes[b, j]]]
     assert torch.equal(runner.kv_cache, want) and torch.equal(narrow.kv_cache, want)
     assert not torch.equal(want, cache)  # something did move
+
+
+def test_a_start_up_profile_prices_widths_before_they_are_timed() -> None:
+    """With each graph's device cost profiled at start-up, no verify width is chosen just to time
+    it: after two plain steps each width is priced at plain x the profile's ratio, and a width's own
+    steps then replace the profile's price (bucket 1, no grammar); a constrained bucket, whose host
+    cost the profile lacks, is still timed."""
+    policy = AdaptiveDraftPolicy(max_width=8)
+    policy.costs.set_profile({(1, 1): 1e-3, (1, 2): 1.05e-3, (1, 4): 1.1e-3, (1, 8): 1.2e-3})
+    chosen = _run_policy(policy, ["copy"], spec_time=0.06, spec_accept=5.0, steps=6, match_length=4)
+    assert chosen[:2] == [1, 1]  # plain is timed first
+    assert all(w > 1 for w in chosen[2:]) and policy.reason != "time"
+    b = (1, NO_GRAMMAR)
+    timed = {w for w in (2, 4, 8) if (rec := policy.costs.step_time.get((b, w))) and len(rec.samples) >= 2}
+    assert timed, "a width that ran twice is priced by its own steps"
+    for w in (2, 4, 8):
+        expected = 0.06 if w in timed else 0.05 * policy.costs._profile[(1, w)] / 1e-3
+        assert policy.step_cost(b, w) == pytest.approx(expected)
+    assert policy.step_cost((1, "json_schema"), 8) is None  # no grammar's host cost in the profile

@@ -49,7 +49,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
         )
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    checkpoint = resolve_checkpoint(config.model)
+    dummy = config.load_format == "dummy"
+    checkpoint = resolve_checkpoint(config.model, weights=not dummy)
     model = checkpoint.config
     tokenizer = Tokenizer(
         checkpoint.tokenizer_dir, model.eos_token_ids
@@ -66,7 +67,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
     if tp == 1:
         backend = attention_backend(config.attention_backend, device)
         runner = ModelRunner(
-            checkpoint, device, dtype, num_pages + 1, config.page_size, backend, quantization
+            checkpoint, device, dtype, num_pages + 1, config.page_size, backend, quantization, dummy=dummy
         )
     else:  # rank 0's runner starts the other ranks and sends them every step
         runner = start_tensor_parallel(config, checkpoint, device, dtype, num_pages + 1)
@@ -88,7 +89,7 @@ def attach_graphs(parts: EngineParts, config: EngineConfig, speculator: Speculat
     capture=False runs the same static-buffer and padding path eagerly (how it is tested on CPU).
     Widths are every D the draft policy may pick, or a trimmed tree be verified at
     (``DraftProposer.propose``); all graphs are captured here, up front, so no capture lands inside
-    a timed step."""
+    a timed step, and each is replayed a few times to give the draft policy its device cost."""
     widths = speculator.graph_widths()
     parts.runner.attach_graphs(
         widths,
@@ -98,6 +99,11 @@ def attach_graphs(parts: EngineParts, config: EngineConfig, speculator: Speculat
         capture=capture,
         acceptor=speculator.acceptor(config.tensor_parallel_size == 1),
     )
+    graphs = parts.runner.graphs
+    if capture and graphs is not None and config.tensor_parallel_size == 1 and max(widths) > 1:
+        # Each width's device cost, so the policy prices a width before timing it in the engine
+        # (a first verify step timed untrimmed costs what a trimmed one would not).
+        speculator.set_step_profile(graphs.profile())
 
 
 def mixed_step_tokens(config: EngineConfig, device: torch.device) -> int | None:

@@ -7,7 +7,7 @@ width of 1 (a plain step) is all ``NoSpeculation`` ever chooses.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ngrammar.sampling_params import InvalidRequestError
@@ -27,6 +27,8 @@ class Speculator(Protocol):
     def graph_widths(self) -> list[int]: ...
 
     def acceptor(self, one_rank: bool) -> Callable[..., Any] | None: ...
+
+    def set_step_profile(self, profile: Mapping[tuple[int, int], float]) -> None: ...
 
     def check_corpora(self, names: tuple[str, ...]) -> None: ...
 
@@ -67,6 +69,9 @@ class NoSpeculation:
 
     def acceptor(self, one_rank: bool) -> Callable[..., Any] | None:
         return None
+
+    def set_step_profile(self, profile: Mapping[tuple[int, int], float]) -> None:
+        pass
 
     def check_corpora(self, names: tuple[str, ...]) -> None:
         if names:

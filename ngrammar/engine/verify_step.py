@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,6 +188,11 @@ class NgramSpecWorker:
         """The widths a decode or verify step may run at: every width the policy may pick, or a
         trimmed tree be verified at (``DraftProposer.propose``)."""
         return self.policy.widths
+
+    def set_step_profile(self, profile: Mapping[tuple[int, int], float]) -> None:
+        """Device seconds per (batch bucket, width) measured at start-up (``CUDAGraphRunner.profile``):
+        the policy prices a width by them until its own steps are timed (``StepCosts.set_profile``)."""
+        self.policy.costs.set_profile(profile)
 
     def choose_width(self, seqs: list[Sequence], draining: bool, ahead: bool = False) -> int:
         """The next decode step's width. ``draining``: no request waits to join the batch (the

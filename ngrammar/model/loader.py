@@ -63,8 +63,9 @@ def cache_root() -> Path:
     return Path(os.environ.get("NGRAMMAR_CACHE_DIR", Path.home() / ".cache" / "ngrammar"))
 
 
-def resolve_checkpoint(model: str | os.PathLike[str] | None) -> Checkpoint:
-    """``model=None`` means ``$NGRAMMAR_DEFAULT_MODEL`` if set, else the embedded GGUF."""
+def resolve_checkpoint(model: str | os.PathLike[str] | None, weights: bool = True) -> Checkpoint:
+    """``model=None`` means ``$NGRAMMAR_DEFAULT_MODEL`` if set, else the embedded GGUF.
+    ``weights=False`` (``load_format`` dummy): a Hugging Face folder needs no safetensors."""
     default = os.environ.get("NGRAMMAR_DEFAULT_MODEL")
     if model is None and default:
         model = default
@@ -72,7 +73,7 @@ def resolve_checkpoint(model: str | os.PathLike[str] | None) -> Checkpoint:
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {path}")
     if path.is_dir():
-        return _hf_folder_checkpoint(path)
+        return _hf_folder_checkpoint(path, weights)
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
@@ -89,6 +90,18 @@ def iter_weights(ckpt: Checkpoint) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def fill_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """``load_format`` dummy: every weight drawn from N(0, 0.02) (seeded, the same on every run), norm
+    weights 1, so activations stay in range through any depth."""
+    g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+
+
 def release_freed_memory() -> None:
     """Hand the heap memory that loading freed (dequantized copies, the dense weights that packed forms
     replaced) back to the OS: glibc keeps freed blocks under its mmap threshold, about 300 MB after
@@ -99,10 +112,10 @@ def release_freed_memory() -> None:
         libc.malloc_trim(0)
 
 
-def _hf_folder_checkpoint(path: Path) -> Checkpoint:
+def _hf_folder_checkpoint(path: Path, weights: bool = True) -> Checkpoint:
     cfg_file = path / "config.json"
     shards = _safetensors_files(path)
-    if not cfg_file.exists() or not shards:
+    if not cfg_file.exists() or (weights and not shards):
         raise ModelLoadError(f"{path} needs config.json and *.safetensors to be a Hugging Face model folder")
     if not (path / "tokenizer.json").exists():
         raise ModelLoadError(f"{path} has no tokenizer.json")
@@ -118,7 +131,7 @@ def _hf_folder_checkpoint(path: Path) -> Checkpoint:
             )
     except (KeyError, ValueError, TypeError) as e:
         raise ModelLoadError(f"{cfg_file}: {e}") from e
-    return Checkpoint(config, shards[0], shards, path, path.name)
+    return Checkpoint(config, shards[0] if shards else cfg_file, shards, path, path.name)
 
 
 def _safetensors_files(path: Path) -> tuple[Path, ...]:

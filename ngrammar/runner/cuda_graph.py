@@ -329,6 +329,31 @@ class CUDAGraphRunner:
         self._upload(entry.bucket)
         return entry.graph
 
+    @torch.inference_mode()
+    def profile(self, repeats: int = 5) -> dict[tuple[int, int], float]:
+        """Device seconds of one step per captured (bucket, width): the lower median of ``repeats``
+        replays on all-padding rows, a verify width's acceptor graph included (what the draft policy
+        prices widths by before their steps are timed: ``StepCosts.set_profile``). Only rank 0's
+        graphs: not for tensor-parallel runners, whose replays need every rank."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        out: dict[tuple[int, int], float] = {}
+        for key, entry in sorted(self._entries.items()):
+            graph = self.padding_graph(*key)
+            if graph is None:
+                continue
+            times = []
+            for _ in range(repeats + 1):  # the first replay warms caches: dropped
+                start.record()
+                graph.replay()
+                if entry.accept_graph is not None:
+                    entry.accept_graph.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            ordered = sorted(times[1:])
+            out[key] = ordered[(len(ordered) - 1) // 2]
+        return out
+
     @property
     def prepared(self) -> list[tuple[int, int]]:
         """(bucket, width) pairs set up so far (captured, in capture mode)."""

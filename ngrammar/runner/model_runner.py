@@ -18,7 +18,13 @@ from ngrammar.attention.metadata import AttentionBackend, AttentionMetadata
 from ngrammar.attention.sdpa import TorchSDPABackend
 from ngrammar.model.config import ModelConfig
 from ngrammar.model.llama import LlamaForCausalLM
-from ngrammar.model.loader import Checkpoint, iter_weights, load_gguf_q4, release_freed_memory
+from ngrammar.model.loader import (
+    Checkpoint,
+    fill_dummy_weights,
+    iter_weights,
+    load_gguf_q4,
+    release_freed_memory,
+)
 from ngrammar.model.ops import default_ops
 from ngrammar.model.parallel import local_model_config
 from ngrammar.model.quant import apply_quantization
@@ -134,8 +140,10 @@ class ModelRunner:
         backend: AttentionBackend | None = None,
         quantization: str = "none",
         tp: TensorParallel | None = None,
+        dummy: bool = False,
     ) -> None:
-        """``quantization``: as ``resolve_quantization`` returns it (``none`` with ``tp``)."""
+        """``quantization``: as ``resolve_quantization`` returns it (``none`` with ``tp``);
+        ``dummy``: seeded random weights instead of the checkpoint's (``load_format`` dummy)."""
         if tp is not None and quantization != "none":
             raise ValueError("4-bit weights are not sharded for tensor parallelism (quantization none)")
         self.config = checkpoint.config  # the whole model's (vocab_size: the logits' width)
@@ -154,10 +162,13 @@ class ModelRunner:
         model = model.to_empty(device=device).to(dtype)
         model.rotary.__init__(c)  # type: ignore[misc]  # buffers were created on meta; rebuild them for real
         model.rotary.to(device)
-        model.load_hf_weights(weights)
+        if dummy:
+            fill_dummy_weights(model)
+        else:
+            model.load_hf_weights(weights)
         # Whether the projections and the LM head run on 4-bit weights (model/quant.py).
         self.quantized = quantization != "none" and apply_quantization(
-            model, load_gguf_q4(checkpoint), quantization
+            model, {} if dummy else load_gguf_q4(checkpoint), quantization
         )
         self.model = model.eval()
         if device.type == "cpu":

@@ -4,13 +4,15 @@ A step's cost is a property of the hardware and the batch: the lower median of t
 times per (bucket, width), a median because one slow step (a first launch, a page fault, a busy
 host) must not decide for many steps. Times are normalized to the bucket's size (step time grows
 about linearly with the batch inside a bucket). An untimed width borrows the verify / plain ratio
-of the nearest larger bucket timed at both.
+of the nearest larger bucket timed at both, else the ratio of the start-up profile (each CUDA
+graph's device time, ``set_profile``) applied to the bucket's measured plain cost; once a width
+is timed in a bucket its own steps decide, and keep re-deciding as they change.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 # A batch's grammar class: NO_GRAMMAR, the one grammar kind its constrained members share
@@ -61,6 +63,15 @@ class StepCosts:
         self.widths = list(widths)  # 1 and the draft widths a policy may pick
         self.step_time: dict[tuple[Bucket, int], Recent] = {}
         self._costs: dict[Bucket, dict[int, float | None]] = {}  # ``bucket_costs``, until the next record
+        self._profile: dict[tuple[int, int], float] = {}  # (bucket size, width) -> device seconds
+
+    def set_profile(self, profile: Mapping[tuple[int, int], float]) -> None:
+        """Device seconds of one step per (batch-size bucket, width), measured at start-up
+        (``CUDAGraphRunner.profile``): the verify / plain ratios that price a width before its own
+        steps are timed in a bucket without a grammar (a grammar's host cost is not in them, so
+        constrained buckets are timed as before)."""
+        self._profile = dict(profile)
+        self._costs.clear()
 
     def record(self, bucket: Bucket, width: int, seconds: float) -> None:
         """One step's time, already normalized to the bucket's size."""
@@ -121,7 +132,14 @@ class StepCosts:
             and (b, 1) in self.step_time
         ]
         if not known:
-            return None
+            return self._profiled(bucket, width, plain.value)
         near = min(known, key=lambda b: b[0])
         verify, base = self.step_time[(near, width)].value, self.step_time[(near, 1)].value
         return None if verify is None or not base else plain.value * verify / base
+
+    def _profiled(self, bucket: Bucket, width: int, plain: float) -> float | None:
+        """The bucket's measured plain cost times the start-up profile's width / plain ratio."""
+        if bucket[1] != NO_GRAMMAR:
+            return None
+        verify, base = self._profile.get((bucket[0], width)), self._profile.get((bucket[0], 1))
+        return None if verify is None or not base else plain * verify / base
