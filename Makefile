@@ -11,7 +11,7 @@ KERNELS := ngrammar/_cpu_kernels.stamp
 
 setup: $(STAMP) $(KERNELS)
 
-$(KERNELS): $(STAMP) ngrammar/csrc/cpu_kernels.cpp ngrammar/csrc/build.py
+$(KERNELS): $(STAMP) ngrammar/csrc/cpu_kernels.cpp ngrammar/csrc/quant_kernels.cpp ngrammar/csrc/build.py
 	$(BIN)/python ngrammar/csrc/build.py -q
 	touch $(KERNELS)
 

@@ -21,7 +21,7 @@ from ngrammar import LLM
 from ngrammar.attention.metadata import AttentionMetadata
 from ngrammar.attention.sdpa import TorchSDPABackend
 from ngrammar.kernels import cpu as cpu_kernels
-from ngrammar.model.quant import PackedWeight, Q4Weight, q8_as_q4, quantize_q8_0
+from ngrammar.model.quant import PackedWeight, Q4Weight
 from ngrammar.runner.model_runner import StepInput
 
 ROWS = st.integers(2, 64)
@@ -44,21 +44,70 @@ def assert_rows_alone_equal(fn: object, x: torch.Tensor) -> None:
     assert torch.equal(fn(x[:m]), full[:m])
 
 
-@settings(max_examples=15, deadline=None)
-@given(rows=ROWS, n=st.sampled_from([32, 48, 96]), groups=st.integers(1, 6), seed=st.integers(0, 99))
-def test_packed_4bit_rows_do_not_depend_on_the_batch(rows: int, n: int, groups: int, seed: int) -> None:
-    weight = PackedWeight(random_q4(n, 32 * groups, seed))
-    assert_rows_alone_equal(
-        weight, torch.randn(rows, 32 * groups, generator=torch.Generator().manual_seed(seed))
-    )
+PATHS = cpu_kernels.block_linear_paths()  # scalar, AVX2, AVX-512 VNNI: those this CPU runs
 
 
-@settings(max_examples=10, deadline=None)
-@given(rows=ROWS, seed=st.integers(0, 99))
-def test_packed_8bit_head_rows_do_not_depend_on_the_batch(rows: int, seed: int) -> None:
+def random_q8(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    head = PackedWeight(q8_as_q4(*quantize_q8_0(torch.randn(80, 64, generator=g))), copies=2)
-    assert_rows_alone_equal(head, torch.randn(rows, 64, generator=g))
+    codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    return codes, (torch.rand(n, k // 32, generator=g) * 0.01).half().float()
+
+
+def block_inputs(rows: int, k: int, seed: int) -> torch.Tensor:
+    """Rows of mixed magnitudes, with an all-zero block and a row of one repeated value."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 10
+    x[0, :32] = 0
+    x[-1] = x[-1, 0]
+    return x
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    rows=ROWS,
+    n=st.sampled_from([16, 48, 96, 100]),
+    groups=st.integers(1, 6),
+    q8=st.booleans(),
+    seed=st.integers(0, 99),
+)
+def test_block_kernel_rows_do_not_depend_on_the_batch_nor_the_isa(
+    rows: int, n: int, groups: int, q8: bool, seed: int
+) -> None:
+    """Q4_1 projections and the Q8_0 head: a row alone == the row in a batch of 2-64, bitwise, on
+    every ISA path this CPU runs, and every path gives the same bits."""
+    k = 32 * groups
+    weight = PackedWeight.q8_0(*random_q8(n, k, seed)) if q8 else PackedWeight(random_q4(n, k, seed))
+    x = block_inputs(rows, k, seed)
+    results = []
+    for path in PATHS:
+
+        def fn(t: torch.Tensor, path: int = path) -> torch.Tensor:
+            return cpu_kernels.block_linear(t, weight.packed, weight.format, path)
+
+        assert_rows_alone_equal(fn, x)
+        results.append(fn(x))
+    assert all(torch.equal(r, results[0]) for r in results)
+    assert_rows_alone_equal(weight, x)  # the default path through the weight's own call
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    rows=st.integers(1, 64), n=st.sampled_from([16, 80]), groups=st.integers(1, 6), seed=st.integers(0, 99)
+)
+def test_block_kernel_matches_a_float_reference(rows: int, n: int, groups: int, seed: int) -> None:
+    """Within the bound of int8 activations (half a block step each) of x @ w.T in float64."""
+    k = 32 * groups
+    q4 = random_q4(n, k, seed)
+    codes, d = random_q8(n, k, seed)
+    x = block_inputs(rows, k, seed)
+    half_step = (x.abs().view(rows, -1, 32).amax(-1) / 254).repeat_interleave(32, 1).double()
+    for weight, dense in (
+        (PackedWeight(q4), q4.dequantize()),
+        (PackedWeight.q8_0(codes, d), (codes.float().view(n, -1, 32) * d[..., None]).view(n, k)),
+    ):
+        ref = x.double() @ dense.double().T
+        bound = half_step @ dense.abs().double().T + 1e-5 * (x.abs().double() @ dense.abs().double().T)
+        assert ((weight(x).double() - ref).abs() <= bound + 1e-6).all()
 
 
 @settings(max_examples=15, deadline=None)

@@ -23,7 +23,7 @@ def main() -> None:
         ext_modules=[
             CppExtension(
                 "ngrammar._cpu_kernels",
-                [str(Path("ngrammar") / "csrc" / "cpu_kernels.cpp")],
+                [str(Path("ngrammar") / "csrc" / name) for name in ("cpu_kernels.cpp", "quant_kernels.cpp")],
                 extra_compile_args=FLAGS,
                 extra_link_args=["-fopenmp"],
             )

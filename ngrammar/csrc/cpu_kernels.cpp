@@ -10,6 +10,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -237,7 +238,106 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& cache
   return out;
 }
 
+// The step's rows rotated (rotate-half RoPE) and its K/V written into the cache, then
+// paged_attention, in one call. q [T, Hq, d], k / v [T, Hkv, d] (rows may be strided, each head's
+// d values contiguous: views of the fused qkv projection); cos / sin [T, 1, d / 2] float32 (empty: no
+// RoPE); slots [T] int64: each row's flat cache slot. RoPE as ``attention.sdpa.rotate_half``:
+// (x1 c - x2 s, x2 c + x1 s) in float32, each product and sum rounded once, then rounded to q's dtype.
+template <typename T>
+void rope_write(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& cos,
+                const torch::Tensor& sin, const torch::Tensor& slots, torch::Tensor& cache, torch::Tensor& qr) {
+  const int64_t t = q.size(0), hq = q.size(1), hkv = k.size(1), d = q.size(2), half = d / 2;
+  const int64_t pages = cache.size(1), ps = cache.size(2);
+  const bool rope = cos.numel() > 0;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  const float* cp = rope ? cos.data_ptr<float>() : nullptr;
+  const float* sp = rope ? sin.data_ptr<float>() : nullptr;
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  T* keys = cache.data_ptr<T>();
+  T* values = keys + pages * ps * hkv * d;
+  T* out = qr.data_ptr<T>();
+  const int64_t sq = q.stride(0), sk = k.stride(0), sv = v.stride(0);
+  auto rotate = [&](const T* x, const float* c, const float* s, T* y) {
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
+      y[i] = static_cast<T>(x1 * c[i] - x2 * s[i]);
+      y[i + half] = static_cast<T>(x2 * c[i] + x1 * s[i]);
+    }
+  };
+  at::parallel_for(0, t, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      TORCH_CHECK(slot[r] >= 0 && slot[r] < pages * ps, "rope_paged_attention: slot outside the cache");
+      for (int64_t h = 0; h < hq; ++h) {
+        const T* x = qp + r * sq + h * d;
+        T* y = out + (r * hq + h) * d;
+        if (rope)
+          rotate(x, cp + r * half, sp + r * half, y);
+        else
+          std::copy(x, x + d, y);
+      }
+      for (int64_t h = 0; h < hkv; ++h) {
+        const T* x = kp + r * sk + h * d;
+        T* y = keys + (slot[r] * hkv + h) * d;
+        if (rope)
+          rotate(x, cp + r * half, sp + r * half, y);
+        else
+          std::copy(x, x + d, y);
+        std::copy(vp + r * sv + h * d, vp + r * sv + (h + 1) * d, values + (slot[r] * hkv + h) * d);
+      }
+    }
+  });
+}
+
+torch::Tensor rope_paged_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                   const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& slots,
+                                   torch::Tensor cache, const torch::Tensor& row_req, const torch::Tensor& row_idx,
+                                   const torch::Tensor& page_table, const torch::Tensor& kv_lens,
+                                   const torch::Tensor& q_lens, const torch::Tensor& tree_mask, double scale) {
+  TORCH_CHECK(q.scalar_type() == cache.scalar_type() && k.scalar_type() == cache.scalar_type() &&
+                  v.scalar_type() == cache.scalar_type(),
+              "rope_paged_attention: q, k, v and the cache share a dtype");
+  TORCH_CHECK(cache.is_contiguous() && cache.dim() == 5 && q.dim() == 3 && k.dim() == 3 && v.dim() == 3,
+              "rope_paged_attention: q [T, Hq, d], k / v [T, Hkv, d], cache [2, pages, ps, Hkv, d]");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(1) == cache.size(3) &&
+                  q.size(2) == cache.size(4) && k.size(2) == q.size(2) && q.size(1) % k.size(1) == 0 &&
+                  q.size(2) % 2 == 0,
+              "rope_paged_attention: head shapes");
+  for (const auto* x : {&q, &k, &v})
+    TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == x->size(2), "rope_paged_attention: heads contiguous per row");
+  const bool rope = cos.numel() > 0;
+  TORCH_CHECK(!rope || (cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat &&
+                        cos.numel() == q.size(0) * q.size(2) / 2 && sin.numel() == cos.numel()),
+              "rope_paged_attention: cos / sin [T, 1, d / 2] float32");
+  TORCH_CHECK(slots.numel() == q.size(0), "rope_paged_attention: one slot per row");
+  TORCH_CHECK(tree_mask.numel() == 0 || tree_mask.scalar_type() == torch::kBool, "rope_paged_attention: bool tree mask");
+  const auto cc = cos.contiguous(), sc = sin.contiguous(), slc = slots.contiguous();
+  auto qr = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  auto out = torch::empty_like(qr);
+  AT_DISPATCH_FLOATING_TYPES_AND2(torch::kBFloat16, torch::kHalf, q.scalar_type(), "rope_paged_attention", [&] {
+    rope_write<scalar_t>(q, k, v, cc, sc, slc, cache, qr);
+    paged_attention_impl<scalar_t>(qr, cache, row_req.contiguous(), row_idx.contiguous(), page_table.contiguous(),
+                                   kv_lens.contiguous(), q_lens.contiguous(), tree_mask.contiguous(),
+                                   static_cast<float>(scale), out);
+  });
+  return out;
+}
+
+// quant_kernels.cpp
+torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t format, int64_t path);
+std::vector<int64_t> block_linear_paths();
+std::vector<torch::Tensor> rmsnorm_block_linear(const torch::Tensor& x, const torch::Tensor& residual,
+                                                const torch::Tensor& weight, double eps,
+                                                const torch::Tensor& packed, int64_t format);
+torch::Tensor silu_mul_block_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t format);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x @ w.T, every output one fixed-order dot (float32)");
   m.def("paged_attention", &paged_attention, "paged attention, every row reduced in sequence order");
+  m.def("block_linear", &block_linear, "x against Q4_1 / Q8_0 weight blocks, activations as int8 blocks");
+  m.def("block_linear_paths", &block_linear_paths, "the ISA paths of block_linear this CPU runs");
+  m.def("rmsnorm_block_linear", &rmsnorm_block_linear, "residual add + RMSNorm + block_linear");
+  m.def("silu_mul_block_linear", &silu_mul_block_linear, "SiLU(gate) * up + block_linear");
+  m.def("rope_paged_attention", &rope_paged_attention, "RoPE, the step's K/V written, paged attention");
 }

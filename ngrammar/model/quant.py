@@ -1,13 +1,17 @@
-"""Weight-only quantized projections on the CPU: a GGUF's 4-bit blocks run as they are.
+"""Weight-only quantized projections on the CPU: a GGUF's blocks run as they are.
 
 A GGUF Q4_1 block is 32 weights of one row, ``w = d * q + m`` (q in 0..15; d and m fp16); a Q4_0
-block is ``w = d * (q - 8)``. torch's CPU int4 kernel (``aten._weight_int4pack_mm_for_cpu``, group 32)
-computes ``w = (q - 8) * scale + zero`` per group (checked by tests/test_quant.py), so a Q4_1 block
-maps onto ``scale = d, zero = m + 8 d`` and a Q4_0 block onto ``scale = d, zero = 0``.
+block is ``w = d * (q - 8)``. ``Q4Weight`` holds either as ``w = (q - 8) * scale + zero`` per group
+(Q4_1: ``scale = d, zero = m + 8 d``; Q4_0: ``zero = 0``); ``pack_q4_1`` turns it back into Q4_1
+blocks (``m = zero - 8 scale``, a Q4_0 block being one with ``m = -8 d``).
 
-Every projection and the LM head run that one kernel (``PackedWeight``) at every row count: no
-kernel is chosen by timing, and a row's numbers never depend on the rows beside it. The LM head's
-8-bit blocks (a GGUF's Q8_0 embedding) run as two 4-bit halves (``q8_as_q4``).
+Every projection and the LM head run one kernel family (``PackedWeight``, the C++
+``kernels.cpu.block_linear``) at every row count: activations quantized per row and block of 32 (int8
+against the Q4_1 projections, as llama.cpp's Q8_1; int16 against the head's Q8_0 blocks), an exact
+integer dot per block, and the blocks' float terms summed in block order. No kernel is chosen by
+timing, a row's numbers never depend on the rows beside it, and the AVX-512 VNNI, AVX2 and scalar
+paths give the same bits. With float32 rows the layer's RMSNorm or SiLU·mul runs inside the same
+call (``PackedWeight.norm_linear`` / ``silu_mul_linear``).
 """
 
 from __future__ import annotations
@@ -27,8 +31,7 @@ if TYPE_CHECKING:
     from ngrammar.model.llama import LlamaForCausalLM
 
 GROUP = 32  # weights per block / per int4 group
-KERNELS = ("int4", "int4_bf16", "fp16", "bf16", "fp32")
-WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # row-count buckets of the kernel table (wider steps use the last)
+COLS = 16  # output columns per record group of the block kernel (ngrammar/csrc/quant_kernels.cpp)
 
 
 @dataclass(frozen=True)
@@ -120,40 +123,86 @@ def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, d
 
 
-def q8_as_q4(codes: torch.Tensor, d: torch.Tensor) -> Q4Weight:
-    """Q8_0 codes [N, K] with steps d -> a ``Q4Weight`` [N, 2K] whose product with ``[x, x]`` is
-    ``x @ w.T``: q + 128 = 16 hi + lo, so ``d q = (hi - 8) 16 d + ((lo - 8) d + 8 d)`` (the high
-    nibbles on the first K columns, the low ones on the last K)."""
-    u = codes.to(torch.int16) + 128
-    hi, lo = (u >> 4).to(torch.uint8), (u & 15).to(torch.uint8)
-    return Q4Weight(
-        torch.cat([hi, lo], 1), torch.cat([16 * d, d], 1), torch.cat([torch.zeros_like(d), 8 * d], 1)
-    )
+def _columns_first(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """[N, B] per-block values -> [G, B, 16] fp16 bytes [G, B, 32] (N padded to G * 16 with zeros)."""
+    t = F.pad(t, (0, 0, 0, groups * COLS - t.shape[0]))
+    return t.half().view(groups, COLS, -1).transpose(1, 2).contiguous().view(torch.uint8)
+
+
+def pack_q4_1(q4: Q4Weight) -> torch.Tensor:
+    """``Q4Weight`` -> Q4_1 records for ``kernels.cpu.block_linear``: [G, K / 32, 320] uint8, G = N / 16
+    rounded up (ngrammar/csrc/quant_kernels.cpp documents the record). d = scale and m = zero - 8 scale
+    in fp16: a GGUF's own Q4_1 d and m, bit for bit (``q4_to_blocks``)."""
+    n, k = q4.shape
+    groups, blocks = -(-n // COLS), k // GROUP
+    codes = F.pad(q4.codes, (0, 0, 0, groups * COLS - n)).view(groups, COLS, blocks, 2, 4, 4)
+    codes = codes.permute(0, 2, 3, 4, 1, 5)  # [G, B, half, chunk, column, 4]
+    nibbles = (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(groups, blocks, 4 * 64)
+    d = _columns_first(q4.scale, groups)
+    m = _columns_first(q4.zero - 8 * q4.scale, groups)
+    return torch.cat([nibbles, d, m], -1).contiguous()
+
+
+def pack_q8_0(codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Q8_0 codes [N, K] int8 with steps d [N, K / 32] -> records for ``kernels.cpu.block_linear``:
+    [G, K / 32, 544] uint8 (the codes in pairs per column, then d in fp16)."""
+    n, k = codes.shape
+    groups, blocks = -(-n // COLS), k // GROUP
+    c = F.pad(codes, (0, 0, 0, groups * COLS - n)).view(torch.uint8)
+    c = c.view(groups, COLS, blocks, 16, 2).permute(0, 2, 3, 1, 4).reshape(groups, blocks, 16 * 32)
+    return torch.cat([c, _columns_first(d, groups)], -1).contiguous()
 
 
 class PackedWeight:
-    """A [N, K] weight in torch's CPU int4 pack (``_weight_int4pack_mm_for_cpu``, bf16 activations,
-    bf16 scales and zeros), the one kernel of every quantized projection and of the LM head at every
-    row count. Its reduction over K per output does not depend on how many rows share the call, so a
-    row's result is bitwise the same alone, in a batch, in a verify tree or in a prefill chunk
-    (tests/test_row_invariance.py). ``copies``: the input is tiled that many times along K first
-    (an 8-bit weight held as two 4-bit halves: ``q8_as_q4``)."""
+    """A [N, K] weight as GGUF blocks (Q4_1, or Q8_0 for the LM head) repacked for
+    ``kernels.cpu.block_linear``: the one kernel of every quantized projection and of the LM head at
+    every row count. The activations are quantized per row and block of 32 to int8 (llama.cpp's Q8_1),
+    each output sums exact integer block dots in block order, so a row's result is bitwise the same
+    alone, in a batch, in a verify tree or in a prefill chunk, on every ISA path
+    (tests/test_row_invariance.py)."""
 
-    def __init__(self, q4: Q4Weight, copies: int = 1) -> None:
-        n, k = q4.shape
-        self.packed = torch._convert_weight_to_int4pack_for_cpu(q4.codes.to(torch.int32), 1)  # [N, K/2]
-        # [K/32, N, 2] bf16: (scale, zero) per group of 32 along K.
-        self.scales_zeros = torch.stack([q4.scale, q4.zero], -1).transpose(0, 1).contiguous().bfloat16()
-        self.copies = copies
-        self.shape = (n, k // copies)
+    def __init__(self, q4: Q4Weight) -> None:
+        self.shape = q4.shape
+        self.packed = pack_q4_1(q4)
+        self.format = cpu_kernels.Q4_1
+
+    @classmethod
+    def q8_0(cls, codes: torch.Tensor, d: torch.Tensor) -> PackedWeight:
+        """Q8_0 codes [N, K] int8 and steps [N, K / 32] (``quantize_q8_0``)."""
+        self = cls.__new__(cls)
+        self.shape = (codes.shape[0], codes.shape[1])
+        self.packed = pack_q8_0(codes, d)
+        self.format = cpu_kernels.Q8_0
+        return self
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, K] -> x @ w.T (+ bias) [T, N], in x's dtype."""
-        xb = x.bfloat16()
-        if self.copies > 1:
-            xb = xb.repeat(1, self.copies)
-        out = torch._weight_int4pack_mm_for_cpu(xb, self.packed, GROUP, self.scales_zeros).to(x.dtype)
+        return self._finish(cpu_kernels.block_linear(x.float(), self.packed, self.format), x.dtype, bias)
+
+    def _finish(self, out: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
+        if out.shape[1] != self.shape[0]:
+            out = out[:, : self.shape[0]]  # the last group's padding columns
+        out = out.to(dtype)
         return out if bias is None else out + bias
+
+    def norm_linear(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        bias: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """float32 x [T, K]: (self(norm_weight * rms_norm(x + residual)) + bias, x + residual or
+        None), one kernel call (``kernels.cpu.rmsnorm_block_linear``)."""
+        out, summed = cpu_kernels.rmsnorm_block_linear(
+            x, residual, norm_weight, eps, self.packed, self.format
+        )
+        return self._finish(out, x.dtype, bias), summed
+
+    def silu_mul_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 x [T, 2K] (gate | up) -> self(silu(gate) * up), one kernel call."""
+        return self._finish(cpu_kernels.silu_mul_block_linear(x, self.packed, self.format), x.dtype, None)
 
 
 def project(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -196,5 +245,5 @@ def apply_quantization(model: LlamaForCausalLM, q4: dict[str, Q4Weight], mode: s
         q4w = codes[n] if n in codes else quantize_q4_1(module.weight.detach())
         del module.weight  # the dense parameter goes; the module keeps its bias
         module.weight = PackedWeight(q4w)  # type: ignore[assignment]
-    model.packed_head = PackedWeight(q8_as_q4(*quantize_q8_0(model.head_weight().detach())), copies=2)
+    model.packed_head = PackedWeight.q8_0(*quantize_q8_0(model.head_weight().detach()))
     return True
