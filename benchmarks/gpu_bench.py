@@ -739,6 +739,10 @@ def bench_replay(
     small = _engine_kwargs(model, True)
     plain = LLM(**small)
     spec = LLM(**small, speculative="ngram", num_draft_tokens=16)
+    # The same NGRAM engine with no plain step chained out of a verify step (each verify step is
+    # committed before the next step launches): what chaining out gains, in the same run.
+    unchained = LLM(**small, speculative="ngram", num_draft_tokens=16)
+    unchained.engine.chain_verify = False
     eos = plain.engine.model_config.eos_token_ids
     res: dict[str, Any] = {
         "max_tokens": max_tokens,
@@ -747,7 +751,13 @@ def bench_replay(
     cells = [(bs, cat, _batch(prompts, bs)) for bs in batch_sizes for cat, prompts in cats.items()]
     records: dict[tuple[int, ...], list[int]] = {}
     for bs, cat, batch in cells:
-        res[f"smollm2_live/b{bs}/{cat}"] = _pairs(plain, spec, batch, params, repeats)[0]
+        stats = spec.engine.stats
+        steps, out_of_verify = stats.spec_steps, stats.chained_out_of_verify
+        res[f"smollm2_live/b{bs}/{cat}"] = live = _pairs(plain, spec, batch, params, repeats)[0]
+        live["chained_out_share"] = (stats.chained_out_of_verify - out_of_verify) / max(
+            stats.spec_steps - steps, 1
+        )
+        res[f"smollm2_unchained/b{bs}/{cat}"] = _pairs(plain, unchained, batch, params, repeats)[0]
         for out in plain.chat(batch, params, use_tqdm=False):
             records[tuple(out.prompt_token_ids)] = list(out.prompt_token_ids) + out.token_ids
     target = ReplayTarget(records, eos[0])
@@ -759,6 +769,7 @@ def bench_replay(
         res[f"smollm2_replay/b{bs}/{cat}"] = rep
     plain.close()
     spec.close()
+    unchained.close()
     torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory() as tmp:
         folder = shape_folder(Path(tmp) / "shape", shape, eos)
@@ -806,6 +817,8 @@ def summarize_replay(res: dict[str, Any]) -> None:
         if not (isinstance(v, dict) and "ratio" in v):
             continue
         extra = f"live x{v['live_ratio_error']:+.1%}" if "live_ratio_error" in v else ""
+        if "chained_out_share" in v:
+            extra = f"{v['chained_out_share']:.0%} of verify steps chained out"
         if "replay_exact" in v:
             extra = f"replay exact {v['replay_exact']}"
         rows.append(

@@ -59,3 +59,23 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:  # [T, Hq, d]
         """Rotate q and k by ``rope`` if given (may rotate q in place: it is a fresh projection),
         write k/v at the plan's slots, then attend."""
+
+
+def shift_rows(
+    offsets: torch.Tensor,
+    positions: torch.Tensor,
+    kv_lens: torch.Tensor,
+    slots: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+) -> None:
+    """A one-token-per-row step whose rows sit ``offsets`` [B] further than the host knew (a plain
+    step chained out of a verify step, launched before its accepted lengths are read back): the
+    first B positions and kv lengths grow by them and the slots follow from the page table
+    [>= B, pages], in place, on the device; no host read."""
+    b = offsets.shape[0]
+    positions[:b] += offsets
+    kv_lens[:b] += offsets
+    pos = positions[:b]
+    page = page_table[:b].gather(1, torch.div(pos, page_size, rounding_mode="floor")[:, None])[:, 0]
+    slots[:b] = page * page_size + pos % page_size

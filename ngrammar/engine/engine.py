@@ -7,12 +7,15 @@ finished    -> pages released, match state erased, RequestOutput(finished=True)
 Overlap scheduling (on by default on CUDA): a plain decode step is sampled on the device and left
 in flight; the next step launches the same batch's next forward from those device tokens first
 and only then reads them back and commits them, so the host's commit, outputs, corpus and policy
-work run while the device computes. Any other step (prefill, a verify, a changed batch) first
-drains the step in flight.
+work run while the device computes. A pipelined verify step is chained out of the same way: the
+next plain step starts from its bonus tokens at the positions its accepted lengths give, both
+still on the device. Any other step (prefill, a verify, a changed batch) first drains the step in
+flight.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import time
@@ -74,6 +77,9 @@ class LLMEngine:
         self.pipeline = (
             config.pipeline_verify if config.pipeline_verify is not None else self.overlap
         ) and config.speculative is not None
+        # A plain step chained out of a pipelined verify step (the ranks of tensor parallelism
+        # receive host steps only, so they drain instead).
+        self.chain_verify = self.pipeline and self.overlap and config.tensor_parallel_size == 1
         self.grammar_rows = GrammarRows(self.model_config.vocab_size, self.device, self.stats)
         # The step not read back yet: a plain one (overlap scheduling) or a verify one (pipelined).
         self._in_flight: PendingDecode | PendingVerify | None = None
@@ -221,7 +227,10 @@ class LLMEngine:
         self.check_open()
         start = self._step_start = time.perf_counter()
         host, shadow = self._host_seconds(), self.stats.shadow_seconds
-        if isinstance(self._in_flight, PendingDecode) and self._chain_decode():
+        if (isinstance(self._in_flight, PendingDecode) and self._chain_decode()) or (
+            isinstance(self._in_flight, PendingVerify) and self._chain_out_of_verify()
+        ):
+            assert self._in_flight is not None
             kind: StepKind = "chain"
             size, width = len(self._in_flight.seqs), 1
         else:
@@ -377,6 +386,39 @@ class LLMEngine:
         self.stats.chained_steps += 1
         return True
 
+    def _chain_out_of_verify(self) -> bool:
+        """Launch the in-flight verify step's batch's next plain step from its device result (each
+        member's bonus token, at its root's position plus its accepted length), then commit the
+        verify step while the forward runs and queue the sampling (after the commit: grammar rows
+        need its tokens). False (nothing launched) where the batch cannot simply go on
+        (``_chainable``: members within a verify step of their end leave it) or the policy wants
+        another verify step now."""
+        flight = self._in_flight
+        assert isinstance(flight, PendingVerify)
+        if not self.chain_verify or flight.next_tokens is None or flight.offsets is None:
+            return False
+        if not self.speculator.chain_after_verify(flight.seqs):
+            return False  # another verify step is likely worth it: decide on the committed result
+        chain = self._chainable(flight.seqs, ahead=flight.width, reserve=flight.width + 1, plain=True)
+        if chain is None:
+            return False
+        keep, seqs = chain
+        tokens, offsets = flight.next_tokens, flight.offsets
+        if len(keep) < len(flight.seqs):
+            index = to_device(keep, torch.int64, self.device)
+            tokens, offsets = tokens.index_select(0, index), offsets.index_select(0, index)
+        step = dataclasses.replace(decode_input(seqs, tokens), offsets=offsets, max_offset=flight.width)
+        logits = timed_forward(self.runner, step, self.stats)
+        self._in_flight = None
+        self._commit_verify(flight, chained=True)
+        for seq in seqs:
+            if not seq.is_finished:  # (a finished member's token is dropped at its commit)
+                seq.num_cached += 1
+        self._in_flight = self._sample_and_index(seqs, logits)
+        self.stats.chained_steps += 1
+        self.stats.chained_out_of_verify += 1
+        return True
+
     def _sample_and_index(self, seqs: list[Sequence], logits: torch.Tensor) -> PendingDecode:
         """Queue a plain step's sampling, then index the batch's committed tokens into the corpus:
         on a GPU that host work runs while the device computes."""
@@ -384,9 +426,15 @@ class LLMEngine:
         self.speculator.index_plain_step(seqs, self.read_wait)
         return flight
 
-    def _chainable(self, seqs: list[Sequence]) -> tuple[list[int], list[Sequence]] | None:
+    def _chainable(
+        self, seqs: list[Sequence], ahead: int = 1, reserve: int = 1, plain: bool | None = None
+    ) -> tuple[list[int], list[Sequence]] | None:
         """The members the next plain step can be launched for before the tokens in flight are
         read back (their indices into ``seqs``, and themselves), or None: drain and schedule afresh.
+        ``ahead``: the most tokens per member the step in flight may commit (1 for a plain step,
+        its width for a verify step); ``reserve``: KV slots past ``num_cached`` the next step may
+        write up to (1 past a plain step, whose token is counted already; width + 1 past a verify
+        step, counted from its root). ``plain``: decided already (else the policy is asked).
 
         Members leave the chain without breaking it when they finished while their token was in
         flight (EOS, a stop string, an abort: that token is dropped at commit) or when the token in
@@ -407,8 +455,8 @@ class LLMEngine:
         keep = []
         for i in live:
             seq = seqs[i]
-            if seq.remaining_tokens <= 1:
-                continue  # finishes on commit (max_tokens or the context end), whatever else holds
+            if seq.remaining_tokens <= ahead:
+                continue  # may finish on commit (max_tokens or the context end), whatever else holds
             keep.append(i)
         if not keep or (sched.waiting and len(keep) < len(seqs)):
             return None  # nothing left, or a member leaves and a waiting request can take its place
@@ -416,11 +464,12 @@ class LLMEngine:
         # The policy sees the committed tokens, one behind the step it decides for, and prices the
         # token in flight: chain unless a verify step is expected to pay; otherwise drain and decide
         # afresh with that token.
-        plain = self.speculator.choose_width(members, not sched.waiting, ahead=True) == 1
+        if plain is None:
+            plain = self.speculator.choose_width(members, not sched.waiting, ahead=True) == 1
         if not plain:
             self.stats.policy_drains += 1
             self._policy_drained = True
-        return (keep, members) if plain and sched.reserve_decode(members, 1) else None
+        return (keep, members) if plain and sched.reserve_decode(members, reserve) else None
 
     def _drain(self) -> None:
         """Commit the step in flight, if any (its forward and sampling are already queued)."""
@@ -431,14 +480,17 @@ class LLMEngine:
             else:
                 self._commit_verify(flight)
 
-    def _commit_verify(self, pending: PendingVerify) -> None:
+    def _commit_verify(self, pending: PendingVerify, chained: bool = False) -> None:
         """Wait for a verify step's result and commit each member's accepted run; the policy is
-        taught the width it chose, at the cost of the trimmed trees it led to."""
+        taught the width it chose, at the cost of the trimmed trees it led to. ``chained``: a plain
+        step launched after it writes its next root's KV, whose page stays."""
         t = time.perf_counter()
         result = pending.wait()
         self.stats.gap_start = now = time.perf_counter()
         self.read_wait = now - t
-        emitted = commit_runs(result.seqs, result.runs, result.logprobs, self.blocks, result.width)
+        emitted = commit_runs(
+            result.seqs, result.runs, result.logprobs, self.blocks, result.width, keep_next=chained
+        )
         self.stats.verify_steps += len(result.seqs)
         self.stats.verify_emitted += emitted
         self.stats.decode_tokens += emitted

@@ -103,6 +103,7 @@ def commit_runs(
     logprobs: list[list[TokenLogprob]] | None,
     blocks: BlockManager,
     verify_width: int | None = None,
+    keep_next: bool = False,
 ) -> int:
     """Append each member's run (plain: its one sampled token; a verify step of ``verify_width``
     nodes: its accepted drafts and bonus), cut where a stop condition holds; returns the tokens
@@ -113,7 +114,7 @@ def commit_runs(
     grammar takes it later (``masked``); a verified run is checked token by token. A verify step
     keeps the KV of the root and of all but the last kept token (the accepted paths' KV was moved
     in place on the device), the last kept token being the next root, and releases its pages past
-    that."""
+    that (``keep_next``: past the next root's, which a step chained out of it is writing)."""
     appended = 0
     for b, seq in enumerate(seqs):
         if seq.is_finished:
@@ -127,5 +128,5 @@ def commit_runs(
             seq.spec_verify_steps += 1
             seq.spec_accepted_tokens += kept
             seq.spec_draft_tokens += verify_width - 1
-            blocks.trim(seq, seq.num_cached)  # the KV move is queued already
+            blocks.trim(seq, seq.num_cached + keep_next)  # the KV move is queued already
     return appended

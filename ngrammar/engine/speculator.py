@@ -30,6 +30,8 @@ class Speculator(Protocol):
 
     def set_step_profile(self, profile: Mapping[tuple[int, int], float]) -> None: ...
 
+    def chain_after_verify(self, seqs: list[Sequence]) -> bool: ...
+
     def check_corpora(self, names: tuple[str, ...]) -> None: ...
 
     def on_admit(self, seq: Sequence) -> None: ...
@@ -72,6 +74,9 @@ class NoSpeculation:
 
     def set_step_profile(self, profile: Mapping[tuple[int, int], float]) -> None:
         pass
+
+    def chain_after_verify(self, seqs: list[Sequence]) -> bool:
+        return False
 
     def check_corpora(self, names: tuple[str, ...]) -> None:
         if names:

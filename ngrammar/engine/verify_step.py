@@ -53,7 +53,7 @@ from ngrammar.speculative.draft_ahead import DraftAhead
 from ngrammar.speculative.external import DraftCorpora, DraftCorpusError
 from ngrammar.speculative.field_memory import FieldMemory
 from ngrammar.speculative.forced import ForcedText
-from ngrammar.speculative.policy import MAX_MATCH, make_policy
+from ngrammar.speculative.policy import MAX_MATCH, FixedWidthPolicy, make_policy
 from ngrammar.speculative.proposer import DraftProposer, Proposal
 from ngrammar.speculative.replay import ReplayTarget
 from ngrammar.speculative.step_costs import NO_GRAMMAR, grammar_class
@@ -95,6 +95,11 @@ class PendingVerify:
     has_child: np.ndarray  # [B, W] bool: whether each verified node had children as drafted
     levels: list[int]  # [B] levels below the root of each tree as drafted
     launched: float
+    # On the device, for a plain step chained out of this one before its result is read
+    # (``LLMEngine._chain_out_of_verify``): [B] each member's next root (its bonus token) and its
+    # accepted length (drafts + 1: how far past the verify's root that token sits).
+    next_tokens: torch.Tensor | None = None
+    offsets: torch.Tensor | None = None
 
     def wait(self) -> VerifyResult:
         host = self.read.wait()
@@ -147,6 +152,9 @@ class NgramSpecWorker:
         # four kernels instead of ~100 small ops); Triton compiles for CUDA only, so a CPU keeps the ops.
         self.accept_kernel = self.device.type == "cuda"
         self.last_drafts: dict[str, int] = {}  # seq id -> drafts it accepted in the last verify step
+        # seq id -> whether its last verify step's run ended at a leaf of its tree (the drafts ran
+        # out, not the model's agreement): its match likely goes on, and so do verify steps.
+        self.ran_to_leaf: dict[str, bool] = {}
         self._grammar_class = NO_GRAMMAR  # of the last batch the policy chose for (``grammar_class``)
         self.ahead = DraftAhead(self.corpus)  # the corpus' drafting, with trees drafted ahead
         self.on_prepare: Callable[[], None] | None = None  # test hook: called when trees are drafted ahead
@@ -163,6 +171,8 @@ class NgramSpecWorker:
 
     def on_finish(self, seqs: list[Sequence]) -> None:
         ids = [s.seq_id for s in seqs]
+        for seq_id in ids:
+            self.ran_to_leaf.pop(seq_id, None)
         self.ahead.forget(ids)
         self.proposer.on_finish(seqs)
         self.policy.forget(ids)
@@ -188,6 +198,18 @@ class NgramSpecWorker:
         """The widths a decode or verify step may run at: every width the policy may pick, or a
         trimmed tree be verified at (``DraftProposer.propose``)."""
         return self.policy.widths
+
+    def chain_after_verify(self, seqs: list[Sequence]) -> bool:
+        """Whether a plain step should follow a verify step of ``seqs`` still in flight (launched
+        before its result is read: ``LLMEngine._chain_out_of_verify``), judged before the result
+        is known: yes unless most members' last verify run ended at a leaf of its tree (a run
+        that ends on a rejection breaks the match that chose the verify step, so plain decoding
+        usually follows; one that ran out of drafts usually verifies again). A wrong guess costs
+        one plain step; the policy decides the step after it with the result committed."""
+        if self.policy.widths[-1] == 1 or isinstance(self.policy, FixedWidthPolicy):
+            return False
+        leaves = sum(self.ran_to_leaf.get(s.seq_id, False) for s in seqs)
+        return 2 * leaves < len(seqs)
 
     def set_step_profile(self, profile: Mapping[tuple[int, int], float]) -> None:
         """Device seconds per (batch bucket, width) measured at start-up (``CUDAGraphRunner.profile``):
@@ -244,6 +266,8 @@ class NgramSpecWorker:
         (``result``), what each member accepted."""
         if result is not None:
             self.last_drafts = result.drafts
+            for seq_id in result.drafts:
+                self.ran_to_leaf[seq_id] = seq_id in result.censored
         self.policy.observe(
             batch_size,
             width,
@@ -343,11 +367,14 @@ class NgramSpecWorker:
             packed = result.packed()
         lp = logprob_tensors(seqs, logits, result.accept_index, result.accept_tokens)
         read = runner.to_host_async(packed, *lp)
-        if prepare and proposal.batched:
-            self.prepare_next(seqs, tree, chosen)
+        pending = PendingVerify(seqs, chosen, width, read, proposal.has_child, proposal.levels, launched)
+        if prepare:  # copies: a graph's outputs are overwritten by its next replay
+            pending.next_tokens, pending.offsets = result.bonus.clone(), result.accept_len.clone()
+            if proposal.batched:
+                self.prepare_next(seqs, tree, chosen)
         self.stats.spec_steps += 1
         self.stats.verify_seconds += time.perf_counter() - t0
-        return PendingVerify(seqs, chosen, width, read, proposal.has_child, proposal.levels, launched)
+        return pending
 
     # ----------------------------------------------------------- drafting
     def _trees_for(self, seqs: list[Sequence], width: int) -> DraftTree:

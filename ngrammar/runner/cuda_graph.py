@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ngrammar.attention.metadata import AttentionBackend, AttentionMetadata
+from ngrammar.attention.metadata import AttentionBackend, AttentionMetadata, shift_rows
 
 if TYPE_CHECKING:
     from ngrammar.runner.model_runner import ModelRunner, StepInput
@@ -281,6 +281,9 @@ class CUDAGraphRunner:
         max_kv_len = self._stage(step, entry.bucket, w)
         if step.input_ids is not None:  # a chained decode step: its tokens are still on the device
             self._dev.ids[:b].copy_(step.input_ids)
+        if step.offsets is not None:  # chained out of a verify step: its accepted lengths too
+            d = self._dev
+            shift_rows(step.offsets, d.positions, d.kv_lens, d.slots, d.page_table, self.page_size)
         if entry.graph is not None:
             entry.graph.replay()
         else:
@@ -445,7 +448,7 @@ class CUDAGraphRunner:
         if self._padded != (b, bucket, width):  # else rows b..bucket-1 still hold this padding
             self._stage_padding(b, bucket, width)
         self._upload(bucket)
-        return int(starts.max()) + width
+        return int(starts.max()) + width + step.max_offset
 
     def _stage_padding(self, first: int, bucket: int, width: int) -> None:
         """Rows first..bucket-1 become dummy sequences on the dummy page; q_lens/q_start of the bucket."""

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ngrammar.attention.metadata import AttentionBackend, AttentionMetadata
+from ngrammar.attention.metadata import AttentionBackend, AttentionMetadata, shift_rows
 from ngrammar.attention.sdpa import TorchSDPABackend
 from ngrammar.model.config import ModelConfig
 from ngrammar.model.llama import LlamaForCausalLM
@@ -45,6 +45,10 @@ class StepInput:
     ``input_ids`` ([B] int64, on the device) is set only for a chained plain decode step (overlap
     scheduling): its input tokens were sampled by the step before and are not on the host yet, so
     ``tokens`` holds placeholders and the forward reads these instead (a device->device copy).
+    ``offsets`` ([B] int64, on the device; one token per row) is set only for a plain step chained
+    out of a verify step: each row's accepted length, not on the host yet, is added to its position
+    and kv length on the device (``shift_rows``), and ``max_offset`` bounds it; the page tables
+    already cover ``starts[b] + max_offset + 1`` tokens.
     """
 
     tokens: list[list[int]]
@@ -54,6 +58,8 @@ class StepInput:
     logits_rows: list[int]  # rows of the packed token batch whose logits are wanted
     tree_mask: np.ndarray | None = None
     input_ids: torch.Tensor | None = None
+    offsets: torch.Tensor | None = None
+    max_offset: int = 0
 
     @property
     def batch_size(self) -> int:
@@ -240,7 +246,7 @@ class ModelRunner:
             q_lens=self._tensor(q_lens),
             q_start=self._tensor(np.concatenate([[0], np.cumsum(q_lens)])),
             max_q_len=max(q_lens),
-            max_kv_len=max(kv_lens),
+            max_kv_len=max(kv_lens) + step.max_offset,
             page_size=ps,
             tree_mask=tree,
         )
@@ -264,6 +270,8 @@ class ModelRunner:
         else:
             ids = self._tensor([t for toks in step.tokens for t in toks])
         pos = self._tensor([p for ps in step.positions for p in ps])
+        if step.offsets is not None:
+            shift_rows(step.offsets, pos, meta.kv_lens, meta.slot_mapping, meta.page_table, self.page_size)
         rows = self._tensor(step.logits_rows)
         if self.on_forward is not None:
             self.on_forward()
