@@ -77,3 +77,41 @@ def test_row_kernel_matches_the_masked_reference(
     meta = meta_for(kv_lens, q_lens, tree)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(run(meta, dtype, False), run(meta, dtype, True), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("kv_lens,q_lens,tree", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_the_row_kernel_equals_rotate_half_then_attention(
+    kv_lens: list[int], q_lens: list[int], tree: bool, dtype: torch.dtype
+) -> None:
+    """The CPU backend rotates q / k and writes the step's K/V inside its one kernel call: the same
+    bits (output and cache) as ``rotate_half`` + ``write_kv`` + ``paged_attention``, from q / k / v
+    that are row-strided views of one fused projection."""
+    from ngrammar.attention.sdpa import rotate_half, row_plan, write_kv
+    from ngrammar.kernels import cpu as cpu_kernels
+
+    meta = meta_for(kv_lens, q_lens, tree)
+    g = torch.Generator().manual_seed(2)
+    t = int(meta.slot_mapping.shape[0])
+    qkv = torch.randn(t, (6 + 2 + 2) * 16, generator=g).to(dtype)
+    q, k, v = (part.view(t, -1, 16) for part in qkv.split([96, 32, 32], dim=-1))
+    angles = torch.rand(t, 1, 8, generator=g) * 50
+    rope = (angles.cos(), angles.sin())
+    cache = torch.randn(2, int(meta.page_table.max()) + 1, PS, 2, 16, generator=g).to(dtype)
+    plan = row_plan(meta)
+    fused_cache = cache.clone()
+    fused = TorchSDPABackend().forward(q, k, v, fused_cache, plan, 0.25, rope)
+    qr, kr = rotate_half(q, *rope), rotate_half(k, *rope)
+    write_kv(cache, meta.slot_mapping, kr, v)
+    ref = cpu_kernels.paged_attention(
+        qr,
+        cache,
+        plan.row_req,
+        plan.row_idx,
+        meta.page_table,
+        meta.kv_lens,
+        meta.q_lens,
+        meta.tree_mask,
+        0.25,
+    )
+    assert torch.equal(fused, ref) and torch.equal(fused_cache, cache)

@@ -69,8 +69,8 @@ def kv_slot_indices(meta: AttentionMetadata) -> torch.Tensor:
 @dataclass(frozen=True)
 class RowPlan:
     """A step with host metadata (the CPU): every row attends alone over its visible keys in
-    sequence order (``kernels.cpu.paged_attention``), so its output does not depend on the rows,
-    requests or tree nodes beside it."""
+    sequence order, RoPE and the K/V write in the same call (``kernels.cpu.rope_paged_attention``),
+    so its output does not depend on the rows, requests or tree nodes beside it."""
 
     meta: AttentionMetadata
     row_req: torch.Tensor  # [T] int64: each packed row's request
@@ -109,13 +109,14 @@ class TorchSDPABackend:
         scale: float,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        if rope is not None:
-            q, k = rotate_half(q, *rope), rotate_half(k, *rope)
-        write_kv(layer_cache, plan.meta.slot_mapping, k, v)
         m = plan.meta
         if isinstance(plan, RowPlan):
-            return cpu_kernels.paged_attention(
+            return cpu_kernels.rope_paged_attention(
                 q,
+                k,
+                v,
+                rope,
+                m.slot_mapping,
                 layer_cache,
                 plan.row_req,
                 plan.row_idx,
@@ -125,6 +126,9 @@ class TorchSDPABackend:
                 m.tree_mask,
                 scale,
             )
+        if rope is not None:
+            q, k = rotate_half(q, *rope), rotate_half(k, *rope)
+        write_kv(layer_cache, m.slot_mapping, k, v)
         _, pages, page_size, hkv, d = layer_cache.shape
         kv = layer_cache.view(2, pages * page_size, hkv, d)[:, plan.kv_slots]  # [2, B, Lk, Hkv, d]
         keys = kv[0].permute(0, 2, 3, 1)  # [B, Hkv, d, Lk]

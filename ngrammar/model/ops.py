@@ -45,9 +45,10 @@ class LayerOps(Protocol):
 
 
 class TorchOps:
-    """Plain torch ops (a projection's weight may also be a ``PackedWeight``: quantized, CPU); rounding to the storage dtype happens after the residual sum, the normalised
+    """Plain torch ops; rounding to the storage dtype happens after the residual sum, the normalised
     row, its product with the norm weight, the SiLU and the SiLU·up product, as in Hugging Face's
-    Llama."""
+    Llama. A projection's weight may also be a ``PackedWeight`` (quantized, CPU): with float32 rows
+    its norm or SiLU·mul runs in the same kernel call (``PackedWeight.norm_linear``)."""
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
@@ -71,16 +72,25 @@ class TorchOps:
         weight: torch.Tensor | PackedWeight,
         bias: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if isinstance(weight, PackedWeight) and _fusable(x, residual, norm_weight):
+            return weight.norm_linear(x, residual, norm_weight, eps, bias)
         normed, summed = self.rms_norm(x, norm_weight, eps, residual)
         return project(normed, weight, bias), summed
 
     def silu_mul_linear(self, x: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.Tensor:
+        if isinstance(weight, PackedWeight) and _fusable(x):
+            return weight.silu_mul_linear(x)
         return project(self.silu_and_mul(x), weight, None)
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         return project(x, weight, bias)
+
+
+def _fusable(*tensors: torch.Tensor | None) -> bool:
+    """A packed projection takes its norm or SiLU·mul in the same kernel call (float32 rows)."""
+    return all(t is None or t.dtype == torch.float32 for t in tensors)
 
 
 def default_ops(device: torch.device) -> LayerOps:
