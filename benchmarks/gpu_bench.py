@@ -653,12 +653,12 @@ def bench_8b() -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- part 3: 8B replay
-def shape_folder(folder: Path, config: ModelConfig, eos: tuple[int, ...]) -> Path:
+def shape_folder(folder: Path, config: ModelConfig, eos: tuple[int, ...], model: str | None = None) -> Path:
     """A Hugging Face folder with ``config``'s shape, the embedded model's tokenizer and chat
     template and no weights (``load_format="dummy"``); ``eos``: its end tokens (the recorded ones)."""
     from ngrammar.model.loader import resolve_checkpoint
 
-    base = resolve_checkpoint(None)
+    base = resolve_checkpoint(model)  # its tokenizer (``model``: a GGUF or folder of the same tokenizer)
     c = config
     hf = {
         "architectures": ["LlamaForCausalLM"],
@@ -772,7 +772,7 @@ def bench_replay(
     unchained.close()
     torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory() as tmp:
-        folder = shape_folder(Path(tmp) / "shape", shape, eos)
+        folder = shape_folder(Path(tmp) / "shape", shape, eos, model)
         longest = max(len(r) for r in records.values())
         big: dict[str, Any] = dict(
             model=str(folder),

@@ -357,6 +357,31 @@ def test_probes_are_spaced_to_cost_a_small_share_of_plain_steps() -> None:
     assert counts[1] <= timing + 10
 
 
+def test_a_slow_first_probe_does_not_lock_probing_out() -> None:
+    """A cold first probe (here 50 ms against 1 ms plain steps) would space probes thousands of
+    steps apart by ``probe_share`` alone; the gap is capped (``max_probe_gap``), so a match that
+    shows up later is still found and verified."""
+    import time as _time
+
+    policy = AdaptiveDraftPolicy(max_width=8)
+    policy.costs.set_profile({(1, 1): 1e-3, (1, 2): 1.1e-3, (1, 4): 1.2e-3, (1, 8): 1.3e-3})
+    calls: list[int] = []
+
+    def lengths() -> list[int]:
+        calls.append(1)
+        if len(calls) == 1:
+            _time.sleep(0.05)
+            return [0]
+        return [4]
+
+    widths = []
+    for _ in range(policy.params.max_probe_gap + 10):
+        w = policy.choose(["s"], lengths)
+        widths.append(w)
+        policy.observe(1, w, 1e-3 if w == 1 else 1.3e-3, None if w == 1 else {"s": w - 1})
+    assert any(w > 1 for w in widths)
+
+
 def test_losing_widths_are_retried_less_often_the_more_a_retry_costs() -> None:
     ids = [f"s{i}" for i in range(32)]
     timing = 3 * 2  # widths 4 and 8 and plain, each timed twice

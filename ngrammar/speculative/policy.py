@@ -350,7 +350,8 @@ class AdaptiveDraftPolicy:
         """After a probe (begun at ``since``, ``time.perf_counter``) that found nothing worth
         verifying, the next one in this bucket waits this many steps (0 and 1 both mean the next
         step; g > 1: one probe per g steps): ``bucket // 4``, or more where probing that often
-        would take more than ``probe_share`` of plain decoding's time. ``plain``: the bucket's plain
+        would take more than ``probe_share`` of plain decoding's time, up to ``max_probe_gap``
+        steps (the cost is re-sampled only by a probe). ``plain``: the bucket's plain
         step cost (normalized to the bucket's size; always timed by then: ``_decide`` probes only
         once every width has a cost). A probe is host Python over every member
         (match lengths, then pricing each at every width), and where the host has little idle
@@ -364,7 +365,7 @@ class AdaptiveDraftPolicy:
         need = cost / (
             self.params.probe_share * plain * batch_size / bucket[0]
         )  # steps per probe at the share
-        return max(bucket[0] // 4, math.ceil(need) if need > 1.0 else 0)
+        return max(bucket[0] // 4, min(math.ceil(need), self.params.max_probe_gap) if need > 1.0 else 0)
 
     def explore_interval(self, bucket: Bucket, width: int) -> int:
         """Steps between re-tries of a losing width: long enough that re-trying costs at most

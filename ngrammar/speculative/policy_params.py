@@ -34,6 +34,9 @@ class AdaptiveParams:
     # is verified whenever a member has a draft: an accepted draft is profit, a rejected one ~free.
     parity: float = 1.05
     probe_share: float = 0.02  # probes that find nothing may cost at most this share of plain steps
+    # ... but never wait longer than this many steps: a probe's cost is re-sampled only by the next
+    # probe, and a first (cold) probe's cost must not lock probing out for the rest of a run.
+    max_probe_gap: int = 64
 
     def __post_init__(self) -> None:
         if len(self.prior_continue) != MAX_MATCH + 1:
