@@ -21,6 +21,15 @@ def _ext() -> ModuleType:
         ) from e
 
 
+def built() -> bool:
+    """Whether the extension is built here (``make setup``; a GPU image need not build it)."""
+    try:
+        _ext()
+    except ImportError:
+        return False
+    return True
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] float32 @ weight [N, K].T (row-major) -> [M, N]: each output a 16-lane dot over K."""
     return _ext().linear(x, weight)
