@@ -148,6 +148,12 @@ class EngineConfig:
     pipeline_verify: bool | None = _opt(
         None, "commit each verify step in the next engine step, drafting ahead meanwhile (auto: overlap)"
     )
+    # A plain step chained out of a pipelined verify step from its device result (engine.py). Off by
+    # default: on an H100 it gained nothing consistent against draining (benchmarks/results/LOG.md);
+    # the guess of when a plain step follows a verify step is what needs work.
+    chain_verify: bool = _opt(
+        False, "launch a plain step out of a pipelined verify step before reading its result back"
+    )
     # Parallelism (ngrammar/distributed/): one process per tensor-parallel rank, rank 0 the engine;
     # data-parallel replicas are whole engines (each tensor_parallel_size ranks) behind one server.
     tensor_parallel_size: int = _opt(1, "tensor-parallel ranks (one process and device each)", flag="tp")

@@ -37,6 +37,7 @@ SPEC: dict[str, Any] = dict(
     speculative="ngram",
     num_draft_tokens=8,
     spec_policy="threshold",
+    chain_verify=True,
 )
 
 
@@ -131,6 +132,13 @@ def test_grammar_stops_and_short_budgets_equal_plain(chained: LLM, llm: LLM) -> 
         (c.token_ids, c.text, c.finish_reason) for o in want for c in o.outputs
     ]
     assert _all_free(chained)
+
+
+def test_chaining_out_of_verify_is_off_by_default() -> None:
+    assert not LLM(**{**SPEC, "chain_verify": False}, overlap_schedule=True).engine.chain_verify
+    from ngrammar.config import EngineConfig
+
+    assert EngineConfig().chain_verify is False
 
 
 def test_arrivals_aborts_and_preemption(llm: LLM) -> None:

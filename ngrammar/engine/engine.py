@@ -7,9 +7,9 @@ finished    -> pages released, match state erased, RequestOutput(finished=True)
 Overlap scheduling (on by default on CUDA): a plain decode step is sampled on the device and left
 in flight; the next step launches the same batch's next forward from those device tokens first
 and only then reads them back and commits them, so the host's commit, outputs, corpus and policy
-work run while the device computes. A pipelined verify step is chained out of the same way: the
-next plain step starts from its bonus tokens at the positions its accepted lengths give, both
-still on the device. Any other step (prefill, a verify, a changed batch) first drains the step in
+work run while the device computes. With ``chain_verify`` a pipelined verify step is chained out of
+the same way: the next plain step starts from its bonus tokens at the positions its accepted
+lengths give, both still on the device. Any other step (prefill, a verify, a changed batch) first drains the step in
 flight.
 """
 
@@ -79,7 +79,9 @@ class LLMEngine:
         ) and config.speculative is not None
         # A plain step chained out of a pipelined verify step (the ranks of tensor parallelism
         # receive host steps only, so they drain instead).
-        self.chain_verify = self.pipeline and self.overlap and config.tensor_parallel_size == 1
+        self.chain_verify = (
+            config.chain_verify and self.pipeline and self.overlap and config.tensor_parallel_size == 1
+        )
         self.grammar_rows = GrammarRows(self.model_config.vocab_size, self.device, self.stats)
         # The step not read back yet: a plain one (overlap scheduling) or a verify one (pipelined).
         self._in_flight: PendingDecode | PendingVerify | None = None
