@@ -13,23 +13,17 @@ from typing import Any
 
 import pytest
 from device_events import device_events
+from test_pipeline import CODE, SCHEMA
 
 from ngrammar import LLM, SamplingParams
 from ngrammar.outputs import RequestOutput
 
-CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
 PROMPTS = [
     f"Repeat this code exactly:\n{CODE}",
     "Tell me a short story about a cat.",
     f"Copy:\n{CODE}\nNow copy it again:\n",
     "The cat sat on the mat. The cat sat on the mat. The cat sat on the mat. The cat sat on the mat.",
 ]
-SCHEMA = {
-    "type": "object",
-    "properties": {"name": {"type": "string"}, "population": {"type": "integer"}},
-    "required": ["name", "population"],
-    "additionalProperties": False,
-}
 SPEC: dict[str, Any] = dict(
     device="cpu",
     dtype="float32",
