@@ -149,8 +149,8 @@ class EngineConfig:
         None, "commit each verify step in the next engine step, drafting ahead meanwhile (auto: overlap)"
     )
     # A plain step chained out of a pipelined verify step from its device result (engine.py). Off by
-    # default: on an H100 it gained nothing consistent against draining (benchmarks/results/LOG.md);
-    # the guess of when a plain step follows a verify step is what needs work.
+    # default: it does not pay until the guess of when a plain step follows a verify step
+    # (``NgramSpecWorker.chain_after_verify``) is right more often (benchmarks/results/LOG.md).
     chain_verify: bool = _opt(
         False, "launch a plain step out of a pipelined verify step before reading its result back"
     )
