@@ -12,14 +12,13 @@ model is a few hundred µs on the CPU (mostly the 49152-row head).
 from __future__ import annotations
 
 import json
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.common import chat, load_workload, print_table
+from benchmarks.common import chat, copy_tokenizer, load_workload, print_table
 from ngrammar import LLM, SamplingParams
 from ngrammar.model.loader import resolve_checkpoint
 
@@ -44,9 +43,7 @@ def tiny_checkpoint(folder: Path, layers: int = 1, weights: bool = True) -> Path
     cfg["num_hidden_layers"] = layers
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(cfg))
-    for f in base.tokenizer_dir.iterdir():
-        if f.name.startswith(("tokenizer", "chat_template")):
-            shutil.copy(f, folder / f.name)
+    copy_tokenizer(base.tokenizer_dir, folder)
     if not weights:
         return folder
     g = torch.Generator().manual_seed(0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+import shutil
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -176,3 +177,11 @@ def switch_pairs(
         return verify_pairs((a[0], side(a[1])), (b[0], side(b[1])), repeats)
     finally:
         setattr(worker, switch, before)
+
+
+def copy_tokenizer(source: Path, folder: Path) -> None:
+    """Copy a model folder's tokenizer files and chat template into ``folder`` (a benchmark's
+    random-weight model speaks the embedded model's tokens)."""
+    for f in source.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template")):
+            shutil.copy(f, folder / f.name)

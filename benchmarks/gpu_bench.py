@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import shutil
 import statistics
 import sys
 import tempfile
@@ -45,6 +44,7 @@ from benchmarks.bench_grammar import (
 from benchmarks.common import (
     accept_length,
     chat,
+    copy_tokenizer,
     load_workload,
     machine,
     print_table,
@@ -491,10 +491,12 @@ def bench_transformers(
     def seconds(fn: Callable[[], Any]) -> float:
         times = []
         for _ in range(repeats):
-            torch.cuda.synchronize() if device.type == "cuda" else None
+            if device.type == "cuda":
+                torch.cuda.synchronize()
             t = time.perf_counter()
             fn()
-            torch.cuda.synchronize() if device.type == "cuda" else None
+            if device.type == "cuda":
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
         return statistics.median(times)
 
@@ -502,14 +504,11 @@ def bench_transformers(
         ids = torch.tensor([plain.engine.tokenize(prompts[0])], device=device)
         ours = plain.chat(prompts[0], greedy, use_tqdm=False)[0].token_ids
         one = SamplingParams(max_tokens=1, temperature=0)
+        whole = seconds(lambda p=prompts[0]: plain.chat(p, greedy, use_tqdm=False))
+        to_first = seconds(lambda p=prompts[0]: plain.chat(p, one, use_tqdm=False))
         row: dict[str, Any] = {
-            "ngrammar_plain": (max_tokens - 1)
-            / (
-                seconds(lambda p=prompts[0]: plain.chat(p, greedy, use_tqdm=False))
-                - seconds(lambda p=prompts[0]: plain.chat(p, one, use_tqdm=False))
-            ),
-            "ngrammar_plain_e2e": max_tokens
-            / seconds(lambda p=prompts[0]: plain.chat(p, greedy, use_tqdm=False)),
+            "ngrammar_plain": (max_tokens - 1) / (whole - to_first),
+            "ngrammar_plain_e2e": max_tokens / whole,
         }
         for label, extra in [("hf_plain", {}), ("hf_prompt_lookup10", {"prompt_lookup_num_tokens": 10})]:
 
@@ -576,6 +575,7 @@ def random_model(config: ModelConfig, ops: Any = None, backend: Any = None) -> A
     from ngrammar.attention.triton import TritonAttentionBackend
     from ngrammar.kernels.fused_ops import TritonOps
     from ngrammar.model.llama import LlamaForCausalLM
+    from ngrammar.model.loader import fill_dummy_weights
 
     backend = backend or TritonAttentionBackend()
     with torch.device("meta"):
@@ -583,9 +583,7 @@ def random_model(config: ModelConfig, ops: Any = None, backend: Any = None) -> A
     model = model.to_empty(device="cuda").to(torch.bfloat16)
     model.rotary.__init__(config)
     model.rotary.to("cuda")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.fill_(1.0) if "norm" in name else p.normal_(0, 0.02)
+    fill_dummy_weights(model)
     return model.eval(), backend
 
 
@@ -678,9 +676,7 @@ def shape_folder(folder: Path, config: ModelConfig, eos: tuple[int, ...], model:
     }
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(hf))
-    for f in base.tokenizer_dir.iterdir():
-        if f.name.startswith(("tokenizer", "chat_template")):
-            shutil.copy(f, folder / f.name)
+    copy_tokenizer(base.tokenizer_dir, folder)
     return folder
 
 
@@ -693,10 +689,12 @@ def timed_chat(llm: LLM, prompts: list[Any], params: Any) -> tuple[float, float,
     return tok_s, sum(len(o.token_ids) for o in outs) / wall, outs
 
 
-def _pairs(a: LLM, b: LLM, batch: list[Any], params: Any, repeats: int) -> tuple[dict[str, Any], list[Any]]:
+def _pairs(
+    a: LLM, b: LLM, batch: list[Any], params: Any, repeats: int
+) -> tuple[dict[str, Any], list[Any], list[Any]]:
     """``a`` (plain) against ``b`` (NGRAM) on one batch: one dropped first pair (the policy times its
-    widths once per bucket), then interleaved pairs; medians and the paired ratio b / a, and ``b``'s
-    last outputs."""
+    widths once per bucket), then interleaved pairs; medians and the paired ratio b / a, and each
+    side's last outputs."""
     timed_chat(a, batch, params), timed_chat(b, batch, params)
     pa, pb = [], []
     for _ in range(repeats):
@@ -704,17 +702,21 @@ def _pairs(a: LLM, b: LLM, batch: list[Any], params: Any, repeats: int) -> tuple
         pb.append(timed_chat(b, batch, params))
     outs_a, outs_b = pa[-1][2], pb[-1][2]
     same = [x.token_ids == y.token_ids for x, y in zip(outs_a, outs_b)]
-    return {
-        "plain_tok_s": statistics.median(r[0] for r in pa),
-        "ngram_tok_s": statistics.median(r[0] for r in pb),
-        "ratio": statistics.median(y[0] / x[0] for x, y in zip(pa, pb)),
-        "plain_e2e_tok_s": statistics.median(r[1] for r in pa),
-        "ngram_e2e_tok_s": statistics.median(r[1] for r in pb),
-        "e2e_ratio": statistics.median(y[1] / x[1] for x, y in zip(pa, pb)),
-        "accept_len": accept_length(outs_b),
-        "identical": sum(same) / len(same),
-        "tokens": statistics.mean(len(o.token_ids) for o in outs_a),
-    }, outs_b
+    return (
+        {
+            "plain_tok_s": statistics.median(r[0] for r in pa),
+            "ngram_tok_s": statistics.median(r[0] for r in pb),
+            "ratio": statistics.median(y[0] / x[0] for x, y in zip(pa, pb)),
+            "plain_e2e_tok_s": statistics.median(r[1] for r in pa),
+            "ngram_e2e_tok_s": statistics.median(r[1] for r in pb),
+            "e2e_ratio": statistics.median(y[1] / x[1] for x, y in zip(pa, pb)),
+            "accept_len": accept_length(outs_b),
+            "identical": sum(same) / len(same),
+            "tokens": statistics.mean(len(o.token_ids) for o in outs_a),
+        },
+        outs_a,
+        outs_b,
+    )
 
 
 def bench_replay(
@@ -750,14 +752,14 @@ def bench_replay(
     cells = [(bs, cat, _batch(prompts, bs)) for bs in batch_sizes for cat, prompts in cats.items()]
     records: dict[tuple[int, ...], list[int]] = {}
     for bs, cat, batch in cells:
-        res[f"smollm2_live/b{bs}/{cat}"] = _pairs(plain, spec, batch, params, repeats)[0]
+        res[f"smollm2_live/b{bs}/{cat}"], recorded, _ = _pairs(plain, spec, batch, params, repeats)
         stats = chained.engine.stats
         steps, out_of_verify = stats.spec_steps, stats.chained_out_of_verify
         res[f"smollm2_chain_verify/b{bs}/{cat}"] = ab = _pairs(plain, chained, batch, params, repeats)[0]
         ab["chained_out_share"] = (stats.chained_out_of_verify - out_of_verify) / max(
             stats.spec_steps - steps, 1
         )
-        for out in plain.chat(batch, params, use_tqdm=False):
+        for out in recorded:  # plain's greedy outputs: what the replay runs reproduce
             records[tuple(out.prompt_token_ids)] = list(out.prompt_token_ids) + out.token_ids
     target = ReplayTarget(records, eos[0])
     for llm in (plain, spec):
@@ -799,7 +801,7 @@ def bench_replay(
         }
         spec8.engine.set_replay(target)
         for bs, cat, batch in cells:
-            r, got = _pairs(plain8, spec8, batch, params, repeats)
+            r, _, got = _pairs(plain8, spec8, batch, params, repeats)
             r["replay_exact"] = all(
                 records[tuple(o.prompt_token_ids)] == o.prompt_token_ids + o.token_ids for o in got
             )

@@ -9,8 +9,8 @@ in flight; the next step launches the same batch's next forward from those devic
 and only then reads them back and commits them, so the host's commit, outputs, corpus and policy
 work run while the device computes. With ``chain_verify`` a pipelined verify step is chained out of
 the same way: the next plain step starts from its bonus tokens at the positions its accepted
-lengths give, both still on the device. Any other step (prefill, a verify, a changed batch) first drains the step in
-flight.
+lengths give, both still on the device. Any other step (prefill, a verify, a changed batch) first
+drains the step in flight.
 """
 
 from __future__ import annotations
@@ -301,7 +301,7 @@ class LLMEngine:
             return "idle", 0, 1
         if batch.width > 1:
             pending = self.speculator.launch_verify(
-                batch.decode, batch.width, self._step_start, self.pipeline
+                batch.decode, batch.width, self._step_start, self.pipeline, self.chain_verify
             )
             if pending is not None:  # (narrower than batch.width where the trees were trimmed)
                 if self.pipeline:
@@ -397,8 +397,8 @@ class LLMEngine:
         another verify step now."""
         flight = self._in_flight
         assert isinstance(flight, PendingVerify)
-        if not self.chain_verify or flight.next_tokens is None or flight.offsets is None:
-            return False
+        if flight.next_tokens is None or flight.offsets is None:
+            return False  # (kept only where ``chain_verify`` is on)
         if not self.speculator.chain_after_verify(flight.seqs):
             return False  # another verify step is likely worth it: decide on the committed result
         chain = self._chainable(flight.seqs, ahead=flight.width, reserve=flight.width + 1, plain=True)

@@ -52,7 +52,12 @@ class Speculator(Protocol):
     ) -> None: ...
 
     def launch_verify(
-        self, seqs: list[Sequence], width: int, launched: float, prepare: bool = False
+        self,
+        seqs: list[Sequence],
+        width: int,
+        launched: float,
+        prepare: bool = False,
+        chain: bool = False,
     ) -> PendingVerify | None: ...
 
 
@@ -105,6 +110,11 @@ class NoSpeculation:
         pass
 
     def launch_verify(
-        self, seqs: list[Sequence], width: int, launched: float, prepare: bool = False
+        self,
+        seqs: list[Sequence],
+        width: int,
+        launched: float,
+        prepare: bool = False,
+        chain: bool = False,
     ) -> PendingVerify | None:
         return None

@@ -312,12 +312,18 @@ class NgramSpecWorker:
         return result, result.packed()
 
     def launch_verify(
-        self, seqs: list[Sequence], width: int, launched: float, prepare: bool = False
+        self,
+        seqs: list[Sequence],
+        width: int,
+        launched: float,
+        prepare: bool = False,
+        chain: bool = False,
     ) -> PendingVerify | None:
         """Launch one verify step drafting ``width`` nodes per sequence and start reading its
         result back; None when no draft was left to verify (the caller runs a plain step).
         ``prepare`` (pipelined verify): then draft the next trees for the likely outcome
-        (``prepare_next``) while the forward runs, before anything waits for it."""
+        (``prepare_next``) while the forward runs, before anything waits for it. ``chain``: keep
+        the device result a plain step chained out of this one starts from (``PendingVerify``)."""
         runner = self.runner
         chosen, t0 = width, time.perf_counter()
         with self._no_sync_region():
@@ -368,10 +374,10 @@ class NgramSpecWorker:
         lp = logprob_tensors(seqs, logits, result.accept_index, result.accept_tokens)
         read = runner.to_host_async(packed, *lp)
         pending = PendingVerify(seqs, chosen, width, read, proposal.has_child, proposal.levels, launched)
-        if prepare:  # copies: a graph's outputs are overwritten by its next replay
+        if chain:  # copies: a graph's outputs are overwritten by its next replay
             pending.next_tokens, pending.offsets = result.bonus.clone(), result.accept_len.clone()
-            if proposal.batched:
-                self.prepare_next(seqs, tree, chosen)
+        if prepare and proposal.batched:
+            self.prepare_next(seqs, tree, chosen)
         self.stats.spec_steps += 1
         self.stats.verify_seconds += time.perf_counter() - t0
         return pending

@@ -134,12 +134,15 @@ class StepCosts:
         if not known:
             return self._profiled(bucket, width, plain.value)
         near = min(known, key=lambda b: b[0])
-        verify, base = self.step_time[(near, width)].value, self.step_time[(near, 1)].value
-        return None if verify is None or not base else plain.value * verify / base
+        return _scaled(plain.value, self.step_time[(near, width)].value, self.step_time[(near, 1)].value)
 
     def _profiled(self, bucket: Bucket, width: int, plain: float) -> float | None:
         """The bucket's measured plain cost times the start-up profile's width / plain ratio."""
         if bucket[1] != NO_GRAMMAR:
             return None
-        verify, base = self._profile.get((bucket[0], width)), self._profile.get((bucket[0], 1))
-        return None if verify is None or not base else plain * verify / base
+        return _scaled(plain, self._profile.get((bucket[0], width)), self._profile.get((bucket[0], 1)))
+
+
+def _scaled(plain: float, verify: float | None, base: float | None) -> float | None:
+    """``plain`` times the ratio verify / base of another measurement, where it has both."""
+    return None if verify is None or not base else plain * verify / base
