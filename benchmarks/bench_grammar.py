@@ -286,21 +286,46 @@ def _record_text(i: int) -> str:
     return f'{{"people": [{people}]}}'
 
 
+class _Member:
+    """What ``GrammarRows.apply_plain`` reads of a sequence: its grammar and whether it finished."""
+
+    def __init__(self, grammar: Any) -> None:
+        self.grammar = grammar
+        self.is_finished = False
+
+    def grammar_rejected(self, token: int) -> None:
+        raise AssertionError(f"the benchmark's walk took a token its grammar refused: {token}")
+
+    def finish_at_dead_end(self) -> None:
+        raise AssertionError("the benchmark's walk reached a dead end")
+
+
 def run_host_fill_benchmark(
-    model: str | None, batch_sizes: tuple[int, ...], steps: int = 200, repeats: int = 3
+    model: str | None,
+    batch_sizes: tuple[int, ...],
+    steps: int = 200,
+    repeats: int = 3,
+    device: str = "cpu",
 ) -> dict[str, Any]:
-    """Host time of a plain constrained step's grammar work (settle the last token, fill the rows,
-    find dead ends) at each batch size: one by one (a Python loop over the matchers), one batched
-    xgrammar call on the engine thread, and the fill pool. Every request writes a valid record
-    under ``RECORD_SCHEMA`` (or any JSON object) from its own offset and starts over when done, so
-    the batch mixes states, start states included. Median milliseconds per step."""
+    """Host time of a plain constrained step's grammar work at each batch size. Variants: settle the
+    last token, fill the rows and find dead ends one by one (a Python loop over the matchers), in
+    one batched xgrammar call on the engine thread, on the fill pool; and the engine's whole path
+    (``GrammarRows.apply_plain``: settle, fill, dead-end check, the mask's upload and its application
+    to the logits on ``device``: on a CPU the masking itself, on a GPU its launches, no sync). Every
+    request writes a valid record under ``RECORD_SCHEMA`` (or any JSON object) from its own offset
+    and starts over when done, so the batch mixes states, start states included. Median
+    milliseconds per step, and the tokens per second a step of only that host work would give."""
     import torch
 
+    from ngrammar.engine.grammar_rows import GrammarRows
+    from ngrammar.engine.stats import EngineStats
     from ngrammar.grammar import GrammarBackend, GrammarMatcher, allocate_bitmask
-    from ngrammar.grammar.fill_pool import GrammarFillPool, fill_threads
+    from ngrammar.grammar.fill_pool import GrammarFillPool
     from ngrammar.model.loader import resolve_checkpoint
     from ngrammar.model.tokenizer import Tokenizer
+    from ngrammar.runner.model_runner import resolve_device
 
+    dev = resolve_device(device)
     checkpoint = resolve_checkpoint(model)
     tokenizer = Tokenizer(checkpoint.tokenizer_dir, checkpoint.config.eos_token_ids)
     vocab = checkpoint.config.vocab_size
@@ -318,49 +343,64 @@ def run_host_fill_benchmark(
             m.fill_bitmask(bitmask, i)
         torch.nonzero(~bitmask.any(dim=1))
 
+    rows = GrammarRows(vocab, dev, EngineStats())
+    logits: dict[int, torch.Tensor] = {}
+
+    def engine_path(matchers: list[GrammarMatcher], bitmask: torch.Tensor) -> None:
+        bs = len(matchers)
+        if bs not in logits:
+            logits[bs] = torch.randn(bs, vocab, device=dev)
+        rows.apply_plain([_Member(m) for m in matchers], logits[bs])  # type: ignore[misc]
+
     pools = {"one call": GrammarFillPool(threads=0), "pool": GrammarFillPool(serial_below=0)}
     variants: dict[str, Any] = {"one by one": one_by_one}
     for name, pool in pools.items():
         variants[name] = lambda ms, bm, p=pool: p.fill_rows(ms, range(len(ms)), bm)
-    results: dict[str, Any] = {"fill_threads": fill_threads()}
-    rows: list[list[Any]] = []
-    for kind, compiled in grammars.items():
-        for bs in batch_sizes:
-            base = None
-            for label, fill in variants.items():
-                per_step = []
-                for _ in range(repeats):
-                    walks = [
-                        (texts[b % len(texts)], (b * 7) % (len(texts[b % len(texts)]) - 1)) for b in range(bs)
-                    ]
-                    matchers = [backend.new_matcher(compiled) for _ in range(bs)]
-                    for m, (ids, at) in zip(matchers, walks):
-                        for t in ids[:at]:
-                            m.accept_masked(t)
-                    pos = [at for _, at in walks]
-                    bitmask = allocate_bitmask(bs, vocab)
-                    times = []
-                    for _ in range(steps):
-                        t = time.perf_counter()
-                        fill(matchers, bitmask)
-                        times.append(time.perf_counter() - t)
-                        for b in range(bs):
-                            ids = walks[b][0]
-                            matchers[b].accept_masked(ids[pos[b]])
-                            pos[b] += 1
-                            if pos[b] == len(ids):  # EOS taken: a new request takes the row
-                                matchers[b], pos[b] = backend.new_matcher(compiled), 0
-                    per_step.append(statistics.median(times))
-                ms = 1e3 * statistics.median(per_step)
-                base = base or ms
-                results[f"{kind}/b{bs}/{label}"] = ms
-                rows.append([kind, bs, label, ms, base / ms])
+    variants[f"engine path ({dev.type})"] = engine_path
+    threads = pools["pool"].threads
+    results: dict[str, Any] = {"fill_threads": threads, "device": str(dev)}
+    table: list[list[Any]] = []
+    with torch.inference_mode():
+        for kind, compiled in grammars.items():
+            for bs in batch_sizes:
+                base = None
+                for label, fill in variants.items():
+                    per_step = []
+                    for _ in range(repeats):
+                        walks = [
+                            (texts[b % len(texts)], (b * 7) % (len(texts[b % len(texts)]) - 1))
+                            for b in range(bs)
+                        ]
+                        matchers = [backend.new_matcher(compiled) for _ in range(bs)]
+                        for m, (ids, at) in zip(matchers, walks):
+                            for t in ids[:at]:
+                                m.accept_masked(t)
+                        pos = [at for _, at in walks]
+                        bitmask = allocate_bitmask(bs, vocab)
+                        times = []
+                        for _ in range(steps):
+                            t = time.perf_counter()
+                            fill(matchers, bitmask)
+                            times.append(time.perf_counter() - t)
+                            for b in range(bs):
+                                ids = walks[b][0]
+                                matchers[b].accept_masked(ids[pos[b]])
+                                pos[b] += 1
+                                if pos[b] == len(ids):  # EOS taken: a new request takes the row
+                                    matchers[b], pos[b] = backend.new_matcher(compiled), 0
+                        per_step.append(statistics.median(times))
+                    ms = 1e3 * statistics.median(per_step)
+                    base = base or ms
+                    results[f"{kind}/b{bs}/{label}"] = ms
+                    table.append([kind, bs, label, ms, base / ms, 1e3 * bs / ms])
     for pool in pools.values():
         pool.close()
+    rows.close()
     backend.close()
     print_table(
-        f"grammar host work per plain step (settle + fill + dead-end check), {fill_threads()} pool threads",
-        ["grammar", "batch", "variant", "ms/step", "speedup"],
-        rows,
+        f"grammar host work per plain step (settle + fill + dead-end check; the engine path adds the "
+        f"mask's upload and application), {threads} pool threads",
+        ["grammar", "batch", "variant", "ms/step", "speedup", "tok/s equivalent"],
+        table,
     )
     return results

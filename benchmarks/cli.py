@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--host-fill",
         action="store_true",
-        help="grammar: host time of a plain step's grammar work, one by one vs one call vs the fill pool",
+        help="grammar: host time of a plain step's grammar work, one by one vs one call vs the fill pool vs the "
+        "engine's whole path (upload and masking on --device)",
     )
     add_engine_args(bench)
     return bench
@@ -161,7 +162,9 @@ def run_benchmark(args: argparse.Namespace) -> int:
         if args.host_fill:
             from benchmarks.bench_grammar import run_host_fill_benchmark
 
-            result = run_host_fill_benchmark(args.model, _sizes(args, (8, 32, 64)), repeats=args.repeats or 3)
+            result = run_host_fill_benchmark(
+                args.model, _sizes(args, (8, 32, 64)), repeats=args.repeats or 3, device=args.device or "auto"
+            )
         elif args.structured:
             from benchmarks.bench_grammar import run_structured_benchmark
 

@@ -329,6 +329,29 @@ def test_apply_bitmask_matches_xgrammar(rows: int, vocab: int) -> None:
     assert not torch.isinf(ours[2, 31]) and torch.isinf(ours[2, :31]).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [VOCAB, 1000, 64])
+def test_apply_bitmask_on_the_cpu_equals_the_tensor_ops(vocab: int, dtype: torch.dtype) -> None:
+    """The CPU unpacks the bits with numpy: the same -inf entries as the tensor ops (the CUDA path),
+    on a row slice of a larger logits buffer, and through the tensor ops' fallback for a bitmask
+    that is not contiguous."""
+    from ngrammar.grammar.tree_mask import _forbidden
+
+    rows, width = 6, (vocab + 31) // 32
+    gen = torch.Generator().manual_seed(vocab)
+    wide = torch.randint(-(2**31), 2**31 - 1, (rows, width + 5), dtype=torch.int32, generator=gen)
+    wide[0] = 0
+    wide[1] = -1
+    logits = torch.randn(rows + 2, vocab, generator=gen).to(dtype)
+    want = logits.clone()
+    want[:rows].masked_fill_(_forbidden(wide[:, :width], vocab), float("-inf"))
+    for bitmask in (wide[:, :width].contiguous(), wide[:, :width]):  # the second: not contiguous
+        got = logits.clone()
+        apply_bitmask(got[:rows], bitmask)
+        assert torch.equal(got, want)
+    assert torch.isinf(want[0]).all() and torch.equal(want[1], logits[1])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("rows,vocab", [(1, VOCAB), (16, VOCAB), (48, 1000)])

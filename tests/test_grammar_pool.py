@@ -135,6 +135,54 @@ def test_pool_reports_rejected_tokens_and_dead_ends(backend: GrammarBackend, poo
     assert torch.equal(bitmask[0], bitmask[3])
 
 
+def test_pool_settles_every_kind_of_deferred_state(
+    backend: GrammarBackend, compiled: list[xgr.CompiledGrammar], pool: GrammarFillPool, tokenizer: Tokenizer
+) -> None:
+    """The chunks' batched accept takes a matcher's one deferred token; matchers at the start, with
+    nothing deferred past it, with several deferred tokens or with a refused token (alone, or among
+    several) are settled on the caller's thread: each row equals a bare matcher's fill, a refused
+    one allows everything, and the wrappers' state is as ``settle`` leaves it."""
+    schema = compiled[0]
+    text = tokenizer.encode('{"name": "ab", "n": 12, "ok": true}')
+    eos_first = [EOS, *text[1:]]
+    walks = [  # (tokens accepted now, tokens deferred)
+        ([], []),  # at the start
+        ([], text[:1]),  # one deferred token
+        (text[:3], []),  # nothing deferred, past the start
+        ([], text[:4]),  # several deferred
+        (text[:2], text[2:3]),  # one deferred after accepted ones
+        ([], [EOS]),  # one refused token
+        ([], eos_first[:3]),  # a refused token among several
+        (text[:1], [VOCAB + 5]),  # a token past the vocabulary
+    ]
+    matchers, references = [], []
+    for accepted, deferred in walks:
+        m = backend.new_matcher(schema)
+        reference = xgr.GrammarMatcher(schema)
+        for t in accepted:
+            assert m.accept_token(t) and reference.accept_token(t)
+        for t in deferred:
+            m.accept_masked(t)
+        refused = next((t for t in deferred if not (0 <= t < VOCAB and reference.accept_token(t))), None)
+        matchers.append(m)
+        references.append((reference, refused))
+    rows = list(range(len(walks)))[::-1]
+    bitmask = allocate_bitmask(len(walks), VOCAB)
+    bitmask.fill_(7)
+    outcome = pool.fill_rows(matchers, rows, bitmask)
+    assert outcome.rejected == [(i, r) for i, (_, r) in enumerate(references) if r is not None]
+    assert outcome.dead == []
+    for m, row, (reference, refused) in zip(matchers, rows, references):
+        want = allocate_bitmask(1, VOCAB)
+        if refused is None:
+            reference.fill_next_token_bitmask(want, 0)
+        assert torch.equal(bitmask[row], want[0])
+        assert m.lone_deferred() is None and not m.is_terminated()
+        m.fill_bitmask(want, 0)  # the wrapper's own state: its row, from its depth
+        if refused is None:
+            assert torch.equal(bitmask[row], want[0])
+
+
 def test_start_row_is_filled_once_and_equals_a_fresh_fill(
     backend: GrammarBackend, compiled: list[xgr.CompiledGrammar], tokenizer: Tokenizer
 ) -> None:

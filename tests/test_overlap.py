@@ -218,12 +218,27 @@ def test_requests_joining_and_aborting_mid_flight(llm: LLM, overlap_llm: LLM) ->
 
 
 def test_grammar_under_overlap_equals_the_step_by_step_engine(llm: LLM, overlap_llm: LLM) -> None:
-    """The next step's grammar row needs the token in flight: it is committed before sampling."""
+    """The next step's grammar row needs the token in flight: it is committed before sampling.
+    Each step's forward is launched before its rows are settled and filled (on a GPU the host's
+    grammar work runs while the device computes), and a chained step's rows after the read of
+    the step before."""
     prompt = [{"role": "user", "content": "Paris has 2161000 people. Give name and population as JSON."}]
     params = SamplingParams(max_tokens=48, temperature=0, json_schema=SCHEMA)
-    got = overlap_llm.chat([prompt, prompt], params)
+    rows = overlap_llm.engine.grammar_rows
+    with device_events(overlap_llm.engine.runner) as events:
+        fill = rows.apply_plain
+        rows.apply_plain = lambda *a: (events.append("fill"), fill(*a))[1]  # type: ignore[method-assign]
+        try:
+            got = overlap_llm.chat([prompt, prompt], params)
+        finally:
+            del rows.apply_plain
     assert _summary(got) == _summary(llm.chat([prompt, prompt], params))
     assert got[0].outputs[0].finish_reason == "stop"
+    launches = [e for e in events if e != "read"]
+    assert launches == ["forward", "fill"] * (len(launches) // 2)  # one fill per forward, after it
+    trace = "".join({"forward": "F", "read": "r", "fill": "m"}[e] for e in events)
+    # chained: forward, the read of the step before, then the rows
+    assert trace.count("Frm") >= len(got[0].outputs[0].token_ids) - 3
 
 
 def test_ngram_with_overlap_is_lossless() -> None:

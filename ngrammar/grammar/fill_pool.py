@@ -1,10 +1,11 @@
 """Settling matchers and filling their bitmask rows on persistent threads, in chunks of requests.
 
-xgrammar releases the GIL inside ``accept_token``, ``fill_next_token_bitmask`` and
-``traverse_draft_tree``, so threads fill rows in parallel. The threads are created once (per
-engine) and live until ``close``; xgrammar's own multi-threaded batch fill starts its threads on
-every call, which costs more than it saves at the engine's batch sizes. Below ``serial_below``
-matchers one chunk runs on the caller's thread with one batched xgrammar call (no hand-off).
+xgrammar releases the GIL inside its calls, so threads fill rows in parallel. The threads are
+created once (per engine) and live until ``close``; xgrammar's own multi-threaded batch fill starts
+its threads on every call, which costs more than it saves at the engine's batch sizes. A plain
+step's chunk is two batched xgrammar calls (accept each matcher's deferred token, fill the rows) and
+no Python per matcher, so a worker holds the GIL only to start and end its chunk. Below
+``serial_below`` matchers one chunk runs on the caller's thread (no hand-off).
 
 Each matcher sits in exactly one chunk, so no two threads touch the same matcher; chunks write
 disjoint rows of the bitmask.
@@ -31,8 +32,10 @@ if TYPE_CHECKING:
 
 # Matchers below which one chunk on the caller's thread beats handing chunks to the pool. On a GPU
 # host the engine's batched xgrammar call beat the pool at every batch measured (64 and 128 members:
-# the workers contend for the GIL between xgrammar calls), so the pool only takes batches past that
-# (python -m benchmarks.gpu_bench --parts smollm2, equal-work json_object pairs; LOG.md).
+# the workers contended for the GIL, each settling its matchers one Python call at a time), so the
+# pool only takes batches past that (python -m benchmarks.gpu_bench --parts smollm2, equal-work
+# json_object pairs; LOG.md). Measured before the chunks became two batched calls: A/B it again
+# with NGRAMMAR_FILL_SERIAL_BELOW (and NGRAMMAR_FILL_THREADS), which override the defaults.
 SERIAL_BELOW = 192
 MAX_FILL_THREADS = 8  # more threads than this only split a batch into chunks too small to pay
 
@@ -56,11 +59,15 @@ class FillOutcome:
 class GrammarFillPool:
     """``threads`` workers (``fill_threads()`` by default) plus the caller's thread."""
 
-    def __init__(self, threads: int | None = None, serial_below: int = SERIAL_BELOW) -> None:
+    def __init__(self, threads: int | None = None, serial_below: int | None = None) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
-        self.threads = fill_threads() if threads is None else threads
+        if threads is None:
+            threads = int(os.environ.get("NGRAMMAR_FILL_THREADS", fill_threads()))
+        if serial_below is None:
+            serial_below = int(os.environ.get("NGRAMMAR_FILL_SERIAL_BELOW", SERIAL_BELOW))
+        self.threads = threads
         self.serial_below = serial_below
         self._local = threading.local()  # each thread's own one-thread BatchGrammarMatcher
         self._pool = (
@@ -76,16 +83,87 @@ class GrammarFillPool:
     def fill_rows(self, matchers: Seq[GrammarMatcher], rows: Seq[int], bitmask: torch.Tensor) -> FillOutcome:
         """Settle each matcher (``GrammarMatcher.settle``) and fill ``bitmask[rows[i]]`` with its next
         tokens; CPU int32 bitmask [R, W]. A matcher whose settle rejects a token gets an all-allowed
-        row (its sequence finishes; the token drawn there is dropped at commit)."""
+        row (its sequence finishes; the token drawn there is dropped at commit).
+
+        Each chunk is two batched xgrammar calls, which run without the GIL: accept the matchers'
+        one deferred token (a plain step's), then fill the rows of those that took it. Everything
+        per matcher in Python (sorting them out, the cached start rows, matchers with no or several
+        deferred tokens, the wrappers' bookkeeping, the empty rows) stays on the caller's thread:
+        on the workers it made them contend for the GIL around every xgrammar call."""
         words = bitmask.numpy()
-        outcomes = self._map(
-            len(matchers), lambda lo, hi: self._fill_chunk(matchers, rows, words, bitmask, lo, hi)
-        )
         out = FillOutcome()
-        for part in outcomes:
-            out.rejected += part.rejected
-            out.dead += part.dead
+        settled: list[int] = []  # the matchers that settled, and their rows
+        filled: list[int] = []
+        # the matchers the chunks take: index, xgrammar matcher, deferred token (-1: none), row
+        index: list[int] = []
+        inner: list[xgr.GrammarMatcher] = []
+        tokens: list[int] = []
+        work_rows: list[int] = []
+        for i, matcher in enumerate(matchers):
+            row = int(rows[i])
+            token = matcher.lone_deferred()
+            if token is None:
+                rejected = matcher.settle()
+                if rejected is not None:
+                    out.rejected.append((i, rejected))
+                    words[row] = -1
+                    continue
+                start = matcher.start_row()
+                if start is not None:
+                    words[row] = start
+                    settled.append(i)
+                    filled.append(row)
+                    continue
+            index.append(i)
+            inner.append(matcher.unsettled)
+            tokens.append(-1 if token is None else token)
+            work_rows.append(row)
+        if index:
+            parts = self._map(
+                len(index),
+                lambda lo, hi: self._settle_and_fill(inner[lo:hi], tokens[lo:hi], work_rows[lo:hi], bitmask),
+            )
+            accepted = [ok for part in parts for ok in part]
+            for k, i in enumerate(index):
+                if tokens[k] >= 0:
+                    matchers[i].took_deferred(accepted[k])
+                if accepted[k]:
+                    settled.append(i)
+                    filled.append(work_rows[k])
+                else:
+                    out.rejected.append((i, tokens[k]))
+                    words[work_rows[k]] = -1
+        if filled:
+            out.dead = sorted(settled[k] for k in np.flatnonzero(~words[filled].any(axis=1)).tolist())
+        out.rejected.sort()
         return out
+
+    def _settle_and_fill(
+        self, matchers: list[xgr.GrammarMatcher], tokens: list[int], rows: list[int], bitmask: torch.Tensor
+    ) -> list[bool]:
+        """One chunk: each matcher takes its token (-1: none), then the rows of those that took it
+        are filled; returns which took it."""
+        xgr = self._xgr
+        take = [k for k, t in enumerate(tokens) if t >= 0]
+        if len(take) == len(tokens):
+            accepted = xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+        else:
+            accepted = [True] * len(tokens)
+            if take:
+                took = xgr.BatchGrammarMatcher.batch_accept_token(
+                    [matchers[k] for k in take], [tokens[k] for k in take]
+                )
+                for k, ok in zip(take, took):
+                    accepted[k] = ok
+        if all(accepted):
+            self._batch_matcher().batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        else:
+            keep = [k for k, ok in enumerate(accepted) if ok]
+            if keep:
+                self._batch_matcher().batch_fill_next_token_bitmask(
+                    [matchers[k] for k in keep], bitmask, [rows[k] for k in keep]
+                )
+        return accepted
 
     def fill_trees(
         self,
@@ -138,39 +216,3 @@ class GrammarFillPool:
         if batch is None:
             batch = self._local.batch = self._xgr.BatchGrammarMatcher(max_threads=1)
         return batch
-
-    def _fill_chunk(
-        self,
-        matchers: Seq[GrammarMatcher],
-        rows: Seq[int],
-        words: np.ndarray,
-        bitmask: torch.Tensor,
-        lo: int,
-        hi: int,
-    ) -> FillOutcome:
-        """Matchers [lo, hi): settle, copy the cached start rows, fill the others in one batched
-        xgrammar call on this thread, then find the empty rows."""
-        out = FillOutcome()
-        filled: list[int] = []
-        batch: list[xgr.GrammarMatcher] = []
-        batch_rows: list[int] = []
-        for i in range(lo, hi):
-            matcher, row = matchers[i], int(rows[i])
-            rejected = matcher.settle()
-            if rejected is not None:
-                out.rejected.append((i, rejected))
-                words[row] = -1
-                continue
-            filled.append(i)
-            start = matcher.start_row()
-            if start is not None:
-                words[row] = start
-            else:
-                batch.append(matcher.xgrammar_matcher)
-                batch_rows.append(row)
-        if batch:
-            self._batch_matcher().batch_fill_next_token_bitmask(batch, bitmask, batch_rows)
-        if filled:
-            empty = ~words[[int(rows[i]) for i in filled]].any(axis=1)
-            out.dead = [filled[k] for k in np.flatnonzero(empty).tolist()]
-        return out
