@@ -113,7 +113,7 @@ def test_a_killed_replica_fails_only_its_requests(dp2: LiveServer, oai: openai.O
         while not (victim.load is not None and victim.load.stats.decode_tokens > 0 and victim.requests):
             assert time.monotonic() < deadline, "replica 1 never started decoding"
             time.sleep(0.02)
-        os.kill(victim.process.pid, signal.SIGKILL)
+        os.kill(victim.pid, signal.SIGKILL)
         results = [f.result(timeout=300) for f in futures]
     failed = [r for r in results if isinstance(r, Exception)]
     served = [(p, r) for p, r in zip(PROMPTS, results) if not isinstance(r, Exception)]

@@ -58,7 +58,7 @@ def live() -> Iterator[CoreServer]:
     server = CoreServer()
     yield server
     server.stop()
-    assert all(c.process.poll() is not None for c in server.core.replicas), (
+    assert all(c.popen is not None and c.popen.poll() is not None for c in server.core.replicas), (
         "an engine core outlived its server"
     )
 
@@ -127,22 +127,37 @@ def test_the_core_sends_new_tokens_once_and_refusals_in_the_same_turn(offline: L
     core = EngineCore(offline.engine, CompileCounter())
     ids = offline.engine.tokenize("Count: 1, 2,")
     core.handle(Add("bad", "g", ids, SamplingParams(max_tokens=4, draft_corpora=("nope",))))
-    refused = core.turn()
-    assert refused is not None and [f.request_id for f in refused.failed] == ["bad"] and not core.busy
+    [refused] = core.turn()
+    assert [f.request_id for f in refused.failed] == ["bad"] and not core.busy
     params = SamplingParams(max_tokens=8, temperature=0, n=2, logprobs=1)
     core.handle(Add("ok", "g", ids, params))
     tokens: dict[int, list[int]] = {0: [], 1: []}
     logprobs: dict[int, list[int]] = {0: [], 1: []}
     finished = False
     while core.busy:
-        delta = core.turn()
-        for r in [] if delta is None else delta.requests:
+        for r in [r for delta in core.turn() for r in delta.requests]:
             for d in r.seqs:
                 tokens[d.index] += d.token_ids
                 logprobs[d.index] += [t for t, _, _ in d.logprobs or []]
             finished = r.finished
     want = offline.generate("Count: 1, 2,", params)[0].outputs
     assert finished and [tokens[0], tokens[1]] == [c.token_ids for c in want] == [logprobs[0], logprobs[1]]
+
+
+def test_each_api_server_process_gets_its_own_requests_and_every_one_the_load(offline: LLM) -> None:
+    core = EngineCore(offline.engine, CompileCounter())
+    ids = offline.engine.tokenize("Count: 1, 2,")
+    params = SamplingParams(max_tokens=4, temperature=0)
+    core.handle(Add("a", "g1", ids, params, client=1))
+    core.handle(Add("b", "g2", ids, params, client=0))
+    seen: dict[int, set[str]] = {0: set(), 1: set()}
+    while core.busy:
+        deltas = core.turn(2)
+        assert len(deltas) == 2 and all(d.load is deltas[0].load for d in deltas)
+        assert deltas[1].step_seconds is None  # (each step is timed once server-wide)
+        for client, d in enumerate(deltas):
+            seen[client] |= {r.request_id for r in d.requests}
+    assert seen == {0: {"b"}, 1: {"a"}}
 
 
 def test_streamed_equals_non_streamed_equals_offline(http: httpx.Client, offline: LLM) -> None:
@@ -270,7 +285,7 @@ def test_a_dead_core_fails_requests_with_5xx_and_health_with_503(
     while http.get("/server_info").json()["num_running"] < 2:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    os.kill(live.core.replicas[0].process.pid, signal.SIGKILL)
+    os.kill(live.core.replicas[0].pid, signal.SIGKILL)
     for t in threads:
         t.join(30)
         assert not t.is_alive(), "a request hung after the core died"

@@ -1,8 +1,13 @@
 """What both engine loops (the engine-core process's and an in-process engine's thread) share about
-admission: the sequence cap, and round-robin hand-over by HTTP request."""
+admission: the sequence cap (counted in one process, or across ``--api-server-count`` processes),
+and round-robin hand-over by HTTP request."""
 
 from __future__ import annotations
 
+import fcntl
+import mmap
+import os
+import struct
 from collections import OrderedDict, deque
 from collections.abc import Hashable
 from typing import Generic, TypeVar
@@ -19,6 +24,83 @@ def check_fits(num_sequences: int, max_queue: int) -> None:
             f"the request asks for {num_sequences} sequences (prompts x n), more than the server's "
             f"queue of {max_queue} holds; send fewer prompts or a smaller n"
         )
+
+
+class InflightCount:
+    """Sequences admitted and not finished, in this process (event-loop thread only)."""
+
+    def __init__(self) -> None:
+        self._count = 0
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    @property
+    def own(self) -> int:
+        """This process's part of ``count``."""
+        return self._count
+
+    def take(self, n: int, limit: int) -> bool:
+        """Count ``n`` more if the total stays within ``limit``; False (nothing counted) otherwise."""
+        if self._count + n > limit:
+            return False
+        self._count += n
+        return True
+
+    def give(self, n: int) -> None:
+        self._count -= n
+
+
+class SharedInflightCount(InflightCount):
+    """The same count shared by every API server process: 8 bytes of a file they all map, changed
+    under an exclusive ``flock`` (one per admission and per finish, never per token)."""
+
+    _FORMAT = "<q"
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size < 8:
+                os.ftruncate(fd, 8)
+            self._map = mmap.mmap(fd, 8)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+
+    @property
+    def count(self) -> int:
+        return int(struct.unpack_from(self._FORMAT, self._map)[0])
+
+    def take(self, n: int, limit: int) -> bool:
+        with self._locked():
+            total = self.count
+            if total + n > limit:
+                return False
+            struct.pack_into(self._FORMAT, self._map, 0, total + n)
+        self._count += n  # (this process's share, for its own books)
+        return True
+
+    def give(self, n: int) -> None:
+        with self._locked():
+            struct.pack_into(self._FORMAT, self._map, 0, self.count - n)
+        self._count -= n
+
+    def _locked(self) -> _Flock:
+        return _Flock(self._fd)
+
+
+class _Flock:
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __enter__(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *_: object) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
 
 
 class RoundRobin(Generic[T]):

@@ -70,6 +70,9 @@ from ngrammar.server.rendering import (
 if TYPE_CHECKING:
     import argparse
 
+    from ngrammar.server.core_client import CoreClient
+    from ngrammar.server.front import EngineFront
+
 
 log = logging.getLogger(__name__)
 
@@ -448,8 +451,10 @@ def create_app(
     api_key: str | None = None,
     max_queue: int | None = None,
     config: ServerConfig | None = None,
+    connect: Callable[[ServerMetrics], tuple[EngineFront, CoreClient]] | None = None,
 ) -> FastAPI:
-    """An app serving ``engine`` (or a new engine built from keyword arguments, as ``LLM`` takes).
+    """An app serving ``engine`` (or a new engine built from keyword arguments, as ``LLM`` takes),
+    or the engine cores ``connect`` reaches (one of ``--api-server-count`` processes).
 
     ``config`` holds the server's key and limits; ``api_key`` and ``max_queue``, when given,
     override its fields. The engine loop thread starts with the app's lifespan and stops with it.
@@ -462,7 +467,11 @@ def create_app(
     if max_queue is not None:
         config = dataclasses.replace(config, max_queue=max_queue)
     metrics = ServerMetrics()
-    server = _serving(engine, config, metrics)
+    if connect is not None:
+        front, client = connect(metrics)
+        server = _Server(front, client, metrics, config)  # type: ignore[arg-type]
+    else:
+        server = _serving(engine, config, metrics)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -505,6 +514,10 @@ def serve(args: argparse.Namespace) -> int:
     from ngrammar.args import config_kwargs
 
     config = ServerConfig(**config_kwargs(args, ServerConfig))
+    if config.api_server_count > 1:
+        from ngrammar.server.api_servers import serve_processes
+
+        return serve_processes(config, build_engine_config(**engine_kwargs(args)))
     app = create_app(engine_kwargs(args), config=config)
     DrainingServer(uvicorn.Config(app, log_level="info", **uvicorn_kwargs(config))).run()
     return 0

@@ -31,6 +31,11 @@ class ServerConfig:
     keep_alive_s: int = _opt(5, "idle keep-alive connections close after this")
     max_connections: int = _opt(512, "open connections; more are answered 503 and closed")
     stall_timeout_s: float = _opt(120.0, "/health answers 503 while one engine step has run longer than this")
+    api_server_count: int = _opt(
+        1,
+        "API server processes (HTTP, tokenizing, detokenizing) in front of the engine cores; "
+        "max_connections is split between them, max_queue is shared",
+    )
     stream_interval: int = _opt(
         1, "a stream sends its first tokens at once, then a chunk per K new tokens (and its end)"
     )
@@ -39,7 +44,7 @@ class ServerConfig:
         for name in ("max_queue", "max_prompts", "max_n", "max_body_mb", "max_grammar_kb", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("prepare_threads", "keep_alive_s", "max_connections"):
+        for name in ("prepare_threads", "keep_alive_s", "max_connections", "api_server_count"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("grammar_compile_timeout_s", "header_timeout_s", "read_timeout_s", "stall_timeout_s"):

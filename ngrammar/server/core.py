@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 import pickle
+import shutil
 import signal
 import sys
 import traceback
@@ -65,10 +66,11 @@ class EngineCore:
         self._live: dict[str, Request] = {}  # handed to the engine, not finished
         self._sent: dict[str, list[int]] = {}  # output tokens reported so far, per sequence
         self._ended: dict[str, list[bool]] = {}  # whether each sequence's finish was reported
-        self._failed: list[RequestFailed] = []
+        self._clients: dict[str, int] = {}  # the API server process of each request handed to the engine
+        self._failed: list[tuple[int, RequestFailed]] = []  # (client, refusal)
         # Corpus calls tokenize and index on a worker thread; the loop sends their replies.
         self._corpus_pool = ThreadPoolExecutor(1, thread_name_prefix="draft-corpora")
-        self._calls: list[tuple[int, Future[Any]]] = []
+        self._calls: list[tuple[CorpusCall, Future[Any]]] = []
 
     @property
     def busy(self) -> bool:
@@ -82,13 +84,15 @@ class EngineCore:
         if add is None:
             self.engine.abort(command.request_id)  # its last delta says "abort"
             return
-        self._failed.append(RequestFailed(add.request_id, "Aborted", "aborted before it started"))
+        self._failed.append(
+            (add.client, RequestFailed(add.request_id, "Aborted", "aborted before it started"))
+        )
 
     def call_corpora(self, call: CorpusCall) -> None:
-        self._calls.append((call.call, self._corpus_pool.submit(self._run_corpus_call, call)))
+        self._calls.append((call, self._corpus_pool.submit(self._run_corpus_call, call)))
 
-    def corpus_replies(self) -> list[CorpusReply]:
-        """Replies of the corpus calls that finished since the last time."""
+    def corpus_replies(self) -> list[tuple[int, CorpusReply]]:
+        """(client, reply) of the corpus calls that finished since the last time."""
         done = [(call, f) for call, f in self._calls if f.done()]
         if not done:
             return []
@@ -97,9 +101,9 @@ class EngineCore:
         for call, f in done:
             error = f.exception()
             if error is None:
-                replies.append(CorpusReply(self.index, call, f.result()))
+                replies.append((call.client, CorpusReply(self.index, call.call, f.result())))
             else:
-                replies.append(CorpusReply(self.index, call, error=f"{error}"))
+                replies.append((call.client, CorpusReply(self.index, call.call, error=f"{error}")))
         return replies
 
     def _run_corpus_call(self, call: CorpusCall) -> Any:
@@ -117,8 +121,10 @@ class EngineCore:
         corpora.remove(call.name)
         return None
 
-    def turn(self) -> StepDelta | None:
-        """Admit what fits, run one step if anything runs; the delta, or None if nothing changed."""
+    def turn(self, clients: int = 1) -> list[StepDelta]:
+        """Admit what fits, run one step if anything runs; then one delta per API server process
+        (``clients`` of them: each gets its own requests' progress and refusals, and every one the
+        load), or none if nothing changed."""
         self._feed()
         changed = bool(self._failed)  # (refusals of requests just fed included)
         seconds = None
@@ -131,10 +137,17 @@ class EngineCore:
                 log.exception("engine step failed; failing %d requests", len(self._live))
                 self._fail_all(f"the engine failed: {type(e).__name__}: {e}")
         if not changed:
-            return None
-        requests = [d for rid in list(self._live) if (d := self._delta(rid)) is not None]
-        failed, self._failed = self._failed, []
-        return StepDelta(self.index, requests, failed, self.load(), seconds)
+            return []
+        load = self.load()
+        deltas = [StepDelta(self.index, [], [], load, seconds if c == 0 else None) for c in range(clients)]
+        for rid in list(self._live):
+            client = self._clients[rid]  # (read first: a finished request is forgotten by its delta)
+            if (d := self._delta(rid)) is not None:
+                deltas[client].requests.append(d)
+        for client, failed in self._failed:
+            deltas[client].failed.append(failed)
+        self._failed = []
+        return deltas
 
     def load(self) -> Load:
         e = self.engine
@@ -158,9 +171,10 @@ class EngineCore:
         try:
             self.engine.add_request(add.prompt_ids, add.params, add.request_id, stream=False)
         except Exception as e:  # bad input the server's checks missed: this request only
-            self._failed.append(RequestFailed(add.request_id, type(e).__name__, str(e)))
+            self._failed.append((add.client, RequestFailed(add.request_id, type(e).__name__, str(e))))
             return
         self._live[add.request_id] = self.engine.requests[add.request_id]
+        self._clients[add.request_id] = add.client
         self._sent[add.request_id] = [0] * add.params.n
         self._ended[add.request_id] = [False] * add.params.n
 
@@ -190,11 +204,13 @@ class EngineCore:
         except Exception:
             log.exception("releasing the failed requests failed")
         for request_id in failed:
-            self._failed.append(RequestFailed(request_id, "EngineFailure", message))
+            self._failed.append(
+                (self._clients[request_id], RequestFailed(request_id, "EngineFailure", message))
+            )
             self._forget(request_id)
 
     def _forget(self, request_id: str) -> None:
-        del self._live[request_id], self._sent[request_id], self._ended[request_id]
+        del self._live[request_id], self._sent[request_id], self._ended[request_id], self._clients[request_id]
 
 
 def _seq_delta(seq: Sequence, sent: int) -> SeqDelta | None:
@@ -221,7 +237,15 @@ class CoreSpec:
     config: EngineConfig  # its own engine's: one replica (``replica_config``)
     index: int
     replicas: int  # the server's --dp
-    reports_folder: str  # where the server's report socket is bound
+    # One folder per API server process (``--api-server-count``), in client order: each binds its
+    # report socket there and a command socket per core (``commands-<index>``).
+    clients: tuple[str, ...]
+    control: str | None = None  # the supervisor's folder (its ``Stop``), when API servers are processes
+
+
+def command_socket(index: int) -> str:
+    """The file name of core ``index``'s command socket in a client's (or the supervisor's) folder."""
+    return f"{COMMANDS_SOCKET}-{index}"
 
 
 def replica_config(config: EngineConfig, index: int) -> EngineConfig:
@@ -237,16 +261,21 @@ def replica_config(config: EngineConfig, index: int) -> EngineConfig:
 
 def core_main(folder: str, parent: int) -> None:
     """The engine-core process (``python -m ngrammar.server.core FOLDER PARENT_PID``, started by
-    ``core_client.start_cores``): its ``CoreSpec`` is pickled in ``FOLDER``, where its command socket is."""
+    ``core_client.launch_cores``): its ``CoreSpec`` is pickled in ``FOLDER``."""
     import zmq
 
     with open(os.path.join(folder, CONFIG_FILE), "rb") as f:
         spec: CoreSpec = pickle.load(f)
+    shutil.rmtree(folder, ignore_errors=True)  # (its own: nothing else reads it)
     ctx = zmq.Context()
-    commands = ctx.socket(zmq.PULL)
-    commands.connect(f"ipc://{folder}/{COMMANDS_SOCKET}")
-    reports = ctx.socket(zmq.PUSH)
-    reports.connect(f"ipc://{spec.reports_folder}/{REPORTS_SOCKET}")
+    commands = ctx.socket(zmq.PULL)  # fair-queued from every client (and the supervisor)
+    for folder_ in (*spec.clients, *([spec.control] if spec.control else [])):
+        commands.connect(f"ipc://{folder_}/{command_socket(spec.index)}")
+    reports = []
+    for folder_ in spec.clients:
+        push = ctx.socket(zmq.PUSH)
+        push.connect(f"ipc://{folder_}/{REPORTS_SOCKET}")
+        reports.append(push)
     try:
         from ngrammar.engine.engine import LLMEngine
         from ngrammar.server.warmup import CompileCounter, warm_up
@@ -261,7 +290,8 @@ def core_main(folder: str, parent: int) -> None:
         compiles = warm_up(engine, counter)
     except BaseException as e:  # noqa: BLE001 - reported to the server, which refuses to start
         traceback.print_exc()
-        reports.send(encoder.encode(StartFailed(spec.index, f"{type(e).__name__}: {e}")))
+        for push in reports:
+            push.send(encoder.encode(StartFailed(spec.index, f"{type(e).__name__}: {e}")))
         ctx.destroy(linger=1000)
         return
     ready = Ready(
@@ -272,7 +302,8 @@ def core_main(folder: str, parent: int) -> None:
         engine.blocks.page_size,
         compiles,
     )
-    reports.send(encoder.encode(ready))
+    for push in reports:
+        push.send(encoder.encode(ready))
     try:
         _serve(EngineCore(engine, counter, spec.index), commands, reports, parent)
     except BaseException as e:  # noqa: BLE001 - the core ends; the server fails its requests
@@ -285,10 +316,10 @@ def core_main(folder: str, parent: int) -> None:
         ctx.destroy(linger=0)
 
 
-def _serve(core: EngineCore, commands: object, reports: object, parent: int) -> None:
+def _serve(core: EngineCore, commands: object, reports: list[Any], parent: int) -> None:
     import zmq
 
-    assert isinstance(commands, zmq.Socket) and isinstance(reports, zmq.Socket)
+    assert isinstance(commands, zmq.Socket)
     while os.getppid() == parent:
         if core.busy or commands.poll(_IDLE_POLL_MS):
             while True:
@@ -303,11 +334,10 @@ def _serve(core: EngineCore, commands: object, reports: object, parent: int) -> 
                     core.call_corpora(command)
                 else:
                     core.handle(command)
-            delta = core.turn()
-            if delta is not None:
-                reports.send(encoder.encode(delta), copy=False)
-        for reply in core.corpus_replies():
-            reports.send(encoder.encode(reply))
+            for push, delta in zip(reports, core.turn(len(reports))):
+                push.send(encoder.encode(delta), copy=False)
+        for client, reply in core.corpus_replies():
+            reports[client].send(encoder.encode(reply))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import itertools
 import logging
 import os
 import pickle
+import select
 import shutil
 import subprocess
 import sys
@@ -33,14 +34,13 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import zmq
 import zmq.asyncio
-from prometheus_client import Gauge
 
 from ngrammar.engine.stats import EngineStats
 from ngrammar.model.tokenizer import PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer, Tokenizer
 from ngrammar.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from ngrammar.sampling_params import InvalidRequestError, SamplingParams
-from ngrammar.server.admission import check_fits
-from ngrammar.server.core import COMMANDS_SOCKET, CONFIG_FILE, REPORTS_SOCKET
+from ngrammar.server.admission import InflightCount, check_fits
+from ngrammar.server.core import CONFIG_FILE, REPORTS_SOCKET, command_socket
 from ngrammar.server.core_messages import (
     Abort,
     Add,
@@ -64,6 +64,7 @@ from ngrammar.server.engine_loop import (
     RequestGroup,
 )
 from ngrammar.server.front import EngineFront
+from ngrammar.server.metrics import engine_gauge
 
 if TYPE_CHECKING:
     from ngrammar.config import EngineConfig
@@ -143,20 +144,22 @@ class _Assembly:
 
 
 class CoreProcess:
-    """One engine-core process (the engine, or one ``--dp`` replica) and what the server knows of it."""
+    """One engine-core process (the engine, or one ``--dp`` replica) and what this API server
+    process knows of it. ``popen`` is set where this process started it (one API server process);
+    with ``--api-server-count`` the supervisor did, and this process knows only its pid."""
 
     def __init__(
         self,
         index: int,
         name: str,
-        process: subprocess.Popen[bytes],
-        folder: str,
+        pid: int,
         commands: zmq.Socket[bytes],
+        popen: subprocess.Popen[bytes] | None,
     ) -> None:
         self.index = index
         self.name = name  # in errors: "the engine core" or "data-parallel replica 1"
-        self.process = process
-        self.folder = folder
+        self.pid = pid
+        self.popen = popen
         self.commands = commands
         self.send_lock = threading.Lock()  # ``stop`` sends from another thread
         self.requests: set[str] = set()  # in flight there
@@ -165,12 +168,25 @@ class CoreProcess:
         self.heard = time.monotonic()  # when it last reported, or was sent work while idle
         self.routed = 0  # requests sent to it so far
         self.alive = True
-        self.exit_fd: int | None = None
+        self.exit_fd: int | None = os.pidfd_open(pid)  # readable once the process ended
         self.calls: dict[int, asyncio.Future[CorpusReply]] = {}  # corpus calls awaiting its reply
 
-    def send(self, command: Add | Abort | CorpusCall | Stop) -> None:
+    def send(self, command: Add | Abort | CorpusCall | Stop, flags: int = 0) -> None:
         with self.send_lock:
-            self.commands.send(encoder.encode(command), copy=False)
+            self.commands.send(encoder.encode(command), flags, copy=False)
+
+    def stop(self, command: Stop) -> None:
+        """Send ``Stop`` without waiting for a peer (a core that is gone has none)."""
+        self.send(command, zmq.NOBLOCK)
+
+    def exited(self) -> bool:
+        if not self.alive:
+            return True
+        return self.exit_fd is not None and bool(select.select([self.exit_fd], [], [], 0)[0])
+
+    def exit_text(self) -> str:
+        code = None if self.popen is None else self.popen.wait()
+        return f"{self.name} (pid {self.pid}) exited" + ("" if code is None else f" with code {code}")
 
 
 class CoreClient:
@@ -185,10 +201,17 @@ class CoreClient:
         tokenizer: Tokenizer,
         max_queue: int,
         metrics: ServerMetrics | None,
+        folder: str,
+        client: int = 0,
+        admitted: InflightCount | None = None,
     ) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be positive, got {max_queue}")
         self.replicas = replicas
+        self.folder = folder  # this process's sockets (removed at the end)
+        self.client = client  # this API server process's index (``--api-server-count``)
+        # Sequences admitted and unfinished: this process's count, or every API server process's
+        self.admitted = admitted if admitted is not None else InflightCount()
         self.tokenizer = tokenizer
         self.max_queue = max_queue  # sequences; read at each submit, so it may be changed while running
         self.metrics = metrics
@@ -196,7 +219,6 @@ class CoreClient:
         self._groups: dict[str, RequestGroup] = {}
         self._assemblies: dict[str, _Assembly] = {}
         self._homes: dict[str, CoreProcess] = {}  # the core serving each request
-        self._inflight = 0  # sequences
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: asyncio.Task[None] | None = None
         self._stopping = False
@@ -204,9 +226,7 @@ class CoreClient:
         self._alive_gauge = (
             None
             if metrics is None
-            else Gauge(
-                "ngrammar_dp_replicas_alive", "Engine-core processes serving", registry=metrics.registry
-            )
+            else engine_gauge("ngrammar_dp_replicas_alive", "Engine-core processes serving", metrics.registry)
         )
         self.snapshot = self._take_snapshot()
 
@@ -218,23 +238,16 @@ class CoreClient:
         self._loop = asyncio.get_running_loop()
         self._reader = self._loop.create_task(self._read(zmq.asyncio.Socket.from_socket(self._sync_reports)))
         for core in self.replicas:
-            core.exit_fd = os.pidfd_open(core.process.pid)  # readable once the process ended
-            self._loop.add_reader(core.exit_fd, self._on_exit, core)
+            if core.exit_fd is not None:
+                self._loop.add_reader(core.exit_fd, self._on_exit, core)
         self._publish()
 
     def stop(self, timeout_s: float = _STOP_TIMEOUT_S) -> None:
-        """Stop the cores and wait for them (killed if they do not stop); thread-safe."""
+        """Stop the cores this process started and wait for them (killed if they do not stop; the
+        supervisor stops those it started); thread-safe."""
         self._stopping = True
-        for core in self.replicas:
-            if core.process.poll() is None:
-                core.send(Stop())
-        deadline = time.monotonic() + timeout_s
-        for core in self.replicas:
-            try:
-                core.process.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                core.process.kill()
-                core.process.wait()
+        owned = [c for c in self.replicas if c.popen is not None]
+        stop_cores([c.popen for c in owned if c.popen], [c.stop for c in owned if not c.exited()], timeout_s)
         if self._loop is not None and not self._loop.is_closed():
             try:  # the sockets close on the loop, where the reader uses them
                 self._loop.call_soon_threadsafe(self._detach)
@@ -272,11 +285,10 @@ class CoreClient:
             raise EngineUnavailable("no engine core is running")
         seqs = sum(p.n for p in params)
         self.check_fits(seqs)
-        if self._inflight + seqs > self.max_queue:
+        if not self.admitted.take(seqs, self.max_queue):
             raise QueueFull(self.max_queue)
         ids = [f"{prefix}-{uuid.uuid4().hex}" for _ in prompts]
         group = RequestGroup(self, ids)
-        self._inflight += seqs
         for request_id, prompt_ids, p in zip(ids, prompts, params):
             core = min((c for c in self.replicas if c.alive), key=lambda c: (c.sequences, c.index))
             if not core.requests:
@@ -288,7 +300,7 @@ class CoreClient:
             self._groups[request_id] = group
             self._assemblies[request_id] = _Assembly(request_id, prompt_ids, p, self.tokenizer)
             try:
-                core.send(Add(request_id, ids[0], prompt_ids, p))
+                core.send(Add(request_id, ids[0], prompt_ids, p, self.client))
             finally:
                 if on_admitted is not None:
                     on_admitted()
@@ -331,7 +343,7 @@ class CoreClient:
         for core in live:
             future: asyncio.Future[CorpusReply] = self._loop.create_future()
             core.calls[call] = future
-            core.send(CorpusCall(call, op, **fields))
+            core.send(CorpusCall(call, op, **fields, client=self.client))
             waits.append(future)
         replies = await asyncio.gather(*waits)
         refused = next((r.error for r in replies if r.error is not None), None)
@@ -379,7 +391,7 @@ class CoreClient:
         if self._stopping:
             error: BaseException = EngineUnavailable("the server is shutting down")
         else:
-            why = f"{core.name} (pid {core.process.pid}) exited with code {core.process.wait()}"
+            why = core.exit_text()
             log.error("%s; failing its %d requests", why, len(core.requests))
             error = EngineFailure(f"{why} while serving this request")
         for request_id in list(core.requests):
@@ -403,8 +415,11 @@ class CoreClient:
     def _close(self) -> None:
         for core in self.replicas:
             core.commands.close(linger=0)
-            shutil.rmtree(core.folder, ignore_errors=True)
+            if core.exit_fd is not None:
+                os.close(core.exit_fd)
+                core.exit_fd = None
         self._sync_reports.close(linger=0)
+        shutil.rmtree(self.folder, ignore_errors=True)
 
     def _release(self, request_id: str) -> None:
         assembly = self._assemblies.pop(request_id)
@@ -412,13 +427,13 @@ class CoreClient:
         core = self._homes.pop(request_id)
         core.requests.discard(request_id)
         core.sequences -= assembly.weight
-        self._inflight -= assembly.weight
+        self.admitted.give(assembly.weight)
 
     def _publish(self) -> None:
         self.snapshot = self._take_snapshot()
         if self.metrics is None:
             return
-        self.metrics.set_gauges(self.snapshot)
+        self.metrics.set_gauges(self.snapshot, self.admitted.own, engine_counters=self.client == 0)
         self.metrics.set_compiles(sum(c.load.compiles for c in self.replicas if c.load is not None))
         if self._alive_gauge is not None:
             self._alive_gauge.set(sum(c.alive for c in self.replicas))
@@ -431,7 +446,7 @@ class CoreClient:
         return EngineSnapshot(
             num_running=sum(x.num_running for x in loads),
             num_waiting=sum(x.num_waiting for x in loads),
-            num_inflight=self._inflight,
+            num_inflight=self.admitted.count,
             kv_pages_free=free,
             kv_pages_total=total,
             kv_pages_cached=sum(x.kv_pages_cached for x in loads),
@@ -465,13 +480,8 @@ def _rebuild_error(name: str, text: str) -> BaseException:
     return EngineFailure(f"the engine failed: {name}: {text}")
 
 
-def start_cores(
-    config: EngineConfig, max_queue: int, metrics: ServerMetrics | None
-) -> tuple[EngineFront, CoreClient]:
-    """Start ``data_parallel_size`` engine-core processes (each ``tensor_parallel_size`` ranks) and
-    wait until every one has built (and warmed up) its engine; raises ``CoreStartError`` (all
-    stopped) otherwise. The front holds the tokenizer, the limits and a grammar compiler for the
-    handlers. Sizes are checked here first, before any process starts."""
+def check_cores(config: EngineConfig) -> None:
+    """Sizes checked (and a GGUF converted once) before any engine-core process starts."""
     from ngrammar.model.loader import resolve_checkpoint
     from ngrammar.model.parallel import MULTICAST_OFF_ENV, check_tensor_parallel
     from ngrammar.runner.model_runner import resolve_device
@@ -491,44 +501,120 @@ def start_cores(
                 f"--dp {dp} x --tp {config.tensor_parallel_size} needs {need} CUDA devices, but "
                 f"{torch.cuda.device_count()} are visible"
             )
-    os.environ.update(MULTICAST_OFF_ENV)  # inherited by every process started below
-    reports_folder = tempfile.mkdtemp(prefix="ngrammar-cores-")  # private (0700), as each core's
-    reports: zmq.Socket[bytes] = _CONTEXT.socket(zmq.PULL)
-    reports.bind(f"ipc://{reports_folder}/{REPORTS_SOCKET}")
-    cores: list[CoreProcess] = []
-    try:
-        for index in range(dp):
-            cores.append(_start_core(config, index, reports_folder))
-        readies = _wait_ready(cores, reports)
-    except BaseException:
-        for core in cores:
-            core.process.kill()
-            core.process.wait()
-            core.commands.close(linger=0)
-            shutil.rmtree(core.folder, ignore_errors=True)
-        reports.close(linger=0)
-        raise
-    finally:
-        shutil.rmtree(reports_folder, ignore_errors=True)  # every core connected: the path is not needed
-    first = readies[0]
-    kv_tokens = min(r.kv_capacity_tokens for r in readies)  # the smallest pool bounds every request
-    front = EngineFront(config, first.model_name, first.max_model_len, kv_tokens, first.page_size)
-    return front, CoreClient(cores, reports, front.tokenizer, max_queue, metrics)
+    os.environ.update(MULTICAST_OFF_ENV)  # inherited by every process started after this
 
 
-def _start_core(config: EngineConfig, index: int, reports_folder: str) -> CoreProcess:
+def launch_cores(
+    config: EngineConfig, clients: Sequence[str], control: str | None = None
+) -> list[subprocess.Popen[bytes]]:
+    """Start ``data_parallel_size`` engine-core processes (each ``tensor_parallel_size`` ranks),
+    reporting to the API server processes whose folders ``clients`` are; ``control`` is the
+    supervisor's folder, from which it sends ``Stop``."""
     from ngrammar.server.core import CoreSpec, replica_config
 
     dp = config.data_parallel_size
-    folder = tempfile.mkdtemp(prefix=f"ngrammar-core-{index}-")
-    with open(os.path.join(folder, CONFIG_FILE), "wb") as f:
-        pickle.dump(CoreSpec(replica_config(config, index), index, dp, reports_folder), f)
-    commands: zmq.Socket[bytes] = _CONTEXT.socket(zmq.PUSH)
-    commands.bind(f"ipc://{folder}/{COMMANDS_SOCKET}")
-    # A fresh interpreter (not multiprocessing's spawn, which re-imports the caller's __main__).
-    process = subprocess.Popen([sys.executable, "-m", "ngrammar.server.core", folder, str(os.getpid())])
-    name = "the engine core" if dp == 1 else f"data-parallel replica {index}"
-    return CoreProcess(index, name, process, folder, commands)
+    started: list[subprocess.Popen[bytes]] = []
+    try:
+        for index in range(dp):
+            folder = tempfile.mkdtemp(prefix=f"ngrammar-core-{index}-")  # private (0700)
+            with open(os.path.join(folder, CONFIG_FILE), "wb") as f:
+                pickle.dump(CoreSpec(replica_config(config, index), index, dp, tuple(clients), control), f)
+            # A fresh interpreter (not multiprocessing's spawn, which re-imports the caller's __main__);
+            # it deletes its folder once it read its spec.
+            started.append(
+                subprocess.Popen([sys.executable, "-m", "ngrammar.server.core", folder, str(os.getpid())])
+            )
+    except BaseException:
+        stop_cores(started, [], 0)
+        raise
+    return started
+
+
+def stop_cores(
+    popens: Sequence[subprocess.Popen[bytes]], stops: Sequence[Callable[[Stop], None]], timeout_s: float
+) -> None:
+    """Send ``Stop`` through each of ``stops``, then wait for the processes (killed past the timeout)."""
+    for send in stops:
+        try:
+            send(Stop())
+        except zmq.ZMQError:  # (zmq.Again: no peer, the core is gone)
+            pass
+    deadline = time.monotonic() + timeout_s
+    for popen in popens:
+        try:
+            popen.wait(max(deadline - time.monotonic(), 0.1) if timeout_s > 0 else 0.01)
+        except subprocess.TimeoutExpired:
+            popen.kill()
+            popen.wait()
+
+
+def bind_client(folder: str, cores: int) -> tuple[zmq.Socket[bytes], list[zmq.Socket[bytes]]]:
+    """An API server process's sockets in ``folder``: the report socket every core pushes to, and
+    one command socket per core."""
+    reports: zmq.Socket[bytes] = _CONTEXT.socket(zmq.PULL)
+    reports.bind(f"ipc://{folder}/{REPORTS_SOCKET}")
+    commands = []
+    for index in range(cores):
+        push: zmq.Socket[bytes] = _CONTEXT.socket(zmq.PUSH)
+        push.bind(f"ipc://{folder}/{command_socket(index)}")
+        commands.append(push)
+    return reports, commands
+
+
+def connect_cores(
+    config: EngineConfig,
+    folder: str,
+    pids: Sequence[int],
+    max_queue: int,
+    metrics: ServerMetrics | None,
+    client: int = 0,
+    popens: Sequence[subprocess.Popen[bytes]] | None = None,
+    admitted: InflightCount | None = None,
+) -> tuple[EngineFront, CoreClient]:
+    """This API server process's view of the engine cores ``pids`` (in core order): its sockets
+    bound in ``folder``, every core's ``Ready`` awaited (``CoreStartError`` otherwise), then the
+    front (tokenizer, limits, grammar compiler) and the client the handlers use."""
+    reports, commands = bind_client(folder, len(pids))
+    dp = len(pids)
+    cores = [
+        CoreProcess(
+            i,
+            "the engine core" if dp == 1 else f"data-parallel replica {i}",
+            pid,
+            commands[i],
+            None if popens is None else popens[i],
+        )
+        for i, pid in enumerate(pids)
+    ]
+    try:
+        readies = _wait_ready(cores, reports)
+    except BaseException:
+        for core in cores:
+            core.commands.close(linger=0)
+            if core.exit_fd is not None:
+                os.close(core.exit_fd)
+        reports.close(linger=0)
+        raise
+    first = readies[0]
+    kv_tokens = min(r.kv_capacity_tokens for r in readies)  # the smallest pool bounds every request
+    front = EngineFront(config, first.model_name, first.max_model_len, kv_tokens, first.page_size)
+    return front, CoreClient(cores, reports, front.tokenizer, max_queue, metrics, folder, client, admitted)
+
+
+def start_cores(
+    config: EngineConfig, max_queue: int, metrics: ServerMetrics | None
+) -> tuple[EngineFront, CoreClient]:
+    """The engine cores of one API server process (this one): started, and awaited until each has
+    built and warmed up its engine; raises ``CoreStartError`` (all stopped) otherwise."""
+    check_cores(config)
+    folder = tempfile.mkdtemp(prefix="ngrammar-api-")  # private (0700)
+    popens = launch_cores(config, [folder])
+    try:
+        return connect_cores(config, folder, [p.pid for p in popens], max_queue, metrics, popens=popens)
+    except BaseException:
+        stop_cores(popens, [], 0)
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
 
 
 def _wait_ready(cores: list[CoreProcess], reports: zmq.Socket[bytes]) -> list[Ready]:
@@ -538,11 +624,8 @@ def _wait_ready(cores: list[CoreProcess], reports: zmq.Socket[bytes]) -> list[Re
     while len(readies) < len(cores):
         if not reports.poll(200):
             for core in cores:
-                if core.process.poll() is not None:
-                    raise CoreStartError(
-                        f"{core.name} exited with code {core.process.returncode} while starting; "
-                        "its error is printed above"
-                    )
+                if core.exited():
+                    raise CoreStartError(f"{core.exit_text()} while starting; its error is printed above")
             if time.monotonic() > deadline:
                 raise CoreStartError(f"the engine cores did not start in {_START_TIMEOUT_S} s")
             continue

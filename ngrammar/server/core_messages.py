@@ -1,8 +1,8 @@
 """The engine-core protocol: what the API server and an engine core send each other (msgspec).
 
-API server -> core: ``Add`` (a prepared request: token ids and validated params), ``Abort``,
-``Stop``. Core -> API server: ``Ready`` (or ``StartFailed``) once its engine is built, then one
-``StepDelta`` per loop turn that changed something: the new token ids of every request that
+API server process(es) -> core: ``Add`` (a prepared request: token ids and validated params), ``Abort``,
+``Stop``. Core -> each API server process: ``Ready`` (or ``StartFailed``) once its engine is built,
+then one ``StepDelta`` per loop turn that changed something, holding that process's requests: the new token ids of every request that
 progressed (never the whole output again, never one message per token), finish reasons, logprobs,
 usage and the core's load.
 """
@@ -22,6 +22,7 @@ class Add(msgspec.Struct, tag=True, array_like=True):
     group: str  # the HTTP request it belongs to: cores hand requests over round-robin by group
     prompt_ids: list[int]
     params: SamplingParams
+    client: int = 0  # the API server process (``--api-server-count``) its deltas go to
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):
@@ -42,6 +43,7 @@ class CorpusCall(msgspec.Struct, tag=True, array_like=True):
     path: str | None = None
     documents: list[str] | None = None
     replace: bool = False
+    client: int = 0  # the API server process the reply goes to
 
 
 Command = Add | Abort | CorpusCall | Stop
@@ -89,7 +91,9 @@ class StepDelta(msgspec.Struct, tag=True, array_like=True):
     requests: list[RequestDelta]
     failed: list[RequestFailed]
     load: Load
-    step_seconds: float | None  # None: the turn ran no step (only admissions or aborts)
+    # None: the turn ran no step (only admissions or aborts), or another API server process got it
+    # (each step is timed once server-wide: only client 0's delta carries it)
+    step_seconds: float | None
 
 
 class CorpusReply(msgspec.Struct, tag=True, array_like=True):

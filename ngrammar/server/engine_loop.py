@@ -386,7 +386,7 @@ class AsyncEngine:
     def _publish(self) -> None:
         self.snapshot = self._take_snapshot()
         if self.metrics is not None:
-            self.metrics.set_gauges(self.snapshot)
+            self.metrics.set_gauges(self.snapshot, self.snapshot.num_inflight)
 
     def _take_snapshot(self) -> EngineSnapshot:
         e = self.engine

@@ -3,10 +3,16 @@
 Counters and histograms are fed as events happen (HTTP middleware, the engine loop thread);
 gauges are set from the engine snapshot the loop publishes after every step. prometheus-client
 objects are thread-safe, so both threads may update them.
+
+With ``--api-server-count`` > 1 each API server process writes its values to files in
+``PROMETHEUS_MULTIPROC_DIR`` (prometheus-client's multiprocess mode) and /metrics, whichever
+process answers, reads them all: counters and histograms summed, the engine's gauges (the same
+in every process) as the latest value, the in-flight count summed over live processes.
 """
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -17,6 +23,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.multiprocess import MultiProcessCollector
 
 if TYPE_CHECKING:
     from ngrammar.outputs import RequestOutput
@@ -49,18 +56,21 @@ class ServerMetrics:
             "ngrammar_prompt_tokens", "Prompt tokens of admitted requests", registry=r
         )
         self.generation_tokens = Counter("ngrammar_generation_tokens", "Tokens generated", registry=r)
-        self.queue_depth = Gauge(
-            "ngrammar_queue_depth", "Requests waiting for admission to the running batch", registry=r
+        self.queue_depth = engine_gauge(
+            "ngrammar_queue_depth", "Requests waiting for admission to the running batch", r
         )
-        self.running = Gauge("ngrammar_num_running", "Sequences in the running batch", registry=r)
+        self.running = engine_gauge("ngrammar_num_running", "Sequences in the running batch", r)
         self.inflight = Gauge(
-            "ngrammar_num_inflight", "Requests accepted and not finished (bounded by max_queue)", registry=r
+            "ngrammar_num_inflight",
+            "Sequences accepted and not finished (bounded by max_queue)",
+            registry=r,
+            multiprocess_mode="livesum",
         )
-        self.kv_usage = Gauge("ngrammar_kv_cache_usage", "Fraction of KV cache pages in use", registry=r)
-        self.compiles = Gauge(
+        self.kv_usage = engine_gauge("ngrammar_kv_cache_usage", "Fraction of KV cache pages in use", r)
+        self.compiles = engine_gauge(
             "ngrammar_kernel_compiles",
             "Kernel compilations in the engine core since it started (its warm-up's included)",
-            registry=r,
+            r,
         )
         self.prefix_queries = Counter(
             "ngrammar_prefix_cache_queries",
@@ -70,8 +80,8 @@ class ServerMetrics:
         self.prefix_hits = Counter(
             "ngrammar_prefix_cache_hits", "Prompt tokens whose KV the prefix cache held", registry=r
         )
-        self.prefix_hit_rate = Gauge(
-            "ngrammar_prefix_cache_hit_rate", "Prefix cache hit tokens / query tokens since start", registry=r
+        self.prefix_hit_rate = engine_gauge(
+            "ngrammar_prefix_cache_hit_rate", "Prefix cache hit tokens / query tokens since start", r
         )
         self._prefix_seen = (0, 0)  # (queries, hits) already counted: the snapshot's are cumulative
         self.accept_length = Histogram(
@@ -121,17 +131,34 @@ class ServerMetrics:
     def set_compiles(self, count: int) -> None:
         self.compiles.set(count)
 
-    def set_gauges(self, snap: EngineSnapshot) -> None:
+    def set_gauges(self, snap: EngineSnapshot, inflight: int, engine_counters: bool = True) -> None:
+        """The engine's gauges from ``snap``; ``inflight``: this process's sequences in flight.
+        ``engine_counters``: count the engine's own cumulative figures (prefix cache) here, which
+        only one of several API server processes does (every one sees the same engine)."""
         self.queue_depth.set(snap.num_waiting)
         self.running.set(snap.num_running)
-        self.inflight.set(snap.num_inflight)
+        self.inflight.set(inflight)
         self.kv_usage.set(snap.kv_usage)
         st = snap.stats
-        queries, hits = st.prefix_cache_query_tokens, st.prefix_cache_hit_tokens
-        self.prefix_queries.inc(max(queries - self._prefix_seen[0], 0))
-        self.prefix_hits.inc(max(hits - self._prefix_seen[1], 0))
-        self._prefix_seen = (queries, hits)
+        if engine_counters:
+            queries, hits = st.prefix_cache_query_tokens, st.prefix_cache_hit_tokens
+            self.prefix_queries.inc(max(queries - self._prefix_seen[0], 0))
+            self.prefix_hits.inc(max(hits - self._prefix_seen[1], 0))
+            self._prefix_seen = (queries, hits)
         self.prefix_hit_rate.set(st.prefix_cache_hit_rate)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        folder = os.environ.get(MULTIPROC_ENV)
+        if not folder:
+            return generate_latest(self.registry)
+        every = CollectorRegistry()
+        MultiProcessCollector(every, folder)
+        return generate_latest(every)
+
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # set by the supervisor of several API server processes
+
+
+def engine_gauge(name: str, doc: str, registry: CollectorRegistry) -> Gauge:
+    """A gauge of the engine's state: every API server process sets the same value."""
+    return Gauge(name, doc, registry=registry, multiprocess_mode="mostrecent")
