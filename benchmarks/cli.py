@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import shlex
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="sweep: serve a host-bound random-weight Llama of this many 16-wide layers (the real tokenizer)",
+    )
+    serve.add_argument(
+        "--server-flags", default="", help="sweep: more 'ngrammar serve' flags, e.g. '--api-server-count 4'"
     )
     serve.add_argument("--num-requests", type=int, default=None, help="sweep: per level; shared-prefix: 64")
     serve.add_argument("--concurrency", type=int, default=8, help="shared-prefix clients")
@@ -246,7 +250,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         if not set(modes) <= set(MODES):
             raise SystemExit(f"--modes takes {', '.join(MODES)}")
-        server_args = _serve_args(args)
+        server_args = _serve_args(args) + shlex.split(args.server_flags)
         with tempfile.TemporaryDirectory() as tmp:
             if args.tiny_layers:
                 from benchmarks.bench_host import tiny_checkpoint
