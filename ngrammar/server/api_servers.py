@@ -66,6 +66,7 @@ class ApiServerSpec:
     port: int  # the port every API server process listens on (SO_REUSEPORT)
     ready_fd: int  # written once connected to the cores
     go_fd: int  # its end-of-file: every API server process is ready, so all start listening at once
+    stop_fd: int  # its end-of-file: drain and exit
 
 
 def share(total: int, parts: int, index: int) -> int:
@@ -93,6 +94,8 @@ def serve_processes(config: ServerConfig, engine: EngineConfig) -> int:
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": os.path.join(root, METRICS_DIR)}
     ready_r, ready_w = os.pipe()
     go_r, go_w = os.pipe()
+    stop_r, stop_w = os.pipe()
+    pipes = {ready_r, ready_w, go_r, go_w, stop_r, stop_w}  # open: each closed once (fds are reused)
     workers: list[subprocess.Popen[bytes]] = []
     try:
         for i, folder in enumerate(folders):
@@ -109,6 +112,7 @@ def serve_processes(config: ServerConfig, engine: EngineConfig) -> int:
                 port,
                 ready_w,
                 go_r,
+                stop_r,
             )
             path = os.path.join(folder, SPEC_FILE)
             with open(path, "wb") as f:
@@ -117,15 +121,15 @@ def serve_processes(config: ServerConfig, engine: EngineConfig) -> int:
                 subprocess.Popen(
                     [sys.executable, "-m", "ngrammar.server.api_servers", path, str(os.getpid())],
                     env=env,
-                    pass_fds=(ready_w, go_r),
+                    pass_fds=(ready_w, go_r, stop_r),
                 )
             )
-        os.close(ready_w)
-        os.close(go_r)
+        for fd in (ready_w, go_r, stop_r):
+            _close(pipes, fd)
         if not _all_ready(ready_r, workers):
             return 1
-        os.close(go_w)  # every API server process starts listening
-        return _supervise(workers)
+        _close(pipes, go_w)  # every API server process starts listening
+        return _supervise(workers, lambda: _close(pipes, stop_w))
     finally:
         for w in workers:
             if w.poll() is None:
@@ -140,12 +144,15 @@ def serve_processes(config: ServerConfig, engine: EngineConfig) -> int:
         for s in stops:
             s.close(linger=0)
         claim.close()
-        for fd in (ready_r, ready_w, go_r, go_w):
-            try:
-                os.close(fd)
-            except OSError:  # (closed already)
-                pass
+        for fd in list(pipes):
+            _close(pipes, fd)
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _close(pipes: set[int], fd: int) -> None:
+    if fd in pipes:
+        pipes.remove(fd)
+        os.close(fd)
 
 
 def _all_ready(ready: int, workers: list[subprocess.Popen[bytes]]) -> bool:
@@ -186,18 +193,21 @@ def _sender(sock: zmq.Socket[bytes]) -> Callable[[Stop], None]:
     return send
 
 
-def _supervise(workers: list[subprocess.Popen[bytes]]) -> int:
-    """Wait for the API server processes: a stop signal drains them all; one that ends on its own
-    ends the others. Returns 0 after a requested stop, 1 otherwise."""
+def _supervise(workers: list[subprocess.Popen[bytes]], stop: Callable[[], None]) -> int:
+    """Wait for the API server processes: a stop signal drains them all (``stop`` closes a pipe: no
+    signal of theirs, so a terminal's SIGINT, which reached them too, does not count twice), a
+    second one ends them at once; one that ends on its own ends the others. Returns 0 after a
+    requested stop, 1 otherwise."""
     stopping = threading.Event()
 
     def on_signal(sig: int, _: FrameType | None) -> None:
-        first = not stopping.is_set()
-        stopping.set()
-        if sig == signal.SIGTERM or not first:  # (a terminal's SIGINT reached them already)
-            for w in workers:
-                if w.poll() is None:
-                    w.send_signal(sig)
+        if not stopping.is_set():
+            stopping.set()
+            stop()
+            return
+        for w in workers:
+            if w.poll() is None:
+                w.send_signal(signal.SIGINT)  # (uvicorn: a SIGINT while draining exits at once)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     exits = [os.pidfd_open(w.pid) for w in workers]  # (a core's exit is its API servers' to answer: 503)
@@ -243,18 +253,18 @@ def api_server_main(path: str, parent: int) -> None:
     os.close(spec.ready_fd)
     os.read(spec.go_fd, 1)  # (end of file once the supervisor heard from every process)
     os.close(spec.go_fd)
-    _exit_with_parent(parent, server)
+    _watch_stop(parent, spec.stop_fd, server)
     listener = bind_shared(spec.server.host, spec.port)
     listener.listen(2048)
     server.run(sockets=[listener])
 
 
-def _exit_with_parent(parent: int, server: DrainingServer) -> None:
-    """Stop serving once the supervisor is gone (a thread blocked on its pidfd)."""
+def _watch_stop(parent: int, stop: int, server: DrainingServer) -> None:
+    """Drain and stop once the supervisor says so or is gone (a thread blocked on both)."""
     fd = os.pidfd_open(parent)
 
     def watch() -> None:
-        select.select([fd], [], [])
+        select.select([fd, stop], [], [])
         server.should_exit = True
 
     threading.Thread(target=watch, name="supervisor-watch", daemon=True).start()
