@@ -138,10 +138,10 @@ def test_pool_reports_rejected_tokens_and_dead_ends(backend: GrammarBackend, poo
 def test_pool_settles_every_kind_of_deferred_state(
     backend: GrammarBackend, compiled: list[xgr.CompiledGrammar], pool: GrammarFillPool, tokenizer: Tokenizer
 ) -> None:
-    """The chunks' batched accept takes a matcher's one deferred token; matchers at the start, with
-    nothing deferred past it, with several deferred tokens or with a refused token (alone, or among
-    several) are settled on the caller's thread: each row equals a bare matcher's fill, a refused
-    one allows everything, and the wrappers' state is as ``settle`` leaves it."""
+    """Matchers at the start, with one deferred token, with nothing deferred past the start, with
+    several deferred tokens or with a refused token (alone, among several, past the vocabulary),
+    at rows in another order: each row equals a bare matcher's fill, a refused one allows
+    everything, and each wrapper's own state (its depth: the start row or a fill) agrees."""
     schema = compiled[0]
     text = tokenizer.encode('{"name": "ab", "n": 12, "ok": true}')
     eos_first = [EOS, *text[1:]]
@@ -177,7 +177,7 @@ def test_pool_settles_every_kind_of_deferred_state(
         if refused is None:
             reference.fill_next_token_bitmask(want, 0)
         assert torch.equal(bitmask[row], want[0])
-        assert m.lone_deferred() is None and not m.is_terminated()
+        assert not m.is_terminated()
         m.fill_bitmask(want, 0)  # the wrapper's own state: its row, from its depth
         if refused is None:
             assert torch.equal(bitmask[row], want[0])

@@ -237,27 +237,6 @@ class GrammarMatcher:
                 return token
         return None
 
-    def lone_deferred(self) -> int | None:
-        """The deferred token when exactly one in-vocabulary token waits (a plain step's), for a
-        batched accept (``xgrammar.BatchGrammarMatcher.batch_accept_token`` on ``unsettled``, then
-        ``took_deferred``); None otherwise (``settle`` it)."""
-        pending = self._pending
-        if len(pending) == 1 and 0 <= pending[0] < self.vocab_size:
-            return pending[0]
-        return None
-
-    def took_deferred(self, accepted: bool) -> None:
-        """The ``lone_deferred`` token went to xgrammar in a batched call, which took it or not
-        (then its state is unchanged, as after a rejecting ``settle``)."""
-        self._pending = []
-        if accepted:
-            self._depth += 1
-
-    @property
-    def unsettled(self) -> xgr.GrammarMatcher:
-        """The wrapped ``xgrammar.GrammarMatcher`` as it is: the deferred tokens not given to it."""
-        return self._m
-
     def _settled(self) -> None:
         if self._pending and (rejected := self.settle()) is not None:
             raise GrammarRejectedError(f"grammar rejected committed token {rejected}")

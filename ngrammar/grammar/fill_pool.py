@@ -1,11 +1,12 @@
 """Settling matchers and filling their bitmask rows on persistent threads, in chunks of requests.
 
-xgrammar releases the GIL inside its calls, so threads fill rows in parallel. The threads are
-created once (per engine) and live until ``close``; xgrammar's own multi-threaded batch fill starts
-its threads on every call, which costs more than it saves at the engine's batch sizes. A plain
-step's chunk is two batched xgrammar calls (accept each matcher's deferred token, fill the rows) and
-no Python per matcher, so a worker holds the GIL only to start and end its chunk. Below
-``serial_below`` matchers one chunk runs on the caller's thread (no hand-off).
+xgrammar releases the GIL inside its calls, so threads fill rows in parallel; but each call must
+take the GIL back, and a thread that finds it held waits until the holder releases it (up to the
+interpreter's switch interval, 5 ms, when the holder runs Python). So a plain step's workers make
+one call each (a batched fill) and the Python per matcher (settling, start rows) stays on the
+caller's thread. The threads are created once (per engine) and live until ``close``; xgrammar's own
+multi-threaded batch fill starts its threads on every call, which costs more than it saves at the
+engine's batch sizes. Below ``serial_below`` matchers one chunk runs on the caller's thread.
 
 Each matcher sits in exactly one chunk, so no two threads touch the same matcher; chunks write
 disjoint rows of the bitmask.
@@ -32,9 +33,9 @@ if TYPE_CHECKING:
 
 # Matchers below which one chunk on the caller's thread beats handing chunks to the pool. On a GPU
 # host the engine's batched xgrammar call beat the pool at every batch measured (64 and 128 members:
-# the workers contended for the GIL, each settling its matchers one Python call at a time), so the
+# the workers contended for the GIL, each settling its matchers one xgrammar call at a time), so the
 # pool only takes batches past that (python -m benchmarks.gpu_bench --parts smollm2, equal-work
-# json_object pairs; LOG.md). Measured before the chunks became two batched calls: A/B it again
+# json_object pairs; LOG.md). Measured before a worker's chunk became one batched fill: A/B it again
 # with NGRAMMAR_FILL_SERIAL_BELOW (and NGRAMMAR_FILL_THREADS), which override the defaults.
 SERIAL_BELOW = 192
 MAX_FILL_THREADS = 8  # more threads than this only split a batch into chunks too small to pay
@@ -85,85 +86,42 @@ class GrammarFillPool:
         tokens; CPU int32 bitmask [R, W]. A matcher whose settle rejects a token gets an all-allowed
         row (its sequence finishes; the token drawn there is dropped at commit).
 
-        Each chunk is two batched xgrammar calls, which run without the GIL: accept the matchers'
-        one deferred token (a plain step's), then fill the rows of those that took it. Everything
-        per matcher in Python (sorting them out, the cached start rows, matchers with no or several
-        deferred tokens, the wrappers' bookkeeping, the empty rows) stays on the caller's thread:
-        on the workers it made them contend for the GIL around every xgrammar call."""
+        The caller's thread settles every matcher and copies the cached start rows; the rows left
+        are filled in chunks, each one batched xgrammar call, then the empty rows are found. A
+        worker makes that one call and nothing else: every xgrammar call releases the GIL and must
+        take it back, and workers settling their own matchers (a call per token) queued for it
+        behind each other and the caller (LOG.md, issue 41)."""
         words = bitmask.numpy()
         out = FillOutcome()
         settled: list[int] = []  # the matchers that settled, and their rows
         filled: list[int] = []
-        # the matchers the chunks take: index, xgrammar matcher, deferred token (-1: none), row
-        index: list[int] = []
-        inner: list[xgr.GrammarMatcher] = []
-        tokens: list[int] = []
-        work_rows: list[int] = []
+        fill: list[xgr.GrammarMatcher] = []  # the matchers to fill, and their rows
+        fill_rows: list[int] = []
         for i, matcher in enumerate(matchers):
             row = int(rows[i])
-            token = matcher.lone_deferred()
-            if token is None:
-                rejected = matcher.settle()
-                if rejected is not None:
-                    out.rejected.append((i, rejected))
-                    words[row] = -1
-                    continue
-                start = matcher.start_row()
-                if start is not None:
-                    words[row] = start
-                    settled.append(i)
-                    filled.append(row)
-                    continue
-            index.append(i)
-            inner.append(matcher.unsettled)
-            tokens.append(-1 if token is None else token)
-            work_rows.append(row)
-        if index:
-            parts = self._map(
-                len(index),
-                lambda lo, hi: self._settle_and_fill(inner[lo:hi], tokens[lo:hi], work_rows[lo:hi], bitmask),
+            rejected = matcher.settle()
+            if rejected is not None:
+                out.rejected.append((i, rejected))
+                words[row] = -1
+                continue
+            settled.append(i)
+            filled.append(row)
+            start = matcher.start_row()
+            if start is not None:
+                words[row] = start
+            else:
+                fill.append(matcher.xgrammar_matcher)
+                fill_rows.append(row)
+        if fill:
+            self._map(
+                len(fill),
+                lambda lo, hi: self._batch_matcher().batch_fill_next_token_bitmask(
+                    fill[lo:hi], bitmask, fill_rows[lo:hi]
+                ),
             )
-            accepted = [ok for part in parts for ok in part]
-            for k, i in enumerate(index):
-                if tokens[k] >= 0:
-                    matchers[i].took_deferred(accepted[k])
-                if accepted[k]:
-                    settled.append(i)
-                    filled.append(work_rows[k])
-                else:
-                    out.rejected.append((i, tokens[k]))
-                    words[work_rows[k]] = -1
         if filled:
-            out.dead = sorted(settled[k] for k in np.flatnonzero(~words[filled].any(axis=1)).tolist())
-        out.rejected.sort()
+            out.dead = [settled[k] for k in np.flatnonzero(~words[filled].any(axis=1)).tolist()]
         return out
-
-    def _settle_and_fill(
-        self, matchers: list[xgr.GrammarMatcher], tokens: list[int], rows: list[int], bitmask: torch.Tensor
-    ) -> list[bool]:
-        """One chunk: each matcher takes its token (-1: none), then the rows of those that took it
-        are filled; returns which took it."""
-        xgr = self._xgr
-        take = [k for k, t in enumerate(tokens) if t >= 0]
-        if len(take) == len(tokens):
-            accepted = xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
-        else:
-            accepted = [True] * len(tokens)
-            if take:
-                took = xgr.BatchGrammarMatcher.batch_accept_token(
-                    [matchers[k] for k in take], [tokens[k] for k in take]
-                )
-                for k, ok in zip(take, took):
-                    accepted[k] = ok
-        if all(accepted):
-            self._batch_matcher().batch_fill_next_token_bitmask(matchers, bitmask, rows)
-        else:
-            keep = [k for k, ok in enumerate(accepted) if ok]
-            if keep:
-                self._batch_matcher().batch_fill_next_token_bitmask(
-                    [matchers[k] for k in keep], bitmask, [rows[k] for k in keep]
-                )
-        return accepted
 
     def fill_trees(
         self,
