@@ -401,8 +401,7 @@ def offline_figures(
         for j in range(k, min(k + batch, len(ids))):
             core.handle(Add(f"offline-{j}", f"offline-{j}", ids[j], params[j]))
         while core.busy:
-            delta = core.turn()
-            tokens += 0 if delta is None else sum(len(s.token_ids) for r in delta.requests for s in r.seqs)
+            tokens += sum(len(s.token_ids) for d in core.turn() for r in d.requests for s in r.seqs)
     streaming = tokens / (time.perf_counter() - start)
     llm.engine.close()
     return {"offline_tok_s": plain, "offline_stream_tok_s": streaming}

@@ -151,3 +151,16 @@ def test_the_replay_benchmark_reproduces_its_recording_on_another_shape() -> Non
     assert res["smollm2_live/b1/extraction"]["identical"] == 1.0
     assert "live_ratio_error" in res["smollm2_replay/b1/extraction"]
     assert res["8b_replay_cost"]["free_tok_s"] > 0
+
+
+def test_the_serve_benchmarks_offline_side_counts_the_cores_deltas() -> None:
+    from benchmarks.bench_serve import offline_figures
+
+    body = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "ignore_eos": True}
+    figures = offline_figures(
+        ["--device", "cpu", "--dtype", "float32", "--kv-cache-tokens", "2048"],
+        "plain",
+        [(body, False)] * 2,
+        2,
+    )
+    assert figures["offline_tok_s"] > 0 and figures["offline_stream_tok_s"] > 0
