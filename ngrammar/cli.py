@@ -77,6 +77,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_node(build_engine_config(**engine_kwargs(args)))
         if args.command == "generate":
             return _generate(args)
+        if args.api_server_count > 1:
+            from ngrammar.server.api_servers import serve_processes
+
+            return serve_processes(args)
         from ngrammar.server.app import serve
 
         return serve(args)

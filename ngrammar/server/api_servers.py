@@ -40,6 +40,8 @@ from ngrammar.config import EngineConfig
 from ngrammar.server.config import ServerConfig
 
 if TYPE_CHECKING:
+    import argparse
+
     import zmq
 
     from ngrammar.server.core_messages import Stop
@@ -74,10 +76,15 @@ def share(total: int, parts: int, index: int) -> int:
     return max(1, total // parts + (index < total % parts))
 
 
-def serve_processes(config: ServerConfig, engine: EngineConfig) -> int:
-    """Run the supervisor until the API server processes end; their exit status."""
+def serve_processes(args: argparse.Namespace) -> int:
+    """``ngrammar serve --api-server-count N`` (N > 1): run the supervisor until the API server
+    processes end; their exit status."""
+    from ngrammar.args import config_kwargs, engine_kwargs
+    from ngrammar.llm import build_engine_config
     from ngrammar.server.core_client import bind_client, check_cores, launch_cores, stop_cores
 
+    config = ServerConfig(**config_kwargs(args, ServerConfig))
+    engine = build_engine_config(**engine_kwargs(args))
     count = config.api_server_count
     check_cores(engine)
     # Held (bound, never listening) for the server's life: the port is checked free now, and a

@@ -514,10 +514,6 @@ def serve(args: argparse.Namespace) -> int:
     from ngrammar.args import config_kwargs
 
     config = ServerConfig(**config_kwargs(args, ServerConfig))
-    if config.api_server_count > 1:
-        from ngrammar.server.api_servers import serve_processes
-
-        return serve_processes(config, build_engine_config(**engine_kwargs(args)))
     app = create_app(engine_kwargs(args), config=config)
     DrainingServer(uvicorn.Config(app, log_level="info", **uvicorn_kwargs(config))).run()
     return 0
