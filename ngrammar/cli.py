@@ -77,7 +77,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_node(build_engine_config(**engine_kwargs(args)))
         if args.command == "generate":
             return _generate(args)
-        if args.api_server_count > 1:
+        from ngrammar.args import config_kwargs
+        from ngrammar.server.config import ServerConfig
+
+        config = ServerConfig(**config_kwargs(args, ServerConfig))  # (validated: bad flags exit 2 here)
+        if config.api_server_count > 1:
             from ngrammar.server.api_servers import serve_processes
 
             return serve_processes(args)
