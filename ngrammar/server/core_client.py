@@ -488,7 +488,8 @@ def check_cores(config: EngineConfig) -> None:
 
     if config.nnodes > 1:
         raise ValueError("the server runs one node's replicas; start other nodes' ranks with --node-rank")
-    checkpoint = resolve_checkpoint(config.model)  # converts a GGUF once, before the cores read it
+    # converts a GGUF once, before the cores read it; a dummy load needs no weights in a folder
+    checkpoint = resolve_checkpoint(config.model, weights=config.load_format != "dummy")
     device = resolve_device(config.device)
     check_tensor_parallel(checkpoint.config, config.tensor_parallel_size, device)
     dp = config.data_parallel_size

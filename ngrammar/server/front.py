@@ -29,7 +29,7 @@ class EngineFront:
         kv_capacity_tokens: int,
         page_size: int,
     ) -> None:
-        checkpoint = resolve_checkpoint(config.model)
+        checkpoint = resolve_checkpoint(config.model, weights=config.load_format != "dummy")
         self.config = config
         self.model_config = checkpoint.config
         self.model_name = model_name
