@@ -120,14 +120,25 @@ def test_a_server_starts_on_a_weightless_folder_with_dummy_weights(tmp_path: Pat
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
-    command = [sys.executable, "-m", "ngrammar.cli", "serve", "--model", str(folder), "--load-format", "dummy"]
+    command = [
+        sys.executable,
+        "-m",
+        "ngrammar.cli",
+        "serve",
+        "--model",
+        str(folder),
+        "--load-format",
+        "dummy",
+    ]
     command += ["--device", "cpu", "--dtype", "float32", "--kv-cache-tokens", "1024", "--port", str(port)]
     server = subprocess.Popen(command, stderr=subprocess.PIPE)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 180
     try:
         while True:
             if server.poll() is not None:
-                pytest.fail(f"the server exited: {server.stderr.read().decode()[-2000:] if server.stderr else ''}")
+                pytest.fail(
+                    f"the server exited: {server.stderr.read().decode()[-2000:] if server.stderr else ''}"
+                )
             try:
                 if httpx.get(f"{url}/health", timeout=5).status_code == 200:
                     break
