@@ -114,7 +114,10 @@ class ServerProcess:
         self.server_path = server_path
 
     def __enter__(self) -> ServerProcess:
-        env = None if self.server_path is None else {**os.environ, "PYTHONPATH": self.server_path}
+        env = None
+        if self.server_path is not None:  # first on the path; what it does not hold (deps) still resolves
+            inherited = os.environ.get("PYTHONPATH")
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [self.server_path, inherited]))}
         # ``python -m`` puts the working directory first on sys.path: run another checkout from its root.
         self.proc = subprocess.Popen(
             self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=self.server_path
