@@ -160,43 +160,6 @@ def test_each_api_server_process_gets_its_own_requests_and_every_one_the_load(of
     assert seen == {0: {"b"}, 1: {"a"}}
 
 
-def test_reports_queued_behind_one_are_read_in_the_same_wake() -> None:
-    """``drain``: the reports already queued come back with the first (the handlers then see every
-    step that arrived before they run: one chunk per stream for a burst), at most ``limit``, and a wait
-    when none is queued."""
-    import asyncio
-
-    import zmq
-    import zmq.asyncio
-
-    from ngrammar.server.core_client import drain
-
-    async def run() -> tuple[list[bytes], list[bytes], list[bytes]]:
-        ctx = zmq.asyncio.Context()
-        pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-        pull.bind("inproc://drain")
-        push.connect("inproc://drain")
-        for i in range(10):
-            await push.send(b"%d" % i)
-        await asyncio.sleep(0.05)
-        first = [bytes(f.buffer) for f in await drain(pull, limit=4)]
-        rest = [bytes(f.buffer) for f in await drain(pull)]
-        waiting = asyncio.ensure_future(drain(pull))
-        await asyncio.sleep(0.05)
-        assert not waiting.done()
-        await push.send(b"late")
-        late = [bytes(f.buffer) for f in await asyncio.wait_for(waiting, 5)]
-        push.close(0)
-        pull.close(0)
-        ctx.term()
-        return first, rest, late
-
-    first, rest, late = asyncio.run(run())
-    assert first == [b"0", b"1", b"2", b"3"]
-    assert rest == [b"%d" % i for i in range(4, 10)]
-    assert late == [b"late"]
-
-
 def test_streamed_equals_non_streamed_equals_offline(http: httpx.Client, offline: LLM) -> None:
     expected = offline.generate([c[0] for c in CASES], [c[2] for c in CASES])
     for (prompt, extra, _), out in zip(CASES, expected):

@@ -74,7 +74,6 @@ log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 1800.0
 _STOP_TIMEOUT_S = 30.0
-DRAIN_LIMIT = 64  # reports handled per wake at most: bounds the delay a burst adds to other work
 _CONTEXT: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
 
 
@@ -317,22 +316,18 @@ class CoreClient:
     # ------------------------------------------------------------ event loop
     async def _read(self, reports: zmq.asyncio.Socket) -> None:
         while True:
-            for raw in await drain(reports):
-                self._on_report(raw)
-            self._publish()
-
-    def _on_report(self, raw: zmq.Frame) -> None:
-        try:
-            report = report_decoder.decode(raw.buffer)
-        except msgspec.DecodeError:
-            log.exception("an unreadable report from an engine core")
-            return
-        if isinstance(report, StepDelta):
-            self._on_step(report)
-        elif isinstance(report, CorpusReply):
-            call = self.replicas[report.core].calls.pop(report.call, None)
-            if call is not None and not call.done():
-                call.set_result(report)
+            raw = await reports.recv(copy=False)
+            try:
+                report = report_decoder.decode(raw.buffer)
+            except msgspec.DecodeError:
+                log.exception("an unreadable report from an engine core")
+                continue
+            if isinstance(report, StepDelta):
+                self._on_step(report)
+            elif isinstance(report, CorpusReply):
+                call = self.replicas[report.core].calls.pop(report.call, None)
+                if call is not None and not call.done():
+                    call.set_result(report)
 
     async def corpus_call(self, op: str, **fields: Any) -> Any:
         """``op`` on every live core's draft corpora (each drafts on its own); core 0's result.
@@ -376,6 +371,7 @@ class CoreClient:
         core.load = delta.load
         if self.metrics is not None and delta.step_seconds is not None:
             self.metrics.observe_step(delta.step_seconds, new_tokens)
+        self._publish()
 
     def _on_failed(self, failed: RequestFailed) -> None:
         if failed.request_id not in self._assemblies:
@@ -469,16 +465,6 @@ def _sum_stats(stats: list[EngineStats]) -> EngineStats:
         if values and f.name != "gap_start":  # (a core's own clock reading: no sum)
             setattr(out, f.name, max(values) if f.name == "last_step_seconds" else sum(values))
     return out
-
-
-async def drain(reports: zmq.asyncio.Socket, limit: int = DRAIN_LIMIT) -> list[zmq.Frame]:
-    """The next report and every one already queued behind it (up to ``limit``), read before the
-    handlers run: when this process falls behind the cores, a stream wakes once for all the steps that
-    arrived and sends them as one chunk, instead of one socket write per token per step."""
-    frames = [await reports.recv(copy=False)]
-    while len(frames) < limit and int(reports.get(zmq.EVENTS)) & zmq.POLLIN:
-        frames.append(await reports.recv(copy=False))  # one is queued: completes without yielding
-    return frames
 
 
 def _rebuild_error(name: str, text: str) -> BaseException:
