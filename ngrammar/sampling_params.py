@@ -42,7 +42,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: chosen token plus k alternatives
-    json_schema: dict[str, Any] | str | None = None
+    json_schema: dict[str, Any] | bool | str | None = None  # (the type the core's decoder checks)
     regex: str | None = None
     ebnf: str | None = None
     json_object: bool = False

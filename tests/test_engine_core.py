@@ -296,3 +296,13 @@ def test_a_dead_core_fails_requests_with_5xx_and_health_with_503(
     assert "engine core" in last["error"]["message"] and results["stream"][-1] == "data: [DONE]"
     assert http.get("/health").status_code == 503
     assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 503
+
+
+def test_every_schema_the_server_accepts_reaches_the_core() -> None:
+    """``"json_schema": true`` passes the HTTP checks (any JSON schema, a boolean included): the
+    core's decoder must take it too, or one request kills the engine-core process."""
+    from ngrammar.server.core_messages import command_decoder, encoder
+
+    for schema in (True, {"type": "object"}, '{"type": "string"}'):
+        add = Add("r", "g", [1, 2], SamplingParams(max_tokens=4, json_schema=schema))
+        assert command_decoder.decode(encoder.encode(add)).params.json_schema == schema
