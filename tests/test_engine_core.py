@@ -306,3 +306,37 @@ def test_every_schema_the_server_accepts_reaches_the_core() -> None:
     for schema in (True, {"type": "object"}, '{"type": "string"}'):
         add = Add("r", "g", [1, 2], SamplingParams(max_tokens=4, json_schema=schema))
         assert command_decoder.decode(encoder.encode(add)).params.json_schema == schema
+
+
+def test_a_request_that_cannot_be_sent_is_a_400_and_leaves_nothing_admitted(
+    offline: LLM, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A JSON schema may hold an integer msgpack cannot carry (past 64 bits): the request is refused
+    before it is counted, instead of a 500 that kept its sequences admitted and its request "in flight"
+    for good (the queue filled up with them; /health reported a stalled engine)."""
+    import zmq
+
+    from ngrammar.sampling_params import InvalidRequestError
+    from ngrammar.server.core_client import CoreProcess
+    from ngrammar.server.core_messages import command_decoder
+
+    ctx = zmq.Context.instance()
+    push, pull, reports = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL), ctx.socket(zmq.PULL)
+    push.bind("inproc://unsendable")
+    pull.connect("inproc://unsendable")
+    core = CoreProcess(0, "the engine core", os.getpid(), push, None)
+    client = CoreClient([core], reports, offline.engine.tokenizer, 2, None, str(tmp_path))
+    monkeypatch.setattr(CoreClient, "alive", True)
+    try:
+        huge = SamplingParams(max_tokens=4, json_schema={"const": 10**30})
+        for _ in range(3):  # more than the queue of 2 holds
+            with pytest.raises(InvalidRequestError, match="cannot take"):
+                client.submit([[1, 2], [3]], [SamplingParams(max_tokens=4), huge])
+        assert client.admitted.count == 0 and not core.requests and not client._assemblies
+        assert pull.poll(0) == 0  # nothing half-sent
+        group = client.submit([[1, 2]], [SamplingParams(max_tokens=4)])
+        assert client.admitted.count == 1
+        assert command_decoder.decode(pull.recv()).request_id == group.request_ids[0]
+    finally:
+        client._close()
+        pull.close(linger=0)

@@ -171,9 +171,11 @@ class CoreProcess:
         self.exit_fd: int | None = os.pidfd_open(pid)  # readable once the process ended
         self.calls: dict[int, asyncio.Future[CorpusReply]] = {}  # corpus calls awaiting its reply
 
-    def send(self, command: Add | Abort | CorpusCall | Stop, flags: int = 0) -> None:
+    def send(self, command: Add | Abort | CorpusCall | Stop | bytes, flags: int = 0) -> None:
+        """Send ``command`` (or its encoding)."""
+        raw = command if isinstance(command, bytes) else encoder.encode(command)
         with self.send_lock:
-            self.commands.send(encoder.encode(command), flags, copy=False)
+            self.commands.send(raw, flags, copy=False)
 
     def stop(self, command: Stop) -> None:
         """Send ``Stop`` without waiting for a peer (a core that is gone has none)."""
@@ -285,11 +287,19 @@ class CoreClient:
             raise EngineUnavailable("no engine core is running")
         seqs = sum(p.n for p in params)
         self.check_fits(seqs)
+        ids = [f"{prefix}-{uuid.uuid4().hex}" for _ in prompts]
+        # Encoded before anything is counted: a value msgpack cannot carry (an integer past 64 bits
+        # in a JSON schema) is the request's error, and leaves no admission or request behind.
+        try:
+            adds = [
+                encoder.encode(Add(r, ids[0], t, p, self.client)) for r, t, p in zip(ids, prompts, params)
+            ]
+        except (OverflowError, TypeError, msgspec.EncodeError) as e:
+            raise InvalidRequestError(f"the request holds a value the engine cannot take: {e}") from None
         if not self.admitted.take(seqs, self.max_queue):
             raise QueueFull(self.max_queue)
-        ids = [f"{prefix}-{uuid.uuid4().hex}" for _ in prompts]
         group = RequestGroup(self, ids)
-        for request_id, prompt_ids, p in zip(ids, prompts, params):
+        for request_id, prompt_ids, p, add in zip(ids, prompts, params, adds):
             core = min((c for c in self.replicas if c.alive), key=lambda c: (c.sequences, c.index))
             if not core.requests:
                 core.heard = time.monotonic()  # an idle core's stall clock starts now
@@ -300,7 +310,7 @@ class CoreClient:
             self._groups[request_id] = group
             self._assemblies[request_id] = _Assembly(request_id, prompt_ids, p, self.tokenizer)
             try:
-                core.send(Add(request_id, ids[0], prompt_ids, p, self.client))
+                core.send(add)
             finally:
                 if on_admitted is not None:
                     on_admitted()
