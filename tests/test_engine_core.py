@@ -340,3 +340,23 @@ def test_a_request_that_cannot_be_sent_is_a_400_and_leaves_nothing_admitted(
     finally:
         client._close()
         pull.close(linger=0)
+
+
+def test_server_info_counts_the_requests_of_every_api_server_process(tmp_path: Any) -> None:
+    """With ``--api-server-count`` the admitted count is shared: /server_info's ``num_inflight``
+    reads it when asked, not when this process last heard from a core (a process whose last report
+    came before another process's requests finished showed them in flight for good)."""
+    import zmq
+
+    from ngrammar.server.admission import SharedInflightCount
+
+    path = str(tmp_path / "inflight")
+    reports = zmq.Context.instance().socket(zmq.PULL)
+    mine = CoreClient([], reports, None, 8, None, str(tmp_path / "a"), admitted=SharedInflightCount(path))  # type: ignore[arg-type]
+    other = SharedInflightCount(path)
+    try:
+        assert other.take(3, 8) and mine.snapshot.num_inflight == 3
+        other.give(3)
+        assert mine.snapshot.num_inflight == 0
+    finally:
+        mine._close()

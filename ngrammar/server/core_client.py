@@ -230,7 +230,14 @@ class CoreClient:
             if metrics is None
             else engine_gauge("ngrammar_dp_replicas_alive", "Engine-core processes serving", metrics.registry)
         )
-        self.snapshot = self._take_snapshot()
+        self._snapshot = self._take_snapshot()
+
+    @property
+    def snapshot(self) -> EngineSnapshot:
+        """The loads last reported, with the admitted count read now: with ``--api-server-count``
+        another process's requests change it (finishing) without any report to this one."""
+        snap, count = self._snapshot, self.admitted.count
+        return snap if snap.num_inflight == count else dataclasses.replace(snap, num_inflight=count)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -440,7 +447,7 @@ class CoreClient:
         self.admitted.give(assembly.weight)
 
     def _publish(self) -> None:
-        self.snapshot = self._take_snapshot()
+        self._snapshot = self._take_snapshot()
         if self.metrics is None:
             return
         self.metrics.set_gauges(self.snapshot, self.admitted.own, engine_counters=self.client == 0)
