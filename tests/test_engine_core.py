@@ -360,3 +360,36 @@ def test_server_info_counts_the_requests_of_every_api_server_process(tmp_path: A
         assert mine.snapshot.num_inflight == 0
     finally:
         mine._close()
+
+
+def test_every_api_server_process_counts_the_tokens_of_its_requests(
+    offline: LLM, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only client 0's deltas carry the step's time (one observation server-wide), but each process's
+    deltas carry its own requests' tokens: process 1 dropped them from ngrammar_generation_tokens."""
+    import zmq
+
+    from ngrammar.engine.stats import EngineStats
+    from ngrammar.server.core_client import CoreProcess
+    from ngrammar.server.core_messages import Load, RequestDelta, SeqDelta, StepDelta
+    from ngrammar.server.metrics import ServerMetrics
+
+    ctx = zmq.Context.instance()
+    push, pull, reports = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL), ctx.socket(zmq.PULL)
+    push.bind("inproc://tokens-of-client-1")
+    pull.connect("inproc://tokens-of-client-1")
+    core = CoreProcess(0, "the engine core", os.getpid(), push, None)
+    metrics = ServerMetrics()
+    client = CoreClient([core], reports, offline.engine.tokenizer, 8, metrics, str(tmp_path), client=1)
+    monkeypatch.setattr(CoreClient, "alive", True)
+    try:
+        [rid] = client.submit([[1, 2]], [SamplingParams(max_tokens=3)]).request_ids
+        load = Load(1, 0, 511, 512, 0, EngineStats(), 0)
+        for tokens, finish in (([5, 6], None), ([7], "length")):
+            seq = SeqDelta(0, tokens, finish)
+            client._on_step(StepDelta(0, [RequestDelta(rid, [seq], finish is not None)], [], load, None))
+        assert metrics.registry.get_sample_value("ngrammar_generation_tokens_total") == 3
+        assert metrics.registry.get_sample_value("ngrammar_step_seconds_count") in (None, 0)
+    finally:
+        client._close()
+        pull.close(linger=0)

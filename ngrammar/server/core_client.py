@@ -386,7 +386,8 @@ class CoreClient:
         for f in delta.failed:
             self._on_failed(f)
         core.load = delta.load
-        if self.metrics is not None and delta.step_seconds is not None:
+        if self.metrics is not None and (delta.step_seconds is not None or new_tokens):
+            # (with --api-server-count, one process times each step; each counts its own tokens)
             self.metrics.observe_step(delta.step_seconds, new_tokens)
         self._publish()
 

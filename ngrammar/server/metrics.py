@@ -112,8 +112,11 @@ class ServerMetrics:
     def observe_admitted(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
 
-    def observe_step(self, seconds: float, new_tokens: int) -> None:
-        self.step_time.observe(seconds)
+    def observe_step(self, seconds: float | None, new_tokens: int) -> None:
+        """One engine step (``seconds``: None where another API server process times it) and the
+        tokens it gave this process's requests."""
+        if seconds is not None:
+            self.step_time.observe(seconds)
         if new_tokens:
             self.generation_tokens.inc(new_tokens)
 
