@@ -66,7 +66,7 @@ class GrammarSpec:
 
 
 def grammar_spec_from_request(
-    json_schema: dict[str, Any] | str | None = None,
+    json_schema: dict[str, Any] | bool | str | None = None,
     regex: str | None = None,
     ebnf: str | None = None,
     json_object: bool = False,
@@ -86,7 +86,7 @@ def grammar_spec_from_request(
     return None
 
 
-def _canonical_schema(schema: dict[str, Any] | str) -> str:
+def _canonical_schema(schema: dict[str, Any] | bool | str) -> str:
     """Compact JSON text, so equal schemas spelled with different whitespace share a cache entry.
 
     Keys are deliberately not sorted: xgrammar emits object properties in the order the schema
