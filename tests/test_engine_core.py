@@ -144,6 +144,30 @@ def test_the_core_sends_new_tokens_once_and_refusals_in_the_same_turn(offline: L
     assert finished and [tokens[0], tokens[1]] == [c.token_ids for c in want] == [logprobs[0], logprobs[1]]
 
 
+def test_a_command_the_core_cannot_read_is_refused_and_the_core_lives_on(offline: LLM) -> None:
+    """An ``Add`` whose fields do not decode (a type the API side let through, as ``"json_schema":
+    true`` once was) is a 400 for its request in the next delta, not the core's death; other
+    unreadable commands are dropped."""
+    import msgspec
+
+    from ngrammar.server.core_messages import command_decoder
+
+    core = EngineCore(offline.engine, CompileCounter())
+    ids = offline.engine.tokenize("Count: 1, 2,")
+    raw = msgspec.msgpack.encode(["Add", "odd", "g", ids, {"max_tokens": "four"}, 1])
+    with pytest.raises(msgspec.DecodeError) as error:
+        command_decoder.decode(raw)
+    core.refuse_unreadable(raw, error.value)
+    core.refuse_unreadable(b"\xc1", error.value)  # not even msgpack: logged, dropped
+    deltas = core.turn(2)
+    assert not deltas[0].failed
+    [failed] = deltas[1].failed
+    assert (failed.request_id, failed.kind) == ("odd", "InvalidRequestError") and not core.busy
+    core.handle(Add("ok", "g", ids, SamplingParams(max_tokens=2, temperature=0)))
+    while core.busy:
+        core.turn()
+
+
 def test_each_api_server_process_gets_its_own_requests_and_every_one_the_load(offline: LLM) -> None:
     core = EngineCore(offline.engine, CompileCounter())
     ids = offline.engine.tokenize("Count: 1, 2,")

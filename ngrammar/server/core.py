@@ -88,6 +88,27 @@ class EngineCore:
             (add.client, RequestFailed(add.request_id, "Aborted", "aborted before it started"))
         )
 
+    def refuse_unreadable(self, raw: bytes, error: Exception) -> None:
+        """A command this core cannot decode (a type the API side let through): an ``Add`` is
+        refused as bad input (400) in this turn's delta; anything else is logged. The core lives on."""
+        import msgspec
+
+        try:
+            fields = msgspec.msgpack.decode(raw)
+        except msgspec.DecodeError:
+            fields = None
+        if (
+            isinstance(fields, list)
+            and len(fields) >= 2
+            and fields[0] == "Add"
+            and isinstance(fields[1], str)
+        ):
+            client = fields[5] if len(fields) > 5 and isinstance(fields[5], int) else 0
+            message = f"the engine core could not read the request: {error}"
+            self._failed.append((client, RequestFailed(fields[1], "InvalidRequestError", message)))
+            return
+        log.error("engine core %d: an unreadable command, ignored: %s", self.index, error)
+
     def call_corpora(self, call: CorpusCall) -> None:
         self._calls.append((call, self._corpus_pool.submit(self._run_corpus_call, call)))
 
@@ -317,6 +338,7 @@ def core_main(folder: str, parent: int) -> None:
 
 
 def _serve(core: EngineCore, commands: object, reports: list[Any], parent: int) -> None:
+    import msgspec
     import zmq
 
     assert isinstance(commands, zmq.Socket)
@@ -327,7 +349,11 @@ def _serve(core: EngineCore, commands: object, reports: list[Any], parent: int) 
                     raw = commands.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                command = command_decoder.decode(raw)
+                try:
+                    command = command_decoder.decode(raw)
+                except msgspec.DecodeError as e:  # (ValidationError included)
+                    core.refuse_unreadable(raw, e)
+                    continue
                 if isinstance(command, Stop):
                     return
                 if isinstance(command, CorpusCall):
