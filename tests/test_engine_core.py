@@ -168,6 +168,27 @@ def test_a_command_the_core_cannot_read_is_refused_and_the_core_lives_on(offline
         core.turn()
 
 
+def test_reports_to_an_api_process_that_stopped_reading_never_block_the_core(tmp_path: Any) -> None:
+    """The core's report socket queues without limit: with ZeroMQ's default a core kept stepping
+    requests for an API process that had gone, blocked in ``send`` after 1,000 deltas, and never
+    read its ``Stop`` (killed 30 s later)."""
+    import zmq
+
+    from ngrammar.server.core import REPORTS_SOCKET, report_socket
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(f"ipc://{tmp_path}/{REPORTS_SOCKET}")
+    push = report_socket(ctx, str(tmp_path))
+    push.send(b"first")
+    assert pull.recv() == b"first"
+    pull.close(0)
+    for _ in range(5000):
+        push.send(b"delta", zmq.NOBLOCK)  # raises zmq.Again past a limit
+    push.close(0)
+    ctx.term()
+
+
 def test_each_api_server_process_gets_its_own_requests_and_every_one_the_load(offline: LLM) -> None:
     core = EngineCore(offline.engine, CompileCounter())
     ids = offline.engine.tokenize("Count: 1, 2,")

@@ -292,11 +292,7 @@ def core_main(folder: str, parent: int) -> None:
     commands = ctx.socket(zmq.PULL)  # fair-queued from every client (and the supervisor)
     for folder_ in (*spec.clients, *([spec.control] if spec.control else [])):
         commands.connect(f"ipc://{folder_}/{command_socket(spec.index)}")
-    reports = []
-    for folder_ in spec.clients:
-        push = ctx.socket(zmq.PUSH)
-        push.connect(f"ipc://{folder_}/{REPORTS_SOCKET}")
-        reports.append(push)
+    reports = [report_socket(ctx, folder_) for folder_ in spec.clients]
     try:
         from ngrammar.engine.engine import LLMEngine
         from ngrammar.server.warmup import CompileCounter, warm_up
@@ -335,6 +331,18 @@ def core_main(folder: str, parent: int) -> None:
     finally:
         engine.close()
         ctx.destroy(linger=0)
+
+
+def report_socket(ctx: Any, folder: str) -> Any:
+    """The PUSH socket of one API server process's reports. No send limit: at ZeroMQ's default
+    (1,000 messages) a core whose API process had stopped reading (gone, or shutting down with
+    requests still running) blocked in ``send`` and never read its ``Stop``."""
+    import zmq
+
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 0)
+    push.connect(f"ipc://{folder}/{REPORTS_SOCKET}")
+    return push
 
 
 def _serve(core: EngineCore, commands: object, reports: list[Any], parent: int) -> None:
