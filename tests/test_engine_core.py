@@ -205,6 +205,13 @@ def test_each_api_server_process_gets_its_own_requests_and_every_one_the_load(of
     assert seen == {0: {"b"}, 1: {"a"}}
 
 
+def test_server_info_shows_the_kv_pool_before_any_request(http: httpx.Client) -> None:
+    """The cores' Ready carries their idle load: before any step /server_info showed 0 pages of 0.
+    (The first test of this module to use the server.)"""
+    info = http.get("/server_info").json()
+    assert info["kv_pages_total"] > 0 and info["kv_pages_free"] == info["kv_pages_total"]
+
+
 def test_streamed_equals_non_streamed_equals_offline(http: httpx.Client, offline: LLM) -> None:
     expected = offline.generate([c[0] for c in CASES], [c[2] for c in CASES])
     for (prompt, extra, _), out in zip(CASES, expected):

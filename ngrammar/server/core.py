@@ -311,6 +311,7 @@ def core_main(folder: str, parent: int) -> None:
             push.send(encoder.encode(StartFailed(spec.index, f"{type(e).__name__}: {e}")))
         ctx.destroy(linger=1000)
         return
+    core = EngineCore(engine, counter, spec.index)
     ready = Ready(
         spec.index,
         engine.model_name,
@@ -318,11 +319,12 @@ def core_main(folder: str, parent: int) -> None:
         engine.kv_capacity_tokens,
         engine.blocks.page_size,
         compiles,
+        core.load(),
     )
     for push in reports:
         push.send(encoder.encode(ready))
     try:
-        _serve(EngineCore(engine, counter, spec.index), commands, reports, parent)
+        _serve(core, commands, reports, parent)
     except BaseException as e:  # noqa: BLE001 - the core ends; the server fails its requests
         traceback.print_exc()
         print(f"ngrammar: engine core {spec.index} failed: {type(e).__name__}: {e}", file=sys.stderr)

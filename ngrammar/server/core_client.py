@@ -614,6 +614,8 @@ def connect_cores(
                 os.close(core.exit_fd)
         reports.close(linger=0)
         raise
+    for core, ready in zip(cores, readies):
+        core.load = ready.load
     first = readies[0]
     kv_tokens = min(r.kv_capacity_tokens for r in readies)  # the smallest pool bounds every request
     front = EngineFront(config, first.model_name, first.max_model_len, kv_tokens, first.page_size)

@@ -110,6 +110,7 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
     kv_capacity_tokens: int
     page_size: int
     compiles: int  # kernels and graphs compiled while warming up
+    load: Load | None = None  # the idle core's load (its KV pool), for /server_info before any step
 
 
 class StartFailed(msgspec.Struct, tag=True, array_like=True):
