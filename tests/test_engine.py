@@ -429,6 +429,16 @@ def test_a_run_appended_at_once_keeps_its_text(llm: LLM) -> None:
     assert seq.finish_reason == "length" and seq.text == " 🙃🙃 🙏🙏"
 
 
+def test_stop_token_ids_outside_the_vocabulary_are_refused(llm: LLM) -> None:
+    """Regression (bug hunt): stop_token_ids [-3, 99999999] were taken, and could never match."""
+    vocab = llm.engine.model_config.vocab_size
+    for bad in ([-3], [vocab], [2, 99_999_999]):
+        with pytest.raises(InvalidRequestError, match="stop_token_ids"):
+            llm.generate("Hi", SamplingParams(max_tokens=2, stop_token_ids=bad))
+    assert llm.engine.requests == {}
+    assert llm.generate("Hi", SamplingParams(max_tokens=2, stop_token_ids=[vocab - 1]))[0].outputs
+
+
 def test_sampling_params_take_none_and_refuse_bad_types_as_request_errors(llm: LLM) -> None:
     """Regressions: stop=None was a TypeError (vLLM takes it as none); top_p="0.5" and
     stop_token_ids=["a"] raised TypeError / ValueError instead of a request error; a tuple of

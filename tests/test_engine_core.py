@@ -212,6 +212,12 @@ def test_server_info_shows_the_kv_pool_before_any_request(http: httpx.Client) ->
     assert info["kv_pages_total"] > 0 and info["kv_pages_free"] == info["kv_pages_total"]
 
 
+def test_stop_token_ids_outside_the_vocabulary_are_a_400(http: httpx.Client) -> None:
+    body = {"prompt": "Hi", "max_tokens": 4, "stop_token_ids": [-3, 99999999]}
+    reply = http.post("/v1/completions", json=body)
+    assert reply.status_code == 400 and "stop_token_ids" in reply.text
+
+
 def test_streamed_equals_non_streamed_equals_offline(http: httpx.Client, offline: LLM) -> None:
     expected = offline.generate([c[0] for c in CASES], [c[2] for c in CASES])
     for (prompt, extra, _), out in zip(CASES, expected):

@@ -29,7 +29,13 @@ from ngrammar.engine.builder import EngineParts, attach_graphs, build_parts, mix
 from ngrammar.engine.grammar_rows import GrammarRows
 from ngrammar.engine.logprobs import unpack_logprobs
 from ngrammar.engine.plain_step import PendingDecode, commit_runs, decode_input, prefill_input, sample_plain
-from ngrammar.engine.requests import Request, collect_outputs, tokenize_prompt, validate_prompt
+from ngrammar.engine.requests import (
+    Request,
+    collect_outputs,
+    tokenize_prompt,
+    validate_params,
+    validate_prompt,
+)
 from ngrammar.engine.scheduler import Scheduler
 from ngrammar.engine.sequence import Sequence
 from ngrammar.engine.speculator import NoSpeculation, Speculator
@@ -164,6 +170,7 @@ class LLMEngine:
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         validate_prompt(prompt_ids, self.max_model_len, self.kv_capacity_tokens)
+        validate_params(params, self.model_config.vocab_size)
         if params.draft_corpora:
             self.speculator.check_corpora(params.draft_corpora)
 

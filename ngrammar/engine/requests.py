@@ -49,6 +49,14 @@ def validate_prompt(prompt_ids: list[int], max_model_len: int, kv_capacity_token
         )
 
 
+def validate_params(params: SamplingParams, vocab_size: int) -> None:
+    """What of ``params`` only the model can check: stop token ids are in its vocabulary (one
+    outside could never match, and the request would run to max_tokens unasked)."""
+    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab_size}), got {bad}")
+
+
 @dataclass
 class Request:
     request_id: str

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ngrammar.config import EngineConfig
-from ngrammar.engine.engine import tokenize_prompt, validate_prompt
+from ngrammar.engine.engine import tokenize_prompt, validate_params, validate_prompt
 from ngrammar.grammar import GrammarBackend
 from ngrammar.model.loader import resolve_checkpoint
 from ngrammar.model.tokenizer import Message, Tokenizer
@@ -51,3 +51,4 @@ class EngineFront:
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         validate_prompt(prompt_ids, self.max_model_len, self.kv_capacity_tokens)
+        validate_params(params, self.model_config.vocab_size)
