@@ -32,6 +32,17 @@ _TINY = {
 }
 
 
+def shape_checkpoint(folder: Path) -> Path:
+    """A Hugging Face folder of the embedded model's architecture with no weights: its config,
+    tokenizer and chat template, for ``load_format`` dummy (step costs at the real shape with nothing
+    to carry to a GPU machine; the text means nothing)."""
+    base = resolve_checkpoint(None)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text((base.weights_file.parent / "config.json").read_text())
+    copy_tokenizer(base.tokenizer_dir, folder)
+    return folder
+
+
 def tiny_checkpoint(folder: Path, layers: int = 1, weights: bool = True) -> Path:
     """A Hugging Face folder: the embedded model's config shrunk to ``layers`` 16-wide layers,
     random weights (seeded; ``weights=False``: none, for ``load_format`` dummy), the embedded

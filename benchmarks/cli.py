@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="sweep: serve a host-bound random-weight Llama of this many 16-wide layers (the real tokenizer)",
     )
     serve.add_argument(
+        "--dummy-shape",
+        action="store_true",
+        help="sweep: serve the embedded model's architecture with seeded random weights (--load-format"
+        " dummy): real step costs, no checkpoint to carry",
+    )
+    serve.add_argument(
         "--server-flags", default="", help="sweep: more 'ngrammar serve' flags, e.g. '--api-server-count 4'"
     )
     serve.add_argument("--num-requests", type=int, default=None, help="sweep: per level; shared-prefix: 64")
@@ -252,10 +258,21 @@ def run_benchmark(args: argparse.Namespace) -> int:
             raise SystemExit(f"--modes takes {', '.join(MODES)}")
         server_args = _serve_args(args) + shlex.split(args.server_flags)
         with tempfile.TemporaryDirectory() as tmp:
+            if args.tiny_layers and args.dummy_shape:
+                raise SystemExit("--tiny-layers and --dummy-shape pick two different models")
             if args.tiny_layers:
                 from benchmarks.bench_host import tiny_checkpoint
 
                 server_args += ["--model", str(tiny_checkpoint(Path(tmp) / "tiny", args.tiny_layers))]
+            if args.dummy_shape:
+                from benchmarks.bench_host import shape_checkpoint
+
+                server_args += [
+                    "--model",
+                    str(shape_checkpoint(Path(tmp) / "shape")),
+                    "--load-format",
+                    "dummy",
+                ]
             result = run_serve_benchmark(
                 concurrency=_sizes(args, (1, 4, 16)),
                 num_requests=args.num_requests,

@@ -164,3 +164,22 @@ def test_the_serve_benchmarks_offline_side_counts_the_cores_deltas() -> None:
         2,
     )
     assert figures["offline_tok_s"] > 0 and figures["offline_stream_tok_s"] > 0
+
+
+def test_the_dummy_shape_is_the_embedded_architecture_without_weights(tmp_path: Any) -> None:
+    """``serve --dummy-shape``'s folder: the embedded model's config and tokenizer, no weights; a dummy
+    load of it builds the same architecture and renders chats to the same ids."""
+    from benchmarks.bench_host import shape_checkpoint
+    from ngrammar import LLM
+    from ngrammar.model.loader import resolve_checkpoint
+    from ngrammar.model.tokenizer import Tokenizer
+
+    folder = shape_checkpoint(tmp_path / "shape")
+    assert not list(folder.glob("*.safetensors"))
+    embedded = resolve_checkpoint(None)
+    assert resolve_checkpoint(folder, weights=False).config == embedded.config
+    llm = LLM(str(folder), load_format="dummy", device="cpu", dtype="float32", kv_cache_tokens=1024)
+    chat = [{"role": "user", "content": "Hello there"}]
+    want = Tokenizer(embedded.tokenizer_dir, embedded.config.eos_token_ids).apply_chat_template(chat)
+    assert llm.engine.tokenize(chat) == want
+    llm.close()
