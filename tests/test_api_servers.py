@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 pytest.importorskip("msgspec")
 pytest.importorskip("zmq")
 
+from benchmarks.bench_serve import ServerProcess
 from ngrammar import LLM, SamplingParams
 from ngrammar.server.admission import SharedInflightCount
 from ngrammar.server.api_servers import share
@@ -56,35 +55,10 @@ def _gone(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    command = [sys.executable, "-m", "ngrammar.cli", "serve", "--api-server-count", "2", "--port", str(port)]
-    command += [
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-        "--kv-cache-tokens",
-        "8192",
-        "--max-queue",
-        str(MAX_QUEUE),
-    ]
-    server = subprocess.Popen(command)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        assert server.poll() is None, "the server exited while starting"
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.2)
-    yield server, url
-    if server.poll() is None:
-        server.kill()
+    flags = ["--api-server-count", "2", "--device", "cpu", "--dtype", "float32", "--kv-cache-tokens", "8192"]
+    with ServerProcess([*flags, "--max-queue", str(MAX_QUEUE)], speculative=False) as server:
+        assert server.proc is not None
+        yield server.proc, server.url
 
 
 def _complete(url: str, prompt: str, max_tokens: int = 12) -> httpx.Response:

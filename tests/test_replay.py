@@ -109,47 +109,14 @@ def test_dummy_load_format_is_validated() -> None:
 def test_a_server_starts_on_a_weightless_folder_with_dummy_weights(tmp_path: Path) -> None:
     """``ngrammar serve --load-format dummy`` on a folder of config.json and tokenizer only answers a
     completion (the server resolved the checkpoint with weights before the engine did, and refused it)."""
-    import socket
-    import subprocess
-    import sys
-    import time
-
     import httpx
 
+    from benchmarks.bench_serve import ServerProcess
+
     folder = tiny_checkpoint(tmp_path / "shape", layers=1, weights=False)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    command = [
-        sys.executable,
-        "-m",
-        "ngrammar.cli",
-        "serve",
-        "--model",
-        str(folder),
-        "--load-format",
-        "dummy",
-    ]
-    command += ["--device", "cpu", "--dtype", "float32", "--kv-cache-tokens", "1024", "--port", str(port)]
-    server = subprocess.Popen(command, stderr=subprocess.PIPE)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 180
-    try:
-        while True:
-            if server.poll() is not None:
-                pytest.fail(
-                    f"the server exited: {server.stderr.read().decode()[-2000:] if server.stderr else ''}"
-                )
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
+    flags = ["--model", str(folder), "--load-format", "dummy", "--device", "cpu", "--dtype", "float32"]
+    with ServerProcess([*flags, "--kv-cache-tokens", "1024"], speculative=False) as server:
         body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-        assert reply.status_code == 200, reply.text
-        assert reply.json()["usage"]["completion_tokens"] == 4
-    finally:
-        server.kill()
-        server.wait()
+        reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 4
