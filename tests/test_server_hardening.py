@@ -651,3 +651,42 @@ def test_fuzzed_requests_never_get_a_5xx_and_leave_nothing_behind(engine: LLMEng
         check()
         assert_serves(client)
         assert_idle(client)
+
+
+def test_a_request_cut_by_the_shutdown_drain_is_a_json_503_not_a_plain_text_500() -> None:
+    """uvicorn cancels what still runs when the drain ends; before its response started, a request
+    gets OpenAI's error shape (503, retry) from ``Guard``; after, the cancellation goes on up."""
+    import asyncio
+
+    from ngrammar.server.config import ServerConfig
+    from ngrammar.server.http import Guard
+
+    async def run(start_first: bool) -> tuple[list[dict[str, Any]], bool]:
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            if start_first:
+                await send({"type": "http.response.start", "status": 200, "headers": []})
+            await asyncio.Event().wait()  # a request still running
+
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        scope = {"type": "http", "path": "/v1/completions", "headers": []}
+        task = asyncio.ensure_future(Guard(app, ServerConfig())(scope, receive, send))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            return sent, True
+        return sent, False
+
+    sent, cancelled = asyncio.run(run(start_first=False))
+    assert not cancelled and sent[0]["status"] == 503
+    assert json.loads(sent[1]["body"])["error"]["code"] == "shutting_down"
+    sent, cancelled = asyncio.run(run(start_first=True))
+    assert cancelled and [m["status"] for m in sent] == [200]

@@ -95,7 +95,22 @@ class Guard:
                 message = f"the request body ({int(length)} bytes) is larger than the server's limit of "
                 await _send_error(send, 413, message + f"{self.max_body} bytes", "invalid_request_error")
                 return
-        await self.app(scope, self._bounded(receive), send)
+        started = False
+
+        async def noting(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, self._bounded(receive), noting)
+        except asyncio.CancelledError:
+            # uvicorn cancels what still runs when the shutdown drain ends: answer in OpenAI's shape
+            # (503, retry) rather than its plain-text 500 and a logged traceback.
+            if started:
+                raise
+            message = "the server is shutting down; retry the request"
+            await _send_error(send, 503, message, "service_unavailable", "shutting_down")
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
         assert self.api_key is not None
