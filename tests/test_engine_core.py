@@ -451,3 +451,18 @@ def test_every_api_server_process_counts_the_tokens_of_its_requests(
     finally:
         client._close()
         pull.close(linger=0)
+
+
+def test_server_processes_shorten_the_gil_switch_interval() -> None:
+    """``tune_server_process`` (called first by the core, the API server and the single-process
+    server entry points) sets CPython's switch interval to ``SWITCH_INTERVAL_S``."""
+    import sys
+
+    from ngrammar.server.process import SWITCH_INTERVAL_S, tune_server_process
+
+    before = sys.getswitchinterval()
+    try:
+        tune_server_process()
+        assert abs(sys.getswitchinterval() - SWITCH_INTERVAL_S) < 1e-9 < before - SWITCH_INTERVAL_S
+    finally:
+        sys.setswitchinterval(before)

@@ -239,7 +239,9 @@ def api_server_main(path: str, parent: int) -> None:
     from ngrammar.server.app import create_app
     from ngrammar.server.core_client import connect_cores
     from ngrammar.server.http import DrainingServer, uvicorn_kwargs
+    from ngrammar.server.process import tune_server_process
 
+    tune_server_process()
     with open(path, "rb") as f:
         spec: ApiServerSpec = pickle.load(f)
     admitted = SharedInflightCount(spec.inflight_path)

@@ -512,7 +512,9 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ngrammar.args import config_kwargs
+    from ngrammar.server.process import tune_server_process
 
+    tune_server_process()
     config = ServerConfig(**config_kwargs(args, ServerConfig))
     app = create_app(engine_kwargs(args), config=config)
     DrainingServer(uvicorn.Config(app, log_level="info", **uvicorn_kwargs(config))).run()

@@ -285,6 +285,10 @@ def core_main(folder: str, parent: int) -> None:
     ``core_client.launch_cores``): its ``CoreSpec`` is pickled in ``FOLDER``."""
     import zmq
 
+    from ngrammar.server.process import tune_server_process
+
+    tune_server_process()
+
     with open(os.path.join(folder, CONFIG_FILE), "rb") as f:
         spec: CoreSpec = pickle.load(f)
     shutil.rmtree(folder, ignore_errors=True)  # (its own: nothing else reads it)
