@@ -32,13 +32,14 @@ _TINY = {
 }
 
 
-def shape_checkpoint(folder: Path) -> Path:
-    """A Hugging Face folder of the embedded model's architecture with no weights: its config,
-    tokenizer and chat template, for ``load_format`` dummy (step costs at the real shape with nothing
-    to carry to a GPU machine; the text means nothing)."""
+def shape_checkpoint(folder: Path, overrides: dict[str, Any] | None = None) -> Path:
+    """A Hugging Face folder of the embedded model's architecture (its config with ``overrides``) and
+    no weights: config, tokenizer and chat template, for ``load_format`` dummy (step costs at the real
+    shape with nothing to carry to a GPU machine; the text means nothing)."""
     base = resolve_checkpoint(None)
+    cfg = json.loads((base.weights_file.parent / "config.json").read_text()) | (overrides or {})
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text((base.weights_file.parent / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(cfg))
     copy_tokenizer(base.tokenizer_dir, folder)
     return folder
 
@@ -49,12 +50,8 @@ def tiny_checkpoint(folder: Path, layers: int = 1, weights: bool = True) -> Path
     tokenizer and chat template."""
     from safetensors.torch import save_file
 
-    base = resolve_checkpoint(None)
-    cfg = json.loads((base.weights_file.parent / "config.json").read_text()) | _TINY
-    cfg["num_hidden_layers"] = layers
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(cfg))
-    copy_tokenizer(base.tokenizer_dir, folder)
+    shape_checkpoint(folder, _TINY | {"num_hidden_layers": layers})
+    cfg = json.loads((folder / "config.json").read_text())
     if not weights:
         return folder
     g = torch.Generator().manual_seed(0)

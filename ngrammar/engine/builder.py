@@ -13,7 +13,7 @@ from ngrammar.distributed.driver import start_tensor_parallel
 from ngrammar.engine.block_manager import BlockManager, PageAllocator
 from ngrammar.engine.speculator import Speculator
 from ngrammar.model.config import ModelConfig
-from ngrammar.model.loader import resolve_checkpoint
+from ngrammar.model.loader import Checkpoint, resolve_checkpoint
 from ngrammar.model.parallel import check_tensor_parallel, tensor_parallel_quantization
 from ngrammar.model.tokenizer import Tokenizer
 from ngrammar.runner.model_runner import (
@@ -39,6 +39,12 @@ class EngineParts:
     blocks: BlockManager
 
 
+def engine_checkpoint(config: EngineConfig) -> Checkpoint:
+    """``config.model``'s checkpoint (a GGUF converted once); a dummy load reads no weights, so a
+    folder needs none. The engine, the server's front and its core launcher all resolve it here."""
+    return resolve_checkpoint(config.model, weights=config.load_format != "dummy")
+
+
 def build_parts(config: EngineConfig) -> EngineParts:
     """Resolve ``config`` and build the runner it names; raises ValueError for a config the model
     or the device cannot serve, before any process starts or weight is read."""
@@ -50,7 +56,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     dummy = config.load_format == "dummy"
-    checkpoint = resolve_checkpoint(config.model, weights=not dummy)
+    checkpoint = engine_checkpoint(config)
     model = checkpoint.config
     tokenizer = Tokenizer(
         checkpoint.tokenizer_dir, model.eos_token_ids

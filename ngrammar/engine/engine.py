@@ -33,8 +33,7 @@ from ngrammar.engine.requests import (
     Request,
     collect_outputs,
     tokenize_prompt,
-    validate_params,
-    validate_prompt,
+    validate_request,
 )
 from ngrammar.engine.scheduler import Scheduler
 from ngrammar.engine.sequence import Sequence
@@ -169,8 +168,9 @@ class LLMEngine:
         return self.blocks.allocator.num_pages * self.blocks.page_size
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        validate_prompt(prompt_ids, self.max_model_len, self.kv_capacity_tokens)
-        validate_params(params, self.model_config.vocab_size)
+        validate_request(
+            prompt_ids, params, self.max_model_len, self.kv_capacity_tokens, self.model_config.vocab_size
+        )
         if params.draft_corpora:
             self.speculator.check_corpora(params.draft_corpora)
 

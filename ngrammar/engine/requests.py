@@ -49,9 +49,17 @@ def validate_prompt(prompt_ids: list[int], max_model_len: int, kv_capacity_token
         )
 
 
-def validate_params(params: SamplingParams, vocab_size: int) -> None:
-    """What of ``params`` only the model can check: stop token ids are in its vocabulary (one
-    outside could never match, and the request would run to max_tokens unasked)."""
+def validate_request(
+    prompt_ids: list[int],
+    params: SamplingParams,
+    max_model_len: int,
+    kv_capacity_tokens: int,
+    vocab_size: int,
+) -> None:
+    """What only the model can check of a request: its prompt (``validate_prompt``) and that its stop
+    token ids are in the vocabulary (one outside could never match, and the request would run to
+    max_tokens unasked)."""
+    validate_prompt(prompt_ids, max_model_len, kv_capacity_tokens)
     bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab_size}), got {bad}")

@@ -23,6 +23,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from ngrammar.config import EngineConfig
 from ngrammar.server.admission import RoundRobin
 from ngrammar.server.core_messages import (
@@ -91,21 +93,21 @@ class EngineCore:
     def refuse_unreadable(self, raw: bytes, error: Exception) -> None:
         """A command this core cannot decode (a type the API side let through): an ``Add`` is
         refused as bad input (400) in this turn's delta; anything else is logged. The core lives on."""
-        import msgspec
-
         try:
             fields = msgspec.msgpack.decode(raw)
         except msgspec.DecodeError:
             fields = None
+        # (an Add travels as [tag, *fields] in Add's field order)
+        rid, cid = (1 + Add.__struct_fields__.index(f) for f in ("request_id", "client"))
         if (
             isinstance(fields, list)
-            and len(fields) >= 2
+            and len(fields) > rid
             and fields[0] == "Add"
-            and isinstance(fields[1], str)
+            and isinstance(fields[rid], str)
         ):
-            client = fields[5] if len(fields) > 5 and isinstance(fields[5], int) else 0
+            client = fields[cid] if len(fields) > cid and isinstance(fields[cid], int) else 0
             message = f"the engine core could not read the request: {error}"
-            self._failed.append((client, RequestFailed(fields[1], "InvalidRequestError", message)))
+            self._failed.append((client, RequestFailed(fields[rid], "InvalidRequestError", message)))
             return
         log.error("engine core %d: an unreadable command, ignored: %s", self.index, error)
 
@@ -352,7 +354,6 @@ def report_socket(ctx: Any, folder: str) -> Any:
 
 
 def _serve(core: EngineCore, commands: object, reports: list[Any], parent: int) -> None:
-    import msgspec
     import zmq
 
     assert isinstance(commands, zmq.Socket)

@@ -500,14 +500,13 @@ def _rebuild_error(name: str, text: str) -> BaseException:
 
 def check_cores(config: EngineConfig) -> None:
     """Sizes checked (and a GGUF converted once) before any engine-core process starts."""
-    from ngrammar.model.loader import resolve_checkpoint
+    from ngrammar.engine.builder import engine_checkpoint
     from ngrammar.model.parallel import MULTICAST_OFF_ENV, check_tensor_parallel
     from ngrammar.runner.model_runner import resolve_device
 
     if config.nnodes > 1:
         raise ValueError("the server runs one node's replicas; start other nodes' ranks with --node-rank")
-    # converts a GGUF once, before the cores read it; a dummy load needs no weights in a folder
-    checkpoint = resolve_checkpoint(config.model, weights=config.load_format != "dummy")
+    checkpoint = engine_checkpoint(config)  # (a GGUF converted once, before the cores read it)
     device = resolve_device(config.device)
     check_tensor_parallel(checkpoint.config, config.tensor_parallel_size, device)
     dp = config.data_parallel_size

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ngrammar.config import EngineConfig
-from ngrammar.engine.engine import tokenize_prompt, validate_params, validate_prompt
+from ngrammar.engine.builder import engine_checkpoint
+from ngrammar.engine.engine import tokenize_prompt, validate_request
 from ngrammar.grammar import GrammarBackend
-from ngrammar.model.loader import resolve_checkpoint
 from ngrammar.model.tokenizer import Message, Tokenizer
 from ngrammar.sampling_params import SamplingParams
 
@@ -29,7 +29,7 @@ class EngineFront:
         kv_capacity_tokens: int,
         page_size: int,
     ) -> None:
-        checkpoint = resolve_checkpoint(config.model, weights=config.load_format != "dummy")
+        checkpoint = engine_checkpoint(config)
         self.config = config
         self.model_config = checkpoint.config
         self.model_name = model_name
@@ -50,5 +50,6 @@ class EngineFront:
         return tokenize_prompt(self.tokenizer, self.model_config.vocab_size, prompt)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        validate_prompt(prompt_ids, self.max_model_len, self.kv_capacity_tokens)
-        validate_params(params, self.model_config.vocab_size)
+        validate_request(
+            prompt_ids, params, self.max_model_len, self.kv_capacity_tokens, self.model_config.vocab_size
+        )
