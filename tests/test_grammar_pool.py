@@ -281,3 +281,19 @@ def test_fill_threads_leave_the_engine_loop_a_core() -> None:
     assert fill_threads(1) == 0
     assert fill_threads(2) == 1
     assert fill_threads(128) == 8
+
+
+def test_plain_rows_stay_on_the_callers_thread_where_the_pool_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain rows go to the workers only past the batches where one batched call was measured
+    faster (up to 256 members); tree masks keep their own threshold; the variable sets both."""
+    from ngrammar.grammar.fill_pool import ROWS_SERIAL_BELOW, SERIAL_BELOW
+
+    monkeypatch.delenv("NGRAMMAR_FILL_SERIAL_BELOW", raising=False)
+    default = GrammarFillPool(threads=2)
+    assert (default.rows_serial_below, default.serial_below) == (ROWS_SERIAL_BELOW, SERIAL_BELOW)
+    assert default.rows_serial_below > 256
+    default.close()
+    monkeypatch.setenv("NGRAMMAR_FILL_SERIAL_BELOW", "7")
+    forced = GrammarFillPool(threads=2)
+    assert (forced.rows_serial_below, forced.serial_below) == (7, 7)
+    forced.close()

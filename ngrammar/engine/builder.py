@@ -106,10 +106,18 @@ def attach_graphs(parts: EngineParts, config: EngineConfig, speculator: Speculat
         acceptor=speculator.acceptor(config.tensor_parallel_size == 1),
     )
     graphs = parts.runner.graphs
+    if capture and config.tensor_parallel_size == 1:
+        # Prefill and mixed steps: under continuous arrivals nearly every step is one.
+        parts.runner.attach_piecewise(mixed_step_tokens(config, parts.device) or PIECEWISE_MAX_TOKENS)
     if capture and graphs is not None and config.tensor_parallel_size == 1 and max(widths) > 1:
         # Each width's device cost, so the policy prices a width before timing it in the engine
         # (a first verify step timed untrimmed costs what a trimmed one would not).
         speculator.set_step_profile(graphs.profile())
+
+
+# The largest eager step served from piecewise graphs when mixed steps are off (with them: their
+# token budget); past a few hundred tokens a step's launches no longer dominate its time.
+PIECEWISE_MAX_TOKENS = 512
 
 
 def mixed_step_tokens(config: EngineConfig, device: torch.device) -> int | None:

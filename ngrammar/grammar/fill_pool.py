@@ -31,12 +31,13 @@ from ngrammar.grammar.tree_mask import build_tree_bitmask
 if TYPE_CHECKING:
     import xgrammar as xgr
 
-# Matchers below which one chunk on the caller's thread beats handing chunks to the pool. On a GPU
-# host the engine's batched xgrammar call beat the pool at every batch measured (64 and 128 members:
-# the workers contended for the GIL, each settling its matchers one xgrammar call at a time), so the
-# pool only takes batches past that (python -m benchmarks.gpu_bench --parts smollm2, equal-work
-# json_object pairs; LOG.md). Measured before a worker's chunk became one batched fill: A/B it again
+# Matchers below which one chunk on the caller's thread beats handing chunks to the pool. Plain
+# rows: on an H200 host (16 cores) one batched xgrammar call beat the pool at every batch measured,
+# 8 to 256 members, JSON schema and json_object alike (python -m benchmarks grammar --host-fill;
+# LOG.md): a fill is a few µs per matcher and each worker's return waits for the GIL. Tree masks
+# (a traversal of D nodes per member) keep the earlier threshold, unmeasured since. Both are A/B'd
 # with NGRAMMAR_FILL_SERIAL_BELOW (and NGRAMMAR_FILL_THREADS), which override the defaults.
+ROWS_SERIAL_BELOW = 512
 SERIAL_BELOW = 192
 MAX_FILL_THREADS = 8  # more threads than this only split a batch into chunks too small to pay
 
@@ -66,10 +67,12 @@ class GrammarFillPool:
         self._xgr = xgr
         if threads is None:
             threads = int(os.environ.get("NGRAMMAR_FILL_THREADS", fill_threads()))
-        if serial_below is None:
-            serial_below = int(os.environ.get("NGRAMMAR_FILL_SERIAL_BELOW", SERIAL_BELOW))
+        if serial_below is None and "NGRAMMAR_FILL_SERIAL_BELOW" in os.environ:
+            serial_below = int(os.environ["NGRAMMAR_FILL_SERIAL_BELOW"])
         self.threads = threads
-        self.serial_below = serial_below
+        # (trees, plain rows): one value given applies to both
+        self.serial_below = SERIAL_BELOW if serial_below is None else serial_below
+        self.rows_serial_below = ROWS_SERIAL_BELOW if serial_below is None else serial_below
         self._local = threading.local()  # each thread's own one-thread BatchGrammarMatcher
         self._pool = (
             ThreadPoolExecutor(self.threads, thread_name_prefix="grammar-fill") if self.threads > 0 else None
@@ -118,6 +121,7 @@ class GrammarFillPool:
                 lambda lo, hi: self._batch_matcher().batch_fill_next_token_bitmask(
                     fill[lo:hi], bitmask, fill_rows[lo:hi]
                 ),
+                self.rows_serial_below,
             )
         if filled:
             out.dead = [settled[k] for k in np.flatnonzero(~words[filled].any(axis=1)).tolist()]
@@ -146,12 +150,12 @@ class GrammarFillPool:
                 bitmask[lo * d : hi * d],
             )
 
-        self._map(len(matchers), chunk)
+        self._map(len(matchers), chunk, self.serial_below)
 
-    def _map(self, n: int, work: Callable[[int, int], T]) -> list[T]:
+    def _map(self, n: int, work: Callable[[int, int], T], serial_below: int) -> list[T]:
         """``work(lo, hi)`` over chunks covering [0, n): one on the caller's thread below
         ``serial_below`` (or without workers), else one per thread, the caller's last."""
-        if self._pool is None or n < max(self.serial_below, 2):
+        if self._pool is None or n < max(serial_below, 2):
             return [work(0, n)]
         parts = min(self.threads + 1, n)
         bounds = [n * k // parts for k in range(parts + 1)]

@@ -66,16 +66,22 @@ STANDARD_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64)
 _LARGE_BUCKET_STEP = 32  # beyond 64 sequences, buckets every 32
 
 
-def batch_buckets(max_batch_size: int) -> list[int]:
-    """Ascending bucket sizes; ``max_batch_size`` is always the last (exact) bucket."""
-    if max_batch_size < 1:
-        raise ValueError(f"max_batch_size must be positive, got {max_batch_size}")
-    sizes = [b for b in STANDARD_BUCKETS if b < max_batch_size]
-    size = STANDARD_BUCKETS[-1] + _LARGE_BUCKET_STEP
-    while size < max_batch_size:
+def buckets(limit: int, small: tuple[int, ...], step: int) -> list[int]:
+    """Ascending bucket sizes: the ``small`` ones below ``limit``, then every ``step`` past the
+    last of them; ``limit`` is always the last (exact) bucket."""
+    if limit < 1:
+        raise ValueError(f"a bucket limit must be positive, got {limit}")
+    sizes = [b for b in small if b < limit]
+    size = small[-1] + step
+    while size < limit:
         sizes.append(size)
-        size += _LARGE_BUCKET_STEP
-    return sizes + [max_batch_size]
+        size += step
+    return sizes + [limit]
+
+
+def batch_buckets(max_batch_size: int) -> list[int]:
+    """Batch-size buckets of the uniform graphs."""
+    return buckets(max_batch_size, STANDARD_BUCKETS, _LARGE_BUCKET_STEP)
 
 
 def graph_capturable(backend: AttentionBackend) -> bool:

@@ -30,6 +30,7 @@ from ngrammar.model.parallel import local_model_config
 from ngrammar.model.quant import apply_quantization
 from ngrammar.model.sharding import iter_shard_weights
 from ngrammar.runner.cuda_graph import CUDAGraphRunner
+from ngrammar.runner.piecewise import PiecewiseGraphs
 from ngrammar.runner.transfer import to_device
 
 if TYPE_CHECKING:
@@ -185,6 +186,9 @@ class ModelRunner:
         self.on_forward: Callable[[], None] | None = None  # test hook: called when a forward is launched
         self.on_to_host: Callable[[], None] | None = None  # test hook: called on every device->host read
         self.graphs: CUDAGraphRunner | None = None  # set by the engine: serves uniform decode/verify steps
+        self.pieces: PiecewiseGraphs | None = (
+            None  # set by the engine: the other steps' layers between attentions
+        )
         # Slot mapping of the last eager forward; None after a graph-served one (or none yet).
         self._last_slots: torch.Tensor | None = None
 
@@ -216,10 +220,17 @@ class ModelRunner:
             graphs.capture_all()
         self.graphs = graphs
 
+    def attach_piecewise(self, max_tokens: int) -> None:
+        """Serve eager steps of up to ``max_tokens`` tokens from piecewise graphs, captured here."""
+        pieces = PiecewiseGraphs(self.model, self.kv_cache, max_tokens)
+        pieces.capture_all()
+        self.pieces = pieces
+
     def close(self) -> None:
         """Free the KV pool and the captured graphs now, not when the last reference goes (the
         ranks too with TP); the runner cannot run a step afterwards."""
         self.graphs = None
+        self.pieces = None
         self.kv_cache = self.kv_cache.new_empty(0)
 
     def _tensor(self, values: Sequence[int] | np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -256,7 +267,8 @@ class ModelRunner:
         """Launch the forward of ``step``; returns logits [len(logits_rows), V] float32 (device).
 
         Uniform steps go through the graph runner when one is set (its logits are a view that the
-        next step overwrites); everything else runs eagerly.
+        next step overwrites); everything else runs eagerly, its layers between attention calls
+        replayed from piecewise graphs where they are captured for its token count.
         """
         if self.graphs is not None and self.graphs.accepts(step):
             if self.on_forward is not None:
@@ -275,7 +287,11 @@ class ModelRunner:
         rows = self._tensor(step.logits_rows)
         if self.on_forward is not None:
             self.on_forward()
-        hidden = self.model(ids, pos, self.kv_cache, self.backend.plan(meta))
+        plan = self.backend.plan(meta)
+        if self.pieces is not None and self.pieces.accepts(ids.shape[0]):
+            hidden = self.pieces.forward(ids, pos, plan, self.backend)
+        else:
+            hidden = self.model(ids, pos, self.kv_cache, plan)
         return self.model.compute_logits(hidden.index_select(0, rows))
 
     def to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:

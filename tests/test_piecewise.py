@@ -1,0 +1,89 @@
+"""Piecewise CUDA graphs (runner/piecewise.py): prefill and mixed steps replay the layers between
+attention calls from graphs; they must change no token. The captured path needs CUDA (`pytest -m gpu`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ngrammar import LLM, SamplingParams
+from ngrammar.runner.model_runner import StepInput
+from ngrammar.runner.piecewise import token_buckets
+from tests.test_cuda_graph import PROMPTS
+
+
+def test_token_buckets() -> None:
+    assert token_buckets(512) == [16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512]
+    assert token_buckets(100) == [16, 32, 64, 96, 100]
+    assert token_buckets(16) == [16]
+    assert token_buckets(5) == [5]
+    with pytest.raises(ValueError):
+        token_buckets(0)
+
+
+def test_cpu_engines_have_no_piecewise_graphs(llm: LLM) -> None:
+    assert llm.engine.runner.pieces is None
+
+
+def _staggered(llm: LLM, params: SamplingParams) -> dict[str, list[int]]:
+    """Each prompt added three engine steps after the one before; finished outputs by request id."""
+    eng, done = llm.engine, dict[str, list[int]]()
+    for i, prompt in enumerate(PROMPTS):
+        eng.add_request(prompt, params, request_id=f"r{i}")
+        for _ in range(3):
+            done |= {o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished}
+    while eng.has_unfinished():
+        done |= {o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished}
+    return done
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_piecewise_steps_match_eager() -> None:
+    kw = dict(device="cuda", dtype="float32", kv_cache_tokens=16384, cuda_graph_max_bs=8)
+    eager = LLM(**kw, cuda_graph=False)  # type: ignore[arg-type]
+    graphed = LLM(**kw)  # type: ignore[arg-type]
+    pieces = graphed.engine.runner.pieces
+    assert eager.engine.runner.pieces is None and pieces is not None
+    assert set(pieces.replays) == set()
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    # Staggered arrivals: later requests prefill inside the earlier ones' decode steps (mixed steps).
+    staggered = [_staggered(llm, greedy) for llm in (eager, graphed)]
+    assert staggered[0] == staggered[1] and len(staggered[0]) == len(PROMPTS)
+    assert eager.engine.stats.mixed_steps > 0 and graphed.engine.stats.mixed_steps > 0
+    assert sum(pieces.replays.values()) > 0
+    want = [eager.generate([p], greedy)[0].token_ids for p in PROMPTS]
+    assert [graphed.generate([p], greedy)[0].token_ids for p in PROMPTS] == want
+
+    # Runner level: one mixed step's logits and KV writes, piecewise against eager.
+    eng, runner = graphed.engine, graphed.engine.runner
+    ids = [eng.tokenizer.encode(p) for p in PROMPTS[:3]]
+    pages = [eng.blocks.allocator.allocate(-(-(len(t) + 8) // eng.blocks.page_size)) for t in ids]
+    try:
+        decode = ids[0]
+        runner.forward(StepInput([decode], [list(range(len(decode)))], [0], [pages[0]], [len(decode) - 1]))
+        step = StepInput(
+            [[decode[-1]], ids[1], ids[2]],
+            [[len(decode)], list(range(len(ids[1]))), list(range(len(ids[2])))],
+            [len(decode), 0, 0],
+            pages,
+            [0, len(ids[1]), len(ids[1]) + len(ids[2])],
+        )
+        before = dict(pieces.replays)
+        got = runner.forward(step).clone()
+        kv_got = runner.kv_cache.clone()
+        assert sum(pieces.replays.values()) == sum(before.values()) + 1
+        saved, runner.pieces = runner.pieces, None
+        try:
+            want_logits = runner.forward(step)
+        finally:
+            runner.pieces = saved
+        torch.testing.assert_close(got, want_logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(kv_got, runner.kv_cache, rtol=1e-4, atol=1e-4)
+    finally:
+        for pg in pages:
+            eng.blocks.allocator.free(pg)
+    for llm in (eager, graphed):
+        alloc = llm.engine.blocks.allocator
+        alloc.check_integrity()
+        assert alloc.num_free == alloc.num_pages
