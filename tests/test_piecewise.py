@@ -3,10 +3,13 @@ attention calls from graphs; they must change no token. The captured path needs 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from ngrammar import LLM, SamplingParams
+from ngrammar.attention.metadata import SegmentCut
 from ngrammar.runner.model_runner import StepInput
 from ngrammar.runner.piecewise import token_buckets
 from tests.test_cuda_graph import PROMPTS
@@ -87,3 +90,43 @@ def test_piecewise_steps_match_eager() -> None:
         alloc = llm.engine.blocks.allocator
         alloc.check_integrity()
         assert alloc.num_free == alloc.num_pages
+
+
+class _Through(SegmentCut):
+    """Each attention call run for real with the step's plan, and counted: the piecewise capture's
+    contract (one call per layer, in layer order, through the backend) checked without CUDA."""
+
+    def __init__(self, backend: Any, plan: Any) -> None:
+        self.backend, self.plan, self.layers = backend, plan, 0
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_cache: torch.Tensor,
+        scale: float,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        self.layers += 1
+        return self.backend.forward(q, k, v, layer_cache, self.plan, scale, rope)
+
+
+def test_every_attention_call_reaches_the_cut(llm: LLM) -> None:
+    eng, runner = llm.engine, llm.engine.runner
+    ids = [eng.tokenizer.encode(p) for p in PROMPTS[:2]]
+    pages = [eng.blocks.allocator.allocate(-(-len(t) // eng.blocks.page_size)) for t in ids]
+    try:
+        step = StepInput(ids, [list(range(len(t))) for t in ids], [0, 0], pages, [len(ids[0]) - 1])
+        meta = runner.metadata(step)
+        tokens = torch.tensor([t for toks in ids for t in toks])
+        positions = torch.tensor([p for toks in ids for p in range(len(toks))])
+        with torch.inference_mode():
+            want = runner.model(tokens, positions, runner.kv_cache, runner.backend.plan(meta)).clone()
+            cut = _Through(runner.backend, runner.backend.plan(meta))
+            got = runner.model(tokens, positions, runner.kv_cache, cut)
+    finally:
+        for pg in pages:
+            eng.blocks.allocator.free(pg)
+    assert cut.layers == runner.config.num_layers
+    assert torch.equal(got, want)

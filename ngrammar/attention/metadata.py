@@ -45,7 +45,8 @@ class AttentionMetadata:
 
 class SegmentCut:
     """A plan under which a backend computes nothing: it hands each layer's attention call to the
-    plan (``runner/piecewise.py`` ends one captured CUDA graph there and begins the next)."""
+    plan (``runner/piecewise.py`` ends one captured CUDA graph there and begins the next). Every
+    backend's ``forward`` honours it, and a model reaches attention only through its backend."""
 
     def __call__(
         self,
