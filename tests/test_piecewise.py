@@ -3,10 +3,13 @@ attention calls from graphs; they must change no token. The captured path needs 
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ngrammar import LLM, SamplingParams
 from ngrammar.attention.metadata import SegmentCut
@@ -130,3 +133,36 @@ def test_every_attention_call_reaches_the_cut(llm: LLM) -> None:
             eng.blocks.allocator.free(pg)
     assert cut.layers == runner.config.num_layers
     assert torch.equal(got, want)
+
+
+def _reference_slots(step: StepInput, page_size: int) -> list[int]:
+    """Each new token's KV slot, token by token: what ``ModelRunner.metadata`` vectorizes."""
+    return [
+        step.page_tables[b][i // page_size] * page_size + i % page_size
+        for b in range(step.batch_size)
+        for i in range(step.starts[b], step.starts[b] + len(step.tokens[b]))
+    ]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 20), st.integers(0, 3)), min_size=1, max_size=6))
+def test_metadata_of_a_mixed_step(llm: LLM, rows: list[tuple[int, int, int]]) -> None:
+    """Decode rows and prefill chunks of any lengths: slots, page table and lengths as built by hand."""
+    runner = llm.engine.runner
+    ps = runner.page_size
+    starts = [s for s, _, _ in rows]
+    tokens = [[7] * q for _, q, _ in rows]
+    tables = [
+        [(17 * b + j) % 97 for j in range(-(-(s + q) // ps) + extra)] for b, (s, q, extra) in enumerate(rows)
+    ]
+    step = StepInput(
+        tokens, [list(range(s, s + len(t))) for s, t in zip(starts, tokens)], starts, tables, [0]
+    )
+    meta = runner.metadata(step)
+    assert meta.slot_mapping.tolist() == _reference_slots(step, ps)
+    assert meta.kv_lens.tolist() == [s + q for s, q, _ in rows]
+    assert meta.q_lens.tolist() == [q for _, q, _ in rows]
+    assert meta.q_start.tolist() == [0, *itertools.accumulate(q for _, q, _ in rows)]
+    width = max(len(t) for t in tables)
+    assert meta.page_table.tolist() == [t + [0] * (width - len(t)) for t in tables]
+    assert (meta.max_q_len, meta.max_kv_len) == (max(q for _, q, _ in rows), max(s + q for s, q, _ in rows))

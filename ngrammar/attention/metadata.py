@@ -44,9 +44,8 @@ class AttentionMetadata:
 
 
 class SegmentCut:
-    """A plan under which a backend computes nothing: it hands each layer's attention call to the
-    plan (``runner/piecewise.py`` ends one captured CUDA graph there and begins the next). Every
-    backend's ``forward`` honours it, and a model reaches attention only through its backend."""
+    """A plan under which the model calls no backend: it hands each layer's attention call to the
+    plan instead (``runner/piecewise.py`` ends one captured CUDA graph there and begins the next)."""
 
     def __call__(
         self,

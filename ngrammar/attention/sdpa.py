@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ngrammar.attention.metadata import AttentionMetadata, SegmentCut
+from ngrammar.attention.metadata import AttentionMetadata
 from ngrammar.kernels import cpu as cpu_kernels
 
 
@@ -105,12 +105,10 @@ class TorchSDPABackend:
         k: torch.Tensor,
         v: torch.Tensor,
         layer_cache: torch.Tensor,
-        plan: RowPlan | SDPAPlan | SegmentCut,
+        plan: RowPlan | SDPAPlan,
         scale: float,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        if isinstance(plan, SegmentCut):
-            return plan(q, k, v, layer_cache, scale, rope)
         m = plan.meta
         if isinstance(plan, RowPlan):
             return cpu_kernels.rope_paged_attention(

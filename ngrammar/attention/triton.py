@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import cuda as tcuda
 
-from ngrammar.attention.metadata import AttentionMetadata, SegmentCut
+from ngrammar.attention.metadata import AttentionMetadata
 from ngrammar.kernels.device_info import num_sms, pdl_for_step
 
 _LOG2E = 1.4426950408889634
@@ -598,12 +598,10 @@ class TritonAttentionBackend:
         k: torch.Tensor,
         v: torch.Tensor,
         layer_cache: torch.Tensor,
-        plan: TritonAttentionPlan | SegmentCut,
+        plan: TritonAttentionPlan,
         scale: float,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        if isinstance(plan, SegmentCut):
-            return plan(q, k, v, layer_cache, scale, rope)
         meta = plan.meta
         tokens, num_q_heads, head_dim = q.shape
         _, _, page_size, num_kv_heads, cache_dim = layer_cache.shape

@@ -90,7 +90,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
 
 
 def attach_graphs(parts: EngineParts, config: EngineConfig, speculator: Speculator, capture: bool) -> None:
-    """Serve uniform decode / verify steps from static buffers, replaying captured CUDA graphs.
+    """Serve uniform decode / verify steps from static buffers, replaying captured CUDA graphs,
+    and (captured, one process) prefill and mixed steps from piecewise graphs.
 
     capture=False runs the same static-buffer and padding path eagerly (how it is tested on CPU).
     Widths are every D the draft policy may pick, or a trimmed tree be verified at
@@ -108,15 +109,17 @@ def attach_graphs(parts: EngineParts, config: EngineConfig, speculator: Speculat
     graphs = parts.runner.graphs
     if capture and config.tensor_parallel_size == 1:
         # Prefill and mixed steps: under continuous arrivals nearly every step is one.
-        parts.runner.attach_piecewise(mixed_step_tokens(config, parts.device) or PIECEWISE_MAX_TOKENS)
+        budget = mixed_step_tokens(config, parts.device) or PIECEWISE_MAX_TOKENS
+        parts.runner.attach_piecewise(min(budget, PIECEWISE_MAX_TOKENS))
     if capture and graphs is not None and config.tensor_parallel_size == 1 and max(widths) > 1:
         # Each width's device cost, so the policy prices a width before timing it in the engine
         # (a first verify step timed untrimmed costs what a trimmed one would not).
         speculator.set_step_profile(graphs.profile())
 
 
-# The largest eager step served from piecewise graphs when mixed steps are off (with them: their
-# token budget); past a few hundred tokens a step's launches no longer dominate its time.
+# The largest eager step served from piecewise graphs (the mixed-step budget where smaller): past a
+# few hundred tokens a step's launches no longer dominate its time, and the graphs' static buffers
+# grow with it.
 PIECEWISE_MAX_TOKENS = 512
 
 

@@ -143,7 +143,8 @@ class LLMEngine:
             raise RuntimeError("this engine is closed (LLM.close()): build a new one")
 
     def enable_cuda_graphs(self, capture: bool = True) -> None:
-        """Serve uniform decode / verify steps from CUDA graphs (``builder.attach_graphs``)."""
+        """Serve uniform decode / verify steps from CUDA graphs, and (captured) prefill and mixed
+        steps from piecewise graphs (``builder.attach_graphs``)."""
         attach_graphs(self.parts, self.config, self.speculator, capture)
 
     @property

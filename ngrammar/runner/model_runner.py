@@ -7,6 +7,7 @@ logits on the device. All device->host reads of a step go through ``to_host`` (o
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -104,6 +105,18 @@ def resolve_quantization(quantization: str, dtype: str, device: torch.device) ->
     return quantization
 
 
+def page_table(tables: list[list[int]]) -> np.ndarray:
+    """[B, longest] int64: each sequence's pages, zero-padded (entries past a row's length are
+    never read unmasked)."""
+    lens = np.fromiter(map(len, tables), np.int64, len(tables))
+    total = int(lens.sum())
+    table = np.zeros((len(tables), int(lens.max())), dtype=np.int64)
+    rows = np.repeat(np.arange(len(tables)), lens)
+    cols = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
+    table[rows, cols] = np.fromiter(itertools.chain.from_iterable(tables), np.int64, total)
+    return table
+
+
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     return config.num_layers * 2 * config.kv_size * torch.tensor([], dtype=dtype).element_size()
 
@@ -186,9 +199,8 @@ class ModelRunner:
         self.on_forward: Callable[[], None] | None = None  # test hook: called when a forward is launched
         self.on_to_host: Callable[[], None] | None = None  # test hook: called on every device->host read
         self.graphs: CUDAGraphRunner | None = None  # set by the engine: serves uniform decode/verify steps
-        self.pieces: PiecewiseGraphs | None = (
-            None  # set by the engine: the other steps' layers between attentions
-        )
+        # Set by the engine: the other steps' layers between attention calls.
+        self.pieces: PiecewiseGraphs | None = None
         # Slot mapping of the last eager forward; None after a graph-served one (or none yet).
         self._last_slots: torch.Tensor | None = None
 
@@ -222,7 +234,7 @@ class ModelRunner:
 
     def attach_piecewise(self, max_tokens: int) -> None:
         """Serve eager steps of up to ``max_tokens`` tokens from piecewise graphs, captured here."""
-        pieces = PiecewiseGraphs(self.model, self.kv_cache, max_tokens)
+        pieces = PiecewiseGraphs(self.model, self.backend, self.kv_cache, max_tokens)
         pieces.capture_all()
         self.pieces = pieces
 
@@ -237,27 +249,27 @@ class ModelRunner:
         return to_device(values, dtype, self.device)
 
     def metadata(self, step: StepInput) -> AttentionMetadata:
-        q_lens = [len(t) for t in step.tokens]
-        kv_lens = [s + q for s, q in zip(step.starts, q_lens)]
-        max_pages = max(len(p) for p in step.page_tables)
-        table = np.zeros((step.batch_size, max_pages), dtype=np.int64)
-        for b, pages in enumerate(step.page_tables):
-            table[b, : len(pages)] = pages
+        """The step's attention metadata, built with numpy (no Python loop over tokens: a mixed
+        step carries hundreds)."""
+        q_lens = np.fromiter(map(len, step.tokens), np.int64, step.batch_size)
+        starts = np.asarray(step.starts, dtype=np.int64)
+        kv_lens = starts + q_lens
+        table = page_table(step.page_tables)
+        q_start = np.concatenate([[0], np.cumsum(q_lens)])
+        # each new token's row and kv index, in packed token order
+        rows = np.repeat(np.arange(step.batch_size), q_lens)
+        index = np.arange(q_start[-1]) - np.repeat(q_start[:-1] - starts, q_lens)
         ps = self.page_size
-        slots = [
-            table[b, i // ps] * ps + i % ps
-            for b in range(step.batch_size)
-            for i in range(step.starts[b], kv_lens[b])
-        ]
+        slots = table[rows, index // ps] * ps + index % ps
         tree = None if step.tree_mask is None else self._tensor(step.tree_mask, torch.bool)
         return AttentionMetadata(
             slot_mapping=self._tensor(slots),
             page_table=self._tensor(table),
             kv_lens=self._tensor(kv_lens),
             q_lens=self._tensor(q_lens),
-            q_start=self._tensor(np.concatenate([[0], np.cumsum(q_lens)])),
-            max_q_len=max(q_lens),
-            max_kv_len=max(kv_lens) + step.max_offset,
+            q_start=self._tensor(q_start),
+            max_q_len=int(q_lens.max()),
+            max_kv_len=int(kv_lens.max()) + step.max_offset,
             page_size=ps,
             tree_mask=tree,
         )
@@ -289,7 +301,7 @@ class ModelRunner:
             self.on_forward()
         plan = self.backend.plan(meta)
         if self.pieces is not None and self.pieces.accepts(ids.shape[0]):
-            hidden = self.pieces.forward(ids, pos, plan, self.backend)
+            hidden = self.pieces.forward(ids, pos, plan)
         else:
             hidden = self.model(ids, pos, self.kv_cache, plan)
         return self.model.compute_logits(hidden.index_select(0, rows))

@@ -7,10 +7,12 @@ between two attention calls (embedding, norms, projections, MLPs, the final norm
 per token bucket and replayed; attention alone runs eagerly, on the step's real tokens and the
 step's own plan, between the replays.
 
-Capture: the model runs once per bucket with a ``SegmentCut`` as its plan. The attention backend
-hands each layer's call to the cut, which ends the graph being captured, keeps that layer's q, k, v
-and RoPE tables (tensors of the graph's pool, at fixed addresses) and an output buffer, and begins
-the next graph. A bucket of L layers has L + 1 graphs sharing one pool.
+Capture: the model runs once per bucket with a ``SegmentCut`` as its plan. The model hands each
+layer's attention call to the cut, which copies q, k, v into that layer's static buffers (inside the
+graph being captured), ends that graph and begins the next; the next graph reads the layer's static
+output buffer. A bucket of L layers has L + 1 graphs. The static buffers are sized for the largest
+bucket and shared by all (replays never overlap), and every graph draws on one pool, so memory
+follows the largest bucket, not the sum of them.
 
 Replay of T tokens in bucket Tb >= T: ids and positions copied into the static buffers (rows T..Tb
 keep stale, valid values), graph 0, then per layer the eager attention on rows [:T] into the output
@@ -22,16 +24,14 @@ only op across rows) sees real rows only.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ngrammar.attention.metadata import SegmentCut
+from ngrammar.attention.metadata import AttentionBackend, SegmentCut
+from ngrammar.model.llama import LlamaForCausalLM
 from ngrammar.runner.cuda_graph import buckets
-
-if TYPE_CHECKING:
-    from ngrammar.model.llama import LlamaForCausalLM
 
 # Token buckets: fine steps where small prefills land, every 64 tokens above 128.
 _SMALL_BUCKETS = (16, 32, 64, 96, 128)
@@ -43,48 +43,54 @@ def token_buckets(max_tokens: int) -> list[int]:
     return buckets(max_tokens, _SMALL_BUCKETS, _LARGE_STEP)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Layer:
-    """What one layer's attention call saw during capture (all [Tb, ...] tensors of the pool)."""
+    """One layer's attention call at the largest bucket: inputs the graph before it copies in, the
+    output the graph after it reads ([max_tokens, heads, d] each), and its constants."""
 
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
+    out: torch.Tensor
     layer_cache: torch.Tensor
     scale: float
-    rope: tuple[torch.Tensor, torch.Tensor] | None
-    out: torch.Tensor  # [Tb, Hq, d]: the eager attention's output, read by the next graph (a view of
-    # a buffer every bucket shares: replays never overlap)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Bucket:
-    tokens: int
-    graphs: list[Any] = field(default_factory=list)  # torch.cuda.CUDAGraph, L + 1 of them
-    layers: list[_Layer] = field(default_factory=list)
-    hidden: torch.Tensor | None = None  # [Tb, hidden]: the last graph's output
+    graphs: list[torch.cuda.CUDAGraph]  # L + 1, replayed in order with attention between
+    rope: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin [Tb, 1, d/2] that graph 0 gathers
+    hidden: torch.Tensor  # [Tb, hidden]: the last graph's output
 
 
-class _Capture(SegmentCut):
-    """The plan of a capture run: each attention call ends one graph and begins the next."""
+def _buffer(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous zeroed buffer of ``x``'s shape (q, k, v arrive as views of one projection)."""
+    return torch.zeros(x.shape, dtype=x.dtype, device=x.device)
 
-    def __init__(self, bucket: _Bucket, pool: Any, capture: bool, outs: list[torch.Tensor]) -> None:
-        self.bucket = bucket
-        self.pool = pool
-        self.capture = capture  # False: the warm-up run (compiles the segments' kernels)
-        # Each layer's attention output, shared by every bucket (made by the largest, captured first)
-        self.outs = outs
-        self.layer = 0
+
+class _Cut(SegmentCut):
+    """The plan of one run of the model: each attention call copies its inputs into the layer's
+    static buffers and returns the layer's static output; with ``graphs`` (not the warm-up run)
+    the call also ends the graph being captured and begins the next."""
+
+    def __init__(self, layers: list[_Layer], pool: Any, graphs: list[torch.cuda.CUDAGraph] | None) -> None:
+        self.layers = layers  # filled by the first run (the largest bucket's warm-up)
+        self.pool = pool  # torch.cuda.graph_pool_handle()
+        self.graphs = graphs
+        self.capturing = False
+        self.index = 0
+        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def begin(self) -> None:
-        if self.capture:
-            graph = torch.cuda.CUDAGraph()
-            graph.capture_begin(pool=self.pool)
-            self.bucket.graphs.append(graph)
+        if self.graphs is not None:
+            self.graphs.append(torch.cuda.CUDAGraph())
+            self.graphs[-1].capture_begin(pool=self.pool)
+            self.capturing = True
 
     def end(self) -> None:
-        if self.capture:
-            self.bucket.graphs[-1].capture_end()
+        if self.capturing:
+            self.capturing = False
+            self.graphs[-1].capture_end()  # type: ignore[index]
 
     def __call__(
         self,
@@ -95,38 +101,42 @@ class _Capture(SegmentCut):
         scale: float,
         rope: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
+        if self.index == len(self.layers):
+            out = torch.zeros(q.shape, dtype=layer_cache.dtype, device=q.device)
+            self.layers.append(_Layer(_buffer(q), _buffer(k), _buffer(v), out, layer_cache, scale))
+        layer, t = self.layers[self.index], q.shape[0]
+        self.index += 1
+        for static, x in ((layer.q, q), (layer.k, k), (layer.v, v)):
+            static[:t].copy_(x)
+        self.rope = rope
         self.end()
-        if self.layer == len(self.outs):
-            self.outs.append(torch.zeros(q.shape, dtype=layer_cache.dtype, device=q.device))
-        out = self.outs[self.layer][: q.shape[0]]
-        self.layer += 1
-        if self.capture:
-            self.bucket.layers.append(_Layer(q, k, v, layer_cache, scale, rope, out))
         self.begin()
-        return out
+        return layer.out[:t]
 
 
 class PiecewiseGraphs:
     """Eager-shaped steps of up to ``max_tokens`` tokens (prefill, mixed) served from per-bucket
-    segment graphs; ``forward`` takes the step's ids, positions and attention plan."""
+    segment graphs (``forward``)."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, max_tokens: int) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, backend: AttentionBackend, kv_cache: torch.Tensor, max_tokens: int
+    ) -> None:
         self.model = model
+        self.backend = backend
         self.kv_cache = kv_cache
         self.buckets = token_buckets(max_tokens)
         self.max_tokens = max_tokens
-        device = kv_cache.device
-        self._ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
-        self._positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self._bucket_of = [next(b for b in self.buckets if b >= t) for t in range(max_tokens + 1)]
+        self._ids = torch.zeros(max_tokens, dtype=torch.int64, device=kv_cache.device)
+        self._positions = torch.zeros(max_tokens, dtype=torch.int64, device=kv_cache.device)
         self._pool = torch.cuda.graph_pool_handle()
-        self._outs: list[torch.Tensor] = []
+        self._layers: list[_Layer] = []
         self._entries: dict[int, _Bucket] = {}
         self.replays: Counter[int] = Counter()  # per bucket (tests, benchmarks)
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """Every bucket, largest first, into one pool (a smaller bucket reuses what a larger one
-        freed; replays never overlap)."""
+        """Every bucket, largest first (its warm-up sizes the static buffers), on a side stream."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -136,35 +146,40 @@ class PiecewiseGraphs:
         torch.cuda.synchronize()
 
     def _capture(self, tokens: int) -> _Bucket:
-        bucket = _Bucket(tokens)
-        ids, positions = self._ids[:tokens], self._positions[:tokens]
-        for capture in (False, True):  # a warm-up run compiles every kernel before capturing
-            cut = _Capture(bucket, self._pool, capture, self._outs)
-            torch.cuda.synchronize()
-            cut.begin()
-            hidden = self.model(ids, positions, self.kv_cache, cut)
+        self._run(_Cut(self._layers, self._pool, None), tokens)  # warm-up: compiles every kernel
+        graphs: list[torch.cuda.CUDAGraph] = []
+        cut = _Cut(self._layers, self._pool, graphs)
+        hidden = self._run(cut, tokens)
+        return _Bucket(graphs, cut.rope, hidden)
+
+    def _run(self, cut: _Cut, tokens: int) -> torch.Tensor:
+        """The model over the first ``tokens`` static ids / positions, cut at every attention call.
+        A failure mid-capture ends the capture first: a stream left capturing fails every later
+        CUDA call with an error that hides this one."""
+        torch.cuda.synchronize()
+        cut.begin()
+        try:
+            hidden = self.model(self._ids[:tokens], self._positions[:tokens], self.kv_cache, cut)
+        finally:
             cut.end()
-        bucket.hidden = hidden
-        return bucket
+        return hidden
 
     def accepts(self, tokens: int) -> bool:
         return 0 < tokens <= self.max_tokens
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, plan: Any, backend: Any) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, plan: object) -> torch.Tensor:
         """Hidden states [T, hidden] of the step's T = len(ids) tokens; ``plan``: the backend's plan
-        for the step's real metadata. Valid until the next replay of the same bucket."""
+        for the step's real metadata. A view of the pool: read it before any other replay."""
         t = ids.shape[0]
-        bucket = self._entries[next(b for b in self.buckets if b >= t)]
-        self.replays[bucket.tokens] += 1
+        tokens = self._bucket_of[t]
+        bucket = self._entries[tokens]
+        self.replays[tokens] += 1
         self._ids[:t].copy_(ids)
         self._positions[:t].copy_(positions)
         bucket.graphs[0].replay()
-        for layer, graph in zip(bucket.layers, bucket.graphs[1:]):
-            rope = None if layer.rope is None else (layer.rope[0][:t], layer.rope[1][:t])
-            out = backend.forward(
-                layer.q[:t], layer.k[:t], layer.v[:t], layer.layer_cache, plan, layer.scale, rope
-            )
-            layer.out[:t].copy_(out)
+        rope = None if bucket.rope is None else (bucket.rope[0][:t], bucket.rope[1][:t])
+        for layer, graph in zip(self._layers, bucket.graphs[1:]):
+            q, k, v = layer.q[:t], layer.k[:t], layer.v[:t]
+            layer.out[:t].copy_(self.backend.forward(q, k, v, layer.layer_cache, plan, layer.scale, rope))
             graph.replay()
-        assert bucket.hidden is not None
         return bucket.hidden[:t]
