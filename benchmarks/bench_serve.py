@@ -361,10 +361,28 @@ def run_serve_benchmark(
             after = server.server_info()["stats"]
         steps = after["verify_steps"] - before["verify_steps"]
         accept = (after["verify_emitted"] - before["verify_emitted"]) / steps if steps else 0.0
-        level = {"mode": mode, "concurrency": c, **summarize(records, wall, accept), **offline[mode, c]}
+        level = {
+            "mode": mode,
+            "concurrency": c,
+            **summarize(records, wall, accept),
+            **offline[mode, c],
+            **step_kinds(before, after),
+        }
         results["levels"].append(level)
     print_results(results)
     return results
+
+
+def step_kinds(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The engine's steps between two ``/server_info`` stats and the shares of them that were mixed
+    (decode rows + prefill chunks: no whole-step graph, no chain) and chained plain steps."""
+    steps = after["steps"] - before["steps"]
+    share = {k: (after[k] - before[k]) / steps if steps else 0.0 for k in ("mixed_steps", "chained_steps")}
+    return {
+        "engine_steps": steps,
+        "mixed_share": share["mixed_steps"],
+        "chained_share": share["chained_steps"],
+    }
 
 
 def _every(mode: str) -> int:
@@ -496,6 +514,8 @@ def print_results(results: dict[str, Any]) -> None:
         "offline tok/s",
         "offline stream tok/s",
         "server/offline",
+        "server/stream",
+        "steps mixed / chained",
     ]
     rows = [
         [
@@ -514,6 +534,8 @@ def print_results(results: dict[str, Any]) -> None:
             lv["offline_tok_s"],
             lv["offline_stream_tok_s"],
             lv["throughput_tok_s"] / lv["offline_tok_s"],
+            lv["throughput_tok_s"] / lv["offline_stream_tok_s"],
+            f"{lv['mixed_share']:.0%} / {lv['chained_share']:.0%} of {lv['engine_steps']}",
         ]
         for lv in results["levels"]
     ]

@@ -183,3 +183,14 @@ def test_the_dummy_shape_is_the_embedded_architecture_without_weights(tmp_path: 
     want = Tokenizer(embedded.tokenizer_dir, embedded.config.eos_token_ids).apply_chat_template(chat)
     assert llm.engine.tokenize(chat) == want
     llm.close()
+
+
+def test_the_serve_benchmark_reports_the_share_of_mixed_steps() -> None:
+    """A server's step kinds between two /server_info reads: mixed steps (no whole-step graph) and
+    chained plain steps, as shares of the level's steps."""
+    from benchmarks.bench_serve import step_kinds
+
+    before = {"steps": 10, "mixed_steps": 2, "chained_steps": 5}
+    after = {"steps": 110, "mixed_steps": 27, "chained_steps": 65}
+    assert step_kinds(before, after) == {"engine_steps": 100, "mixed_share": 0.25, "chained_share": 0.6}
+    assert step_kinds(after, after)["mixed_share"] == 0.0
