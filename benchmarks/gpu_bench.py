@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.bench_arrivals import bench_arrivals, summarize_arrivals
 from benchmarks.bench_grammar import (
     RECORD_SCHEMA,
     extraction_prompts,
@@ -83,6 +84,15 @@ def _engine_kwargs(model: str | None, graphs: bool) -> dict[str, Any]:
     if "cuda_graph" in {f.name for f in dataclasses.fields(EngineConfig)}:
         kw["cuda_graph"] = graphs
     return kw
+
+
+def _arrivals_part(model: str | None, load_format: str, sizes: list[int], max_tokens: int) -> dict[str, Any]:
+    """``bench_arrivals`` on one engine (CUDA graphs and piecewise graphs captured where CUDA is)."""
+    llm = LLM(**_engine_kwargs(model, True), load_format=load_format)
+    try:
+        return bench_arrivals(llm, [p for ps in _categories().values() for p in ps], sizes, max_tokens)
+    finally:
+        llm.close()
 
 
 def bench_small_model(
@@ -980,6 +990,12 @@ def main() -> int:
     p.add_argument("--num-draft-tokens", type=int, default=16, help="D of the smollm2 part's NGRAM engine")
     p.add_argument("--replay-tokens", type=int, default=256, help="max tokens of the replay part")
     p.add_argument("--serve-concurrency", type=int, default=256, help="clients of the serve_schema part")
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="arrivals part: dummy = random weights of --model's architecture (a config folder will do)",
+    )
     args = p.parse_args()
     log: dict[str, Any] = {
         "machine": machine(),
@@ -1034,6 +1050,8 @@ def main() -> int:
             lambda: bench_spec_overhead(args.model, sizes, args.max_tokens, args.repeats),
             log,
         )
+    if "arrivals" in parts:
+        _safe("arrivals", lambda: _arrivals_part(args.model, args.load_format, sizes, args.max_tokens), log)
     if "8b" in parts and torch.cuda.is_available():
         _safe("llama3_8b_shape", bench_8b, log)
     if "replay" in parts and torch.cuda.is_available():
@@ -1058,6 +1076,8 @@ def main() -> int:
     summarize(log)
     if isinstance(log.get("replay"), dict) and "error" not in log["replay"]:
         summarize_replay(log["replay"])
+    if isinstance(log.get("arrivals"), dict) and "error" not in log["arrivals"]:
+        summarize_arrivals(log["arrivals"])
     return 0
 
 

@@ -194,3 +194,22 @@ def test_the_serve_benchmark_reports_the_share_of_mixed_steps() -> None:
     after = {"steps": 110, "mixed_steps": 27, "chained_steps": 65}
     assert step_kinds(before, after) == {"engine_steps": 100, "mixed_share": 0.25, "chained_share": 0.6}
     assert step_kinds(after, after)["mixed_share"] == 0.0
+
+
+def test_the_arrivals_benchmark_replaces_each_finished_stream() -> None:
+    """Offline continuous arrivals: every request finishes with its tokens, most steps are mixed;
+    on the CPU (no piecewise graphs) only the eager variant runs."""
+    from benchmarks.bench_arrivals import arrivals, bench_arrivals
+    from ngrammar import LLM
+
+    llm = LLM(device="cpu", dtype="float32", kv_cache_tokens=4096)
+    try:
+        prompts = [[{"role": "user", "content": f"Count to {n}."}] for n in (3, 5, 7)]
+        ids = [llm.engine.tokenize(p) for p in prompts]
+        run = arrivals(llm, ids, 2, 5, 4)
+        assert [len(o) for o in run["outputs"]] == [4] * 5
+        assert run["mixed_share"] > 0 and run["tok_s"] > 0
+        res = bench_arrivals(llm, prompts, [2], 4)
+        assert set(res["c2"]) == {"eager_tok_s", "mixed_share"}
+    finally:
+        llm.close()
