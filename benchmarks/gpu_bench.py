@@ -86,9 +86,11 @@ def _engine_kwargs(model: str | None, graphs: bool) -> dict[str, Any]:
     return kw
 
 
-def _arrivals_part(model: str | None, load_format: str, sizes: list[int], max_tokens: int) -> dict[str, Any]:
+def _arrivals_part(
+    model: str | None, load_format: str, dtype: str, sizes: list[int], max_tokens: int
+) -> dict[str, Any]:
     """``bench_arrivals`` on one engine (CUDA graphs and piecewise graphs captured where CUDA is)."""
-    llm = LLM(**_engine_kwargs(model, True), load_format=load_format)
+    llm = LLM(**_engine_kwargs(model, True), load_format=load_format, dtype=dtype)
     try:
         return bench_arrivals(llm, [p for ps in _categories().values() for p in ps], sizes, max_tokens)
     finally:
@@ -996,6 +998,11 @@ def main() -> int:
         choices=["auto", "dummy"],
         help="arrivals part: dummy = random weights of --model's architecture (a config folder will do)",
     )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="arrivals part: float32 to check tokens (bf16 GEMMs vary with row count)",
+    )
     args = p.parse_args()
     log: dict[str, Any] = {
         "machine": machine(),
@@ -1051,7 +1058,11 @@ def main() -> int:
             log,
         )
     if "arrivals" in parts:
-        _safe("arrivals", lambda: _arrivals_part(args.model, args.load_format, sizes, args.max_tokens), log)
+        _safe(
+            "arrivals",
+            lambda: _arrivals_part(args.model, args.load_format, args.dtype, sizes, args.max_tokens),
+            log,
+        )
     if "8b" in parts and torch.cuda.is_available():
         _safe("llama3_8b_shape", bench_8b, log)
     if "replay" in parts and torch.cuda.is_available():
