@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import httpx
@@ -27,7 +28,7 @@ from ngrammar import LLM, SamplingParams
 from ngrammar.server import create_app
 from ngrammar.server.core import EngineCore
 from ngrammar.server.core_client import CoreClient
-from ngrammar.server.core_messages import Add
+from ngrammar.server.core_messages import Abort, Add
 from ngrammar.server.warmup import CompileCounter
 from tests.serving import UvicornThread, wait_idle
 
@@ -142,6 +143,43 @@ def test_the_core_sends_new_tokens_once_and_refusals_in_the_same_turn(offline: L
             finished = r.finished
     want = offline.generate("Count: 1, 2,", params)[0].outputs
     assert finished and [tokens[0], tokens[1]] == [c.token_ids for c in want] == [logprobs[0], logprobs[1]]
+
+
+def test_a_grammar_compiling_never_stalls_the_running_requests(
+    offline: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new grammar compiles on the backend's threads: the running requests step meanwhile, the
+    request joins once it is compiled (or is refused then, or aborted while it waits)."""
+    backend = offline.engine.grammar_backend
+    held: dict[Any, Future[Any]] = {}
+
+    def compile_later(spec: Any) -> Future[Any]:
+        return held.setdefault(spec, Future())
+
+    monkeypatch.setattr(backend, "compile_async", compile_later)
+    core = EngineCore(offline.engine, CompileCounter())
+    plain = SamplingParams(max_tokens=8, temperature=0)
+    schema = SamplingParams(max_tokens=32, temperature=0, json_schema=SCHEMA)
+    core.handle(Add("plain", "a", offline.engine.tokenize("Count: 1, 2,"), plain))
+    core.handle(Add("json", "b", offline.engine.tokenize("A person as JSON:"), schema))
+    core.handle(Add("gone", "c", offline.engine.tokenize("A person as JSON:"), schema))
+    tokens: dict[str, list[int]] = {"plain": [], "json": []}
+    for _ in range(3):
+        for r in [r for delta in core.turn() for r in delta.requests]:
+            tokens[r.request_id] += r.seqs[0].token_ids
+    assert tokens["plain"] and not tokens["json"] and core.busy and core.load().num_waiting == 2
+    core.handle(Abort("gone"))
+    [spec] = held
+    held[spec].set_result(backend.compile(spec))
+    failed = []
+    while core.busy:
+        for delta in core.turn():
+            failed += delta.failed
+            for r in delta.requests:
+                tokens[r.request_id] += r.seqs[0].token_ids
+    assert [(f.request_id, f.kind) for f in failed] == [("gone", "Aborted")]
+    want = offline.generate(["Count: 1, 2,", "A person as JSON:"], [plain, schema])
+    assert [tokens["plain"], tokens["json"]] == [o.outputs[0].token_ids for o in want]
 
 
 def test_a_command_the_core_cannot_read_is_refused_and_the_core_lives_on(offline: LLM) -> None:

@@ -201,12 +201,16 @@ class LLMEngine:
             self.speculator.on_admit(seq)
         return request_id
 
-    def compile_grammar(self, params: SamplingParams) -> Any:
+    def grammar_spec(self, params: SamplingParams) -> Any:
+        """The request's ``GrammarSpec`` (the compile cache's key), None without a grammar."""
         if not params.has_grammar:
             return None
         from ngrammar.grammar import grammar_spec_from_request
 
-        spec = grammar_spec_from_request(params.json_schema, params.regex, params.ebnf, params.json_object)
+        return grammar_spec_from_request(params.json_schema, params.regex, params.ebnf, params.json_object)
+
+    def compile_grammar(self, params: SamplingParams) -> Any:
+        spec = self.grammar_spec(params)
         return None if spec is None else self.grammar_backend.compile(spec)
 
     def abort(self, request_id: str) -> None:

@@ -55,6 +55,7 @@ CONFIG_FILE = "config.pickle"
 COMMANDS_SOCKET = "commands"
 REPORTS_SOCKET = "reports"
 _IDLE_POLL_MS = 50  # an idle core's longest wait for a command before it checks on its parent
+_COMPILING_POLL_MS = 1  # ... while grammars compile and nothing steps: how often it checks on them
 
 
 class EngineCore:
@@ -65,6 +66,9 @@ class EngineCore:
         # Engine requests handed over while the scheduler waits on fewer sequences than this.
         self.feed_below = max(engine.config.max_running_requests, 1)
         self._pending: RoundRobin[Add] = RoundRobin()
+        # Requests whose grammar compiles on the grammar backend's threads: they join ``_pending``
+        # once it is done, so a new grammar never stalls the steps of the requests running.
+        self._compiling: dict[str, tuple[Add, Future[Any]]] = {}
         self._live: dict[str, Request] = {}  # handed to the engine, not finished
         self._sent: dict[str, list[int]] = {}  # output tokens reported so far, per sequence
         self._ended: dict[str, list[bool]] = {}  # whether each sequence's finish was reported
@@ -76,19 +80,47 @@ class EngineCore:
 
     @property
     def busy(self) -> bool:
+        """Requests not finished: stepping, queued, or waiting for their grammar to compile."""
+        return bool(self._live or self._pending or self._compiling)
+
+    @property
+    def stepping(self) -> bool:
+        """Requests the next turn steps or admits (not those whose grammar still compiles)."""
         return bool(self._live or self._pending)
 
     def handle(self, command: Add | Abort) -> None:
         if isinstance(command, Add):
-            self._pending.push(command.group, command.request_id, command)
+            compiling = self._compile(command)
+            if compiling is None or compiling.done():
+                self._pending.push(command.group, command.request_id, command)
+            else:
+                self._compiling[command.request_id] = (command, compiling)
             return
-        add = self._pending.remove(command.request_id)
+        held = self._compiling.pop(command.request_id, None)
+        add = held[0] if held is not None else self._pending.remove(command.request_id)
         if add is None:
             self.engine.abort(command.request_id)  # its last delta says "abort"
             return
         self._failed.append(
             (add.client, RequestFailed(add.request_id, "Aborted", "aborted before it started"))
         )
+
+    def _compile(self, add: Add) -> Future[Any] | None:
+        """The request's grammar compiling on the backend's threads (a cache hit: a done future);
+        None without a grammar, or with one its admission refuses (the engine raises the error)."""
+        try:
+            spec = self.engine.grammar_spec(add.params)
+        except Exception:
+            return None
+        return None if spec is None else self.engine.grammar_backend.compile_async(spec)
+
+    def _compiled(self) -> None:
+        """Requests whose grammar is done join the queue (a failed compile too: their admission
+        raises the compile's error, the request's 400, as the engine's compile cache misses)."""
+        for request_id, (add, compiling) in list(self._compiling.items()):
+            if compiling.done():
+                del self._compiling[request_id]
+                self._pending.push(add.group, request_id, add)
 
     def refuse_unreadable(self, raw: bytes, error: Exception) -> None:
         """A command this core cannot decode (a type the API side let through): an ``Add`` is
@@ -148,6 +180,7 @@ class EngineCore:
         """Admit what fits, run one step if anything runs; then one delta per API server process
         (``clients`` of them: each gets its own requests' progress and refusals, and every one the
         load), or none if nothing changed."""
+        self._compiled()
         self._feed()
         changed = bool(self._failed)  # (refusals of requests just fed included)
         seconds = None
@@ -175,7 +208,7 @@ class EngineCore:
     def load(self) -> Load:
         e = self.engine
         pool = e.blocks.allocator
-        waiting = len(e.scheduler.waiting) + len(self._pending)
+        waiting = len(e.scheduler.waiting) + len(self._pending) + len(self._compiling)
         return Load(
             len(e.scheduler.running),
             waiting,
@@ -358,7 +391,8 @@ def _serve(core: EngineCore, commands: object, reports: list[Any], parent: int) 
 
     assert isinstance(commands, zmq.Socket)
     while os.getppid() == parent:
-        if core.busy or commands.poll(_IDLE_POLL_MS):
+        wait = _COMPILING_POLL_MS if core.busy else _IDLE_POLL_MS
+        if core.stepping or commands.poll(wait) or core.busy:
             while True:
                 try:
                     raw = commands.recv(zmq.NOBLOCK)
