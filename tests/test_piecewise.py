@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from ngrammar import LLM, SamplingParams
 from ngrammar.attention.metadata import SegmentCut
+from ngrammar.runner.cuda_graph import bucket_table
 from ngrammar.runner.model_runner import StepInput
 from ngrammar.runner.piecewise import token_buckets
 from tests.test_cuda_graph import PROMPTS
@@ -25,6 +26,7 @@ def test_token_buckets() -> None:
     assert token_buckets(5) == [5]
     with pytest.raises(ValueError):
         token_buckets(0)
+    assert bucket_table([16, 32, 40]) == [16] * 17 + [32] * 16 + [40] * 8
 
 
 def test_cpu_engines_have_no_piecewise_graphs(llm: LLM) -> None:

@@ -48,7 +48,7 @@ from ngrammar.sampling_params import InvalidRequestError, SamplingParams
 from ngrammar.speculative.forced import forced_text
 
 if TYPE_CHECKING:
-    from ngrammar.grammar import GrammarBackend
+    from ngrammar.grammar import GrammarBackend, GrammarSpec
     from ngrammar.speculative.replay import ReplayTarget
 
 __all__ = ["EngineStats", "LLMEngine", "Request", "StepKind", "StepRecord"]
@@ -201,7 +201,7 @@ class LLMEngine:
             self.speculator.on_admit(seq)
         return request_id
 
-    def grammar_spec(self, params: SamplingParams) -> Any:
+    def grammar_spec(self, params: SamplingParams) -> GrammarSpec | None:
         """The request's ``GrammarSpec`` (the compile cache's key), None without a grammar."""
         if not params.has_grammar:
             return None

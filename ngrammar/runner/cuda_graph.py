@@ -79,6 +79,17 @@ def buckets(limit: int, small: tuple[int, ...], step: int) -> list[int]:
     return sizes + [limit]
 
 
+def bucket_table(sizes: list[int]) -> list[int]:
+    """table[n] = the smallest of the ascending ``sizes`` that holds n, for n in 0..sizes[-1]
+    (index 0: the first)."""
+    table, i = [], 0
+    for n in range(sizes[-1] + 1):
+        while sizes[i] < n:
+            i += 1
+        table.append(sizes[i])
+    return table
+
+
 def batch_buckets(max_batch_size: int) -> list[int]:
     """Batch-size buckets of the uniform graphs."""
     return buckets(max_batch_size, STANDARD_BUCKETS, _LARGE_BUCKET_STEP)
@@ -220,7 +231,7 @@ class CUDAGraphRunner:
             max_width=self.widths[-1],
             max_pages=-(-kv_len_bound // self.page_size),
         )
-        self._bucket_of = self._bucket_table()
+        self._bucket_of = bucket_table(self.buckets)
         self._init_buffers()
         self._entries: dict[tuple[int, int], _Entry] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
@@ -229,15 +240,6 @@ class CUDAGraphRunner:
         self.accept_replays: Counter[tuple[int, int]] = Counter()  # acceptor runs per (bucket, width)
 
     # ------------------------------------------------------------- set-up
-    def _bucket_table(self) -> list[int]:
-        """bucket_of[b] for b in 0..max_batch_size (index 0 unused)."""
-        table, i = [0], 0
-        for b in range(1, self.max_batch_size + 1):
-            while self.buckets[i] < b:
-                i += 1
-            table.append(self.buckets[i])
-        return table
-
     def _init_buffers(self) -> None:
         device = self.runner.device
         pinned = device.type == "cuda"

@@ -31,7 +31,7 @@ import torch
 
 from ngrammar.attention.metadata import AttentionBackend, SegmentCut
 from ngrammar.model.llama import LlamaForCausalLM
-from ngrammar.runner.cuda_graph import buckets
+from ngrammar.runner.cuda_graph import bucket_table, buckets
 
 # Token buckets: fine steps where small prefills land, every 64 tokens above 128.
 _SMALL_BUCKETS = (16, 32, 64, 96, 128)
@@ -126,7 +126,7 @@ class PiecewiseGraphs:
         self.kv_cache = kv_cache
         self.buckets = token_buckets(max_tokens)
         self.max_tokens = max_tokens
-        self._bucket_of = [next(b for b in self.buckets if b >= t) for t in range(max_tokens + 1)]
+        self._bucket_of = bucket_table(self.buckets)
         self._ids = torch.zeros(max_tokens, dtype=torch.int64, device=kv_cache.device)
         self._positions = torch.zeros(max_tokens, dtype=torch.int64, device=kv_cache.device)
         self._pool = torch.cuda.graph_pool_handle()
