@@ -4,6 +4,7 @@ Part 1 (``linear``): every projection shape of SmolLM2-135M and of Llama-3-8B at
 inside a CUDA graph of back-to-back calls (as the model runs them): the fused kernel with the tiles
 ``choose_tiles`` picks, the best tiles of a small sweep, and the unfused pair it replaces (Triton
 RMSNorm or SiLU·mul, then cuBLAS). Prints µs per call and the weight bandwidth it reaches.
+Part ``invariant``: the row-invariant projection's candidate tilings against the fast path.
 Part 2 (``steps``): random-weight models of both shapes, one decode (q = 1) or verify (q = 16) step
 as a CUDA graph, with the projections' prologues fused and not; ms per step and tok/s of decoding.
 
@@ -170,6 +171,72 @@ def bench_linear(shapes: dict[str, ModelConfig], ms: tuple[int, ...] = (1, 2, 4,
     return rows
 
 
+def bench_invariant_linear(
+    shapes: dict[str, ModelConfig], ms: tuple[int, ...] = (1, 16, 64, 512)
+) -> list[dict[str, Any]]:
+    """The row-invariant projection (one tiling for every M) against the fast path it replaces (the
+    fused kernel at one token, else the Triton norm / SiLU·mul + cuBLAS), µs per call in a CUDA graph,
+    for a few candidate tilings (the engine's is ``TILES``)."""
+    from ngrammar.kernels.fused_linear import Prologue
+    from ngrammar.kernels.fused_ops import TritonOps
+    from ngrammar.kernels.invariant_linear import TILES, InvariantTiles, invariant_linear
+
+    candidates = [
+        TILES,
+        InvariantTiles(64, 32, 128, 4, 3),
+        InvariantTiles(64, 16, 128, 4, 3),
+        InvariantTiles(64, 64, 64, 4, 3),
+        InvariantTiles(64, 64, 128, 4, 2),
+        InvariantTiles(128, 64, 64, 8, 3),
+    ]
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    fast = TritonOps()
+    rows = []
+    for model, cfg in shapes.items():
+        for name, n, k, prologue in _projections(cfg):
+            w = torch.randn(n, k, device=dev, dtype=dt) * k**-0.5
+            g = torch.ones(k, device=dev, dtype=dt)
+            for m in ms:
+                x = torch.randn(m, 2 * k if prologue == Prologue.SILU_MUL else k, device=dev, dtype=dt)
+                res = torch.randn(m, k, device=dev, dtype=dt) if prologue == Prologue.ADD_NORM else None
+                norm_w = g if prologue == Prologue.ADD_NORM else None
+
+                def fast_call() -> Any:
+                    if prologue == Prologue.ADD_NORM:
+                        return fast.norm_linear(x, res, g, 1e-5, w, None)
+                    if prologue == Prologue.SILU_MUL:
+                        return fast.silu_mul_linear(x, w)
+                    return fast.linear(x, w)
+
+                row: dict[str, Any] = {"model": model, "proj": name, "m": m, "fast_us": graph_us(fast_call)}
+                for t in candidates:
+                    try:
+                        row[repr(t)] = graph_us(
+                            lambda t=t: invariant_linear(
+                                x, w, prologue=prologue, norm_weight=norm_w, residual=res, eps=1e-5, tiles=t
+                            ),
+                            calls=20,
+                            replays=10,
+                        )
+                    except Exception as e:  # a tiling that does not fit is reported, not fatal
+                        row[repr(t)] = f"{type(e).__name__}"
+                rows.append(row)
+    names = [repr(t) for t in candidates]
+    print_table(
+        "row-invariant linear (fixed tiling) vs the fast path, µs per call in a CUDA graph; "
+        "tilings (block_m, block_n, block_k, warps, stages)",
+        [
+            "model",
+            "proj",
+            "m",
+            "fast",
+            *[f"{t.block_m},{t.block_n},{t.block_k},{t.num_warps},{t.num_stages}" for t in candidates],
+        ],
+        [[r["model"], r["proj"], r["m"], r["fast_us"], *[r[c] for c in names]] for r in rows],
+    )
+    return rows
+
+
 def bench_steps(
     shapes: dict[str, ModelConfig],
     batches: tuple[int, ...] = (1, 8, 32),
@@ -253,6 +320,8 @@ def run(parts: tuple[str, ...] = ("linear", "steps")) -> dict[str, Any]:
         out["linear"] = bench_linear(shapes)
     if "steps" in parts:
         out["steps"] = bench_steps(shapes)
+    if "invariant" in parts:
+        out["invariant_linear"] = bench_invariant_linear(shapes)
     if "splits" in parts:
         out["splits"] = bench_decode_splits(SMOLLM2_SHAPE)
     if "verify_splits" in parts:

@@ -75,14 +75,21 @@ def _batch(prompts: list[Any], bs: int) -> list[Any]:
     return [prompts[i % len(prompts)] for i in range(bs)]
 
 
+# --numerics: every engine of the run (None: the config's default).
+_NUMERICS: str | None = None
+
+
 def _engine_kwargs(model: str | None, graphs: bool) -> dict[str, Any]:
     kw: dict[str, Any] = {
         "model": model,
         "device": "cuda" if torch.cuda.is_available() else "cpu",
         "kv_cache_tokens": 262144 if torch.cuda.is_available() else 16384,
     }
-    if "cuda_graph" in {f.name for f in dataclasses.fields(EngineConfig)}:
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    if "cuda_graph" in fields:
         kw["cuda_graph"] = graphs
+    if _NUMERICS is not None and "numerics" in fields:
+        kw["numerics"] = _NUMERICS
     return kw
 
 
@@ -1003,8 +1010,17 @@ def main() -> int:
         default="auto",
         help="arrivals part: float32 to check tokens (bf16 GEMMs vary with row count)",
     )
+    p.add_argument(
+        "--numerics",
+        default=None,
+        choices=["auto", "invariant", "fast"],
+        help="every engine's numerics (default: the engine's default)",
+    )
     args = p.parse_args()
+    global _NUMERICS
+    _NUMERICS = args.numerics
     log: dict[str, Any] = {
+        "numerics": args.numerics or "default",
         "machine": machine(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     }
@@ -1075,6 +1091,7 @@ def main() -> int:
             ("steps", "kernel_steps"),
             ("splits", "kernel_splits"),
             ("verify_splits", "verify_splits"),
+            ("invariant", "invariant_linear"),
         )
         if name in parts
     )

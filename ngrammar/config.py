@@ -129,6 +129,17 @@ class EngineConfig:
         "token budget of a mixed step, decode tokens + prefill chunks (default: 512 on CUDA, 64 on a CPU)",
     )
     attention_backend: str = _opt("auto", "attention kernels", ["auto", "sdpa", "triton"])
+    # Lossless by default: with row-invariant kernels a token's logits are the same whether it is
+    # decoded alone, in a batch, in a verify tree or in a prefill chunk (model/ops.py, attention).
+    numerics: str = _opt(
+        "auto",
+        "CUDA kernels. invariant: a token's logits do not depend on the step it is computed in (batch, "
+        "verify tree, prefill chunk), so batching and speculation never change greedy output; fast: "
+        "per-shape kernels (cuBLAS, tuned attention tiles), whose output may change with the batch; "
+        "auto: invariant on one CUDA device with Triton attention, else fast (CPU kernels are "
+        "row-invariant in their own right)",
+        ["auto", "invariant", "fast"],
+    )
     speculative: SpeculativeConfig | None = None
     seed: int = _opt(0, "seeds requests that bring none", flag="engine_seed")
     grammar_cache_size: int = _opt(256, "compiled grammars cached (also bounded by grammar_cache_mb)")
@@ -181,6 +192,15 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "sdpa", "triton"):
             raise ValueError(
                 f"attention_backend must be auto, sdpa or triton, got {self.attention_backend!r}"
+            )
+        if self.numerics not in ("auto", "invariant", "fast"):
+            raise ValueError(f"numerics must be auto, invariant or fast, got {self.numerics!r}")
+        if self.numerics == "invariant" and (
+            self.tensor_parallel_size > 1 or self.attention_backend == "sdpa"
+        ):
+            raise ValueError(
+                "numerics invariant needs one rank (--tp 1; an all-reduce sums in an order of its own) "
+                "and the Triton attention backend"
             )
         if not 0 < self.gpu_memory_utilization < 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1)")

@@ -123,14 +123,24 @@ def _attend_tiles(
     stride_tm_i,
     stride_tm_j,
     qk_scale,
+    path_bits,
+    path_rank,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     MASKED: tl.constexpr,
     HAS_TREE: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    TREE_PATH: tl.constexpr,
+    TREE_POW2: tl.constexpr,
+    INVARIANT: tl.constexpr,
 ):
     """Online-softmax accumulation over kv indices [lo, hi) in BLOCK_N tiles.
+
+    TREE_PATH (row-invariant tree steps, one query token per program): the indices are logical, the
+    token's own sequence: index prefix + i is its depth-i ancestor, the i-th node its tree-mask row
+    ``path_bits`` [TREE_POW2] opens (``path_rank`` is that row's running count), so each kv row sits
+    in the tile lane a decode step at that position would give it.
 
     MASKED=False is the fast path for tiles every row of the block fully sees (callers guarantee
     hi - lo is a multiple of BLOCK_N and hi <= kv_len there). MASKED=True handles the ragged end, the
@@ -142,12 +152,19 @@ def _attend_tiles(
     for start in range(lo, hi, BLOCK_N):
         kv_idx = start + offs_n
         in_range = kv_idx < hi
+        phys = kv_idx
+        if MASKED and TREE_PATH:
+            depth = kv_idx - prefix  # >= 0: the ancestor at this depth, found by rank in the mask row
+            nodes = tl.arange(0, TREE_POW2)
+            hit = (path_bits[None, :] != 0) & (path_rank[None, :] == depth[:, None] + 1)
+            node = tl.sum(tl.where(hit, nodes[None, :], 0), axis=1)
+            phys = tl.where(depth >= 0, prefix + node, kv_idx)
         if MASKED:
-            page = tl.load(page_row_ptr + kv_idx // PAGE_SIZE, mask=in_range, other=0)
+            page = tl.load(page_row_ptr + phys // PAGE_SIZE, mask=in_range, other=0)
         else:
-            page = tl.load(page_row_ptr + kv_idx // PAGE_SIZE)
+            page = tl.load(page_row_ptr + phys // PAGE_SIZE)
         # [BLOCK_N] element offset of each kv row inside one head's view of the pool.
-        kv_off = page.to(tl.int64) * stride_c_page + (kv_idx % PAGE_SIZE) * stride_c_slot
+        kv_off = page.to(tl.int64) * stride_c_page + (phys % PAGE_SIZE) * stride_c_slot
         if MASKED:
             k_t = tl.load(k_base + kv_off[None, :] + offs_d[:, None], mask=in_range[None, :], other=0.0)
         else:
@@ -157,7 +174,9 @@ def _attend_tiles(
         else:
             qk = tl.dot(q, k_t)
         qk = qk * qk_scale
-        if MASKED:
+        if MASKED and TREE_PATH:
+            qk = tl.where(in_range[None, :], qk, float("-inf"))  # every logical index is visible
+        elif MASKED:
             rel = kv_idx - prefix  # position inside the new block; negative inside the prefix
             if HAS_TREE:
                 tree_ok = row_valid[:, None] & ((rel >= 0) & in_range)[None, :]
@@ -175,6 +194,8 @@ def _attend_tiles(
         # Rows that have seen nothing yet keep m = -inf; shift them by 0 so exp2 yields 0, not NaN.
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_shift)
+        if INVARIANT:  # a tile that leaves the max alone must leave the row exactly as it was
+            alpha = tl.where(m_i == m_shift, 1.0, alpha)
         p = tl.exp2(qk - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if MASKED:
@@ -234,6 +255,9 @@ def _paged_attention_kernel(
     HAS_TREE: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     PDL: tl.constexpr,
+    INVARIANT: tl.constexpr,
+    SPLIT_TILES: tl.constexpr,
+    TREE_POW2: tl.constexpr,
 ):
     if PDL:  # q and this token's K/V come from the kernel before: wait for it (see _rope_store_kv_kernel)
         tcuda.gdc_wait()
@@ -242,7 +266,10 @@ def _paged_attention_kernel(
     # together. SPLIT_OUTPUT: write normalised partials + log-sum-exp per split, merged by
     # _merge_splits_kernel or, with MERGE_IN_KERNEL, by the last split of a (query block, request,
     # kv head) to finish (num_splits is a runtime int so changing it costs no recompile).
-    Q_PER_BLOCK: tl.constexpr = BLOCK_M // GROUP
+    # INVARIANT: every row is computed as a decode row at its position would be (see
+    # invariant_launch_config); tree steps then run one query token per program, walking its own path.
+    TREE_PATH: tl.constexpr = INVARIANT and HAS_TREE
+    Q_PER_BLOCK: tl.constexpr = 1 if TREE_PATH else BLOCK_M // GROUP
     q_block = tl.program_id(0)
     pid_bh = tl.program_id(1)
     split = tl.program_id(2)
@@ -257,7 +284,21 @@ def _paged_attention_kernel(
     q_first = tl.load(q_start_ptr + b).to(tl.int64)
     prefix = kv_len - q_len
 
-    if HAS_TREE:
+    tree_row_ptr = tree_mask_ptr + b.to(tl.int64) * stride_tm_b
+    path_bits = tl.zeros([TREE_POW2], dtype=tl.int32)
+    path_rank = path_bits
+    if TREE_PATH:
+        # The token's ancestors-or-self (a prefix-closed path, in BFS = depth order): its kv sequence
+        # is the committed prefix, then the path.
+        nodes = tl.arange(0, TREE_POW2)
+        path_bits = tl.load(
+            tree_row_ptr + tok_begin * stride_tm_i + nodes * stride_tm_j, mask=nodes < q_len, other=0
+        ).to(tl.int32)
+        path_bits = tl.where(path_bits != 0, 1, 0)
+        path_rank = tl.cumsum(path_bits, 0)
+        kv_end = prefix + tl.sum(path_bits, 0)
+        full_end = prefix
+    elif HAS_TREE:
         # The tree mask may open any column of the new block, so scan to the end; only the prefix is
         # known visible to every row.
         kv_end = kv_len
@@ -271,13 +312,22 @@ def _paged_attention_kernel(
     # This split's share of the tiles: contiguous, equal in tile count (at least MIN_TILES), possibly
     # empty. Only the first used_splits splits have tiles; with MERGE_IN_KERNEL the others exit here.
     num_tiles = (kv_end + BLOCK_N - 1) // BLOCK_N
-    tiles_per_split = tl.maximum((num_tiles + num_splits - 1) // num_splits, MIN_TILES)
-    used_splits = tl.maximum((num_tiles + tiles_per_split - 1) // tiles_per_split, 1)
+    if INVARIANT:
+        # A fixed split length, so a row's splits depend on its length alone; the last split of the
+        # grid takes whatever is left (still exact, no longer row-invariant past the grid's reach).
+        tiles_per_split = SPLIT_TILES
+        used_splits = tl.minimum(tl.maximum((num_tiles + SPLIT_TILES - 1) // SPLIT_TILES, 1), num_splits)
+    else:
+        tiles_per_split = tl.maximum((num_tiles + num_splits - 1) // num_splits, MIN_TILES)
+        used_splits = tl.maximum((num_tiles + tiles_per_split - 1) // tiles_per_split, 1)
     if MERGE_IN_KERNEL:
         if split >= used_splits:
             return
     lo = split * tiles_per_split * BLOCK_N
     hi = tl.minimum(kv_end, lo + tiles_per_split * BLOCK_N)
+    if INVARIANT:
+        if split == num_splits - 1:
+            hi = kv_end
     full_hi = lo + (tl.maximum(tl.minimum(hi, full_end) - lo, 0) // BLOCK_N) * BLOCK_N
 
     # Row r of the block is query token tok_begin + r // GROUP of head kv_head * GROUP + r % GROUP.
@@ -300,16 +350,15 @@ def _paged_attention_kernel(
     k_base = k_cache_ptr + kv_head * stride_c_head
     v_base = v_cache_ptr + kv_head * stride_c_head
     page_row_ptr = page_table_ptr + b.to(tl.int64) * stride_pt_b
-    tree_row_ptr = tree_mask_ptr + b.to(tl.int64) * stride_tm_b
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, lo, full_hi, prefix, tok, row_valid, k_base, v_base, page_row_ptr, tree_row_ptr,
-        stride_c_page, stride_c_slot, stride_tm_i, stride_tm_j, qk_scale,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, HAS_TREE, IEEE_DOT,
+        stride_c_page, stride_c_slot, stride_tm_i, stride_tm_j, qk_scale, path_bits, path_rank,
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, HAS_TREE, IEEE_DOT, TREE_PATH, TREE_POW2, INVARIANT,
     )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, full_hi, hi, prefix, tok, row_valid, k_base, v_base, page_row_ptr, tree_row_ptr,
-        stride_c_page, stride_c_slot, stride_tm_i, stride_tm_j, qk_scale,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, HAS_TREE, IEEE_DOT,
+        stride_c_page, stride_c_slot, stride_tm_i, stride_tm_j, qk_scale, path_bits, path_rank,
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, HAS_TREE, IEEE_DOT, TREE_PATH, TREE_POW2, INVARIANT,
     )  # fmt: skip
 
     # A row that saw nothing (only possible for an empty split or a malformed tree row) outputs 0.
@@ -346,6 +395,7 @@ def _paged_attention_kernel(
                     stride_pl_s,
                     BLOCK_M,
                     HEAD_DIM,
+                    INVARIANT,
                 )
                 tl.atomic_xchg(counter, 0)  # ready for the next layer (and the next CUDA-graph replay)
     else:
@@ -366,6 +416,7 @@ def _merge_partials(
     num_splits, stride_po_s, stride_pl_s,
     BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    INVARIANT: tl.constexpr,
 ):  # fmt: skip
     """out = sum_s exp2(lse_s) * o_s / sum_s exp2(lse_s) over the first num_splits splits, one pass
     with a running max; a split whose rows saw nothing carries lse = -inf and weighs 0."""
@@ -385,6 +436,8 @@ def _merge_partials(
         m_new = tl.maximum(m, lse)
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_shift)
+        if INVARIANT:  # an empty split (weight 0) leaves the sum exactly as it was
+            alpha = tl.where(m == m_shift, 1.0, alpha)
         w = tl.exp2(lse - m_shift)
         acc = acc * alpha[:, None] + part * w[:, None]
         total = total * alpha + w
@@ -449,10 +502,37 @@ class LaunchConfig:
     # the launch costs more than the merge. Tree verify and prefill blocks merge in
     # _merge_splits_kernel, in parallel over tokens and heads.
     merge_in_kernel: bool = False
+    # Row-invariant launches: tiles per kv split (0: the split count divides the range adaptively).
+    split_tiles: int = 0
 
     @property
     def min_tiles_per_split(self) -> int:
         return max(1, _MIN_KV_PER_SPLIT // self.block_n)
+
+
+# Row-invariant launches: kv splits of this many 64-wide tiles.
+INVARIANT_SPLIT_TILES = 8
+
+
+def invariant_launch_config(
+    max_q_len: int, group: int, kv_len_bound: int, max_splits: int, tree: bool
+) -> LaunchConfig:
+    """The launch of row-invariant attention: a query row's output does not depend on the rows
+    beside it. The tile shapes and warps are constants (the dots and row reductions then run the same
+    instructions for every row); kv splits cover a fixed number of tiles, so a row's split
+    boundaries depend on its kv length alone, and the last split to finish always merges, with the
+    same running-max loop; a tree step runs one query token per program over its own path (prefix,
+    then ancestors by depth), which puts each kv row in the tile lane a decode step would. The grid
+    holds enough splits for kv_len_bound (at most max_splits)."""
+    block_m = max(64, _next_pow2(group))
+    block_n = 64
+    tokens_per_block = 1 if tree else block_m // group
+    span = INVARIANT_SPLIT_TILES * block_n
+    num_splits = max(1, min(-(-kv_len_bound // span), max_splits))
+    return LaunchConfig(
+        block_m, block_n, -(-max_q_len // tokens_per_block), num_splits, num_warps=4, num_stages=2,
+        merge_in_kernel=True, split_tiles=INVARIANT_SPLIT_TILES,
+    )  # fmt: skip
 
 
 def _next_pow2(x: int) -> int:
@@ -469,12 +549,17 @@ def choose_launch_config(
     num_sms: int,
     num_splits: int | None = None,
     max_splits: int = 64,
+    invariant: bool = False,
+    tree: bool = False,
 ) -> LaunchConfig:
     """Tile sizes and split count from host ints only (no tensor is read).
 
     kv_len_bound only steers the split count; correctness never depends on it. Tile choices were
     picked from a sweep on an H200 (bf16); shared memory stays under ~130 KB so they also fit A100s.
+    ``invariant``: one tiling for every step (``invariant_launch_config``).
     """
+    if invariant:
+        return invariant_launch_config(max_q_len, group, kv_len_bound, max_splits, tree)
     rows = max_q_len * group
     block_m = max(16, _next_pow2(rows), _next_pow2(group))
     small = block_m <= 64
@@ -521,6 +606,7 @@ class TritonAttentionPlan:
     num_splits: int | None
     max_splits: int
     num_sms: int
+    invariant: bool = False
     # Per (Hq, Hkv, d): the launch config and the split scratch buffers, filled by the first layer
     # and reused by the rest (layers run in order on one stream, so sharing scratch is safe).
     _cache: dict[tuple[int, int, int], _Launch] = field(default_factory=dict, compare=False, repr=False)
@@ -536,6 +622,7 @@ class TritonAttentionPlan:
             cfg = choose_launch_config(
                 meta.max_q_len, num_q_heads // num_kv_heads, head_dim, meta.batch_size, num_kv_heads,
                 self.kv_len_bound, self.num_sms, self.num_splits, self.max_splits,
+                self.invariant, meta.tree_mask is not None,
             )  # fmt: skip
             part_o = part_lse = counters = None
             if cfg.num_splits > 1:
@@ -564,16 +651,23 @@ class TritonAttentionBackend:
     num_kv_splits) so the captured split count suits every replay; correctness never depends on it.
     pdl: launch the RoPE/K-V write, attention and merge kernels with programmatic dependent launch;
     None: in one-token steps on devices that support it (``device_info.pdl_for_step``).
+    invariant: each query row's output is independent of the step around it (decode, verify tree,
+    prefill chunk, batch): ``invariant_launch_config``; num_kv_splits is then ignored.
     """
 
     def __init__(
-        self, num_kv_splits: int | None = None, max_kv_splits: int = 64, pdl: bool | None = None
+        self,
+        num_kv_splits: int | None = None,
+        max_kv_splits: int = 64,
+        pdl: bool | None = None,
+        invariant: bool = False,
     ) -> None:
         if num_kv_splits is not None and num_kv_splits < 1:
             raise ValueError("num_kv_splits must be >= 1")
         self.num_kv_splits = num_kv_splits
         self.max_kv_splits = max_kv_splits
         self.pdl = pdl
+        self.invariant = invariant
 
     def plan(self, meta: AttentionMetadata, kv_len_bound: int | None = None) -> TritonAttentionPlan:
         if meta.page_size & (meta.page_size - 1):
@@ -590,6 +684,7 @@ class TritonAttentionBackend:
             num_splits=self.num_kv_splits,
             max_splits=self.max_kv_splits,
             num_sms=num_sms(meta.kv_lens.device),
+            invariant=self.invariant,
         )
 
     def forward(
@@ -656,7 +751,8 @@ class TritonAttentionBackend:
             GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             PAGE_SIZE=page_size, MIN_TILES=cfg.min_tiles_per_split, SPLIT_OUTPUT=split,
             MERGE_IN_KERNEL=cfg.merge_in_kernel, HAS_TREE=tree is not None,
-            IEEE_DOT=layer_cache.dtype == torch.float32, PDL=pdl,
+            IEEE_DOT=layer_cache.dtype == torch.float32, PDL=pdl, INVARIANT=plan.invariant,
+            SPLIT_TILES=cfg.split_tiles, TREE_POW2=_next_pow2(tree.shape[-1]) if tree is not None else 1,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
         )  # fmt: skip
         if split and not cfg.merge_in_kernel:

@@ -21,6 +21,7 @@ from ngrammar.runner.model_runner import (
     kv_bytes_per_token,
     resolve_device,
     resolve_dtype,
+    resolve_numerics,
     resolve_quantization,
 )
 
@@ -71,10 +72,12 @@ def build_parts(config: EngineConfig) -> EngineParts:
     # The pool gets one page past the allocator's range (page ``num_pages``): no sequence ever
     # owns it, so CUDA-graph padding rows write their K/V there.
     if tp == 1:
-        backend = attention_backend(config.attention_backend, device)
+        invariant = resolve_numerics(config.numerics, config.attention_backend, device, tp)
+        backend = attention_backend(config.attention_backend, device, invariant)
         runner = ModelRunner(
-            checkpoint, device, dtype, num_pages + 1, config.page_size, backend, quantization, dummy=dummy
-        )
+            checkpoint, device, dtype, num_pages + 1, config.page_size, backend, quantization,
+            dummy=dummy, invariant=invariant,
+        )  # fmt: skip
     else:  # rank 0's runner starts the other ranks and sends them every step
         runner = start_tensor_parallel(config, checkpoint, device, dtype, num_pages + 1)
     return EngineParts(

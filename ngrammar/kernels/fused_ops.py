@@ -22,6 +22,7 @@ from triton.language.extra import cuda as tcuda
 
 from ngrammar.kernels.device_info import pdl_for_step
 from ngrammar.kernels.fused_linear import Prologue, fused_linear, use_fused_linear
+from ngrammar.kernels.invariant_linear import invariant_linear
 
 
 @triton.jit
@@ -164,4 +165,43 @@ class TritonOps:
         return F.linear(x, weight, bias)
 
 
-__all__ = ["TritonOps", "rms_norm", "silu_and_mul"]
+class InvariantOps:
+    """``ngrammar.model.ops.LayerOps`` whose every output row is independent of the rows beside it
+    (``ngrammar.kernels.invariant_linear``): each projection is one tensor-core kernel of a fixed
+    tiling with its norm or SiLU·mul fused in, whatever the step's token count; the standalone norm
+    (the model's last) is one program per row. ``pdl`` as in ``TritonOps``."""
+
+    def __init__(self, pdl: bool | None = None) -> None:
+        self.pdl = pdl
+
+    def _pdl(self, x: torch.Tensor) -> bool:
+        return pdl_for_step(x.device, x.shape[0]) if self.pdl is None else self.pdl
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return rms_norm(x, weight, eps, residual, self._pdl(x))
+
+    def norm_linear(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        prologue = Prologue.NORM if residual is None else Prologue.ADD_NORM
+        return invariant_linear(
+            x, weight, bias, prologue=prologue, norm_weight=norm_weight, residual=residual, eps=eps,
+            pdl=self._pdl(x),
+        )  # fmt: skip
+
+    def silu_mul_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return invariant_linear(x, weight, prologue=Prologue.SILU_MUL, pdl=self._pdl(x))[0]
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return invariant_linear(x, weight, bias, pdl=self._pdl(x))[0]
+
+
+__all__ = ["InvariantOps", "TritonOps", "rms_norm", "silu_and_mul"]

@@ -24,7 +24,7 @@ from torch import nn
 from ngrammar.attention.metadata import AttentionBackend, SegmentCut
 from ngrammar.model.config import ModelConfig
 from ngrammar.model.ops import LayerOps, TorchOps
-from ngrammar.model.quant import PackedWeight, Q4Weight, project
+from ngrammar.model.quant import PackedWeight, Q4Weight
 
 if TYPE_CHECKING:
     from ngrammar.model.parallel import TensorParallel
@@ -181,6 +181,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         ops = ops or TorchOps()
+        self.ops = ops
         self.config = config
         self.tp = tp
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -218,7 +219,7 @@ class LlamaForCausalLM(nn.Module):
         if self.packed_head is not None:
             return self.packed_head(hidden).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = project(hidden, weight, None)
+        logits = self.ops.linear(hidden, weight)  # the ops' own kernel: row-invariant ops stay so
         return (logits if self.tp is None else self.tp.gather_logits(logits)).float()
 
     @torch.no_grad()

@@ -93,10 +93,10 @@ def _fusable(*tensors: torch.Tensor | None) -> bool:
     return all(t is None or t.dtype == torch.float32 for t in tensors)
 
 
-def default_ops(device: torch.device) -> LayerOps:
-    """Fused Triton kernels on CUDA, torch elsewhere."""
+def default_ops(device: torch.device, invariant: bool = False) -> LayerOps:
+    """Fused Triton kernels on CUDA (``invariant``: the row-invariant ones), torch elsewhere."""
     if device.type == "cuda":
-        from ngrammar.kernels.fused_ops import TritonOps
+        from ngrammar.kernels.fused_ops import InvariantOps, TritonOps
 
-        return TritonOps()
+        return InvariantOps() if invariant else TritonOps()
     return TorchOps()

@@ -105,6 +105,14 @@ def resolve_quantization(quantization: str, dtype: str, device: torch.device) ->
     return quantization
 
 
+def resolve_numerics(config_numerics: str, attention_backend: str, device: torch.device, tp: int) -> bool:
+    """Whether the CUDA kernels run row-invariant (``EngineConfig.numerics``): auto means yes on one
+    CUDA device with Triton attention. On a CPU the question does not arise (its kernels are)."""
+    if device.type != "cuda" or config_numerics == "fast":
+        return False
+    return config_numerics == "invariant" or (tp == 1 and attention_backend != "sdpa")
+
+
 def page_table(tables: list[list[int]]) -> np.ndarray:
     """[B, longest] int64: each sequence's pages, zero-padded (entries past a row's length are
     never read unmasked)."""
@@ -161,9 +169,12 @@ class ModelRunner:
         quantization: str = "none",
         tp: TensorParallel | None = None,
         dummy: bool = False,
+        invariant: bool = False,
     ) -> None:
         """``quantization``: as ``resolve_quantization`` returns it (``none`` with ``tp``);
-        ``dummy``: seeded random weights instead of the checkpoint's (``load_format`` dummy)."""
+        ``dummy``: seeded random weights instead of the checkpoint's (``load_format`` dummy);
+        ``invariant``: the row-invariant CUDA layer ops (``resolve_numerics``; the backend's
+        attention must match)."""
         if tp is not None and quantization != "none":
             raise ValueError("4-bit weights are not sharded for tensor parallelism (quantization none)")
         self.config = checkpoint.config  # the whole model's (vocab_size: the logits' width)
@@ -172,13 +183,14 @@ class ModelRunner:
         self.page_size = page_size
         self.backend = backend or TorchSDPABackend()
         self.tp = tp
+        self.invariant = invariant
         c = self.config
         weights = iter_weights(checkpoint)
         if tp is not None:  # this rank's heads, KV heads, MLP columns and vocabulary rows only
             c = local_model_config(c, tp.size)
             weights = iter_shard_weights(checkpoint, tp.rank, tp.size)
         with torch.device("meta"):
-            model = LlamaForCausalLM(c, self.backend, default_ops(device), tp)
+            model = LlamaForCausalLM(c, self.backend, default_ops(device, invariant), tp)
         model = model.to_empty(device=device).to(dtype)
         model.rotary.__init__(c)  # type: ignore[misc]  # buffers were created on meta; rebuild them for real
         model.rotary.to(device)

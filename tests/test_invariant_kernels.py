@@ -1,0 +1,230 @@
+"""The row-invariant CUDA kernels (``numerics invariant``): a row's output, bit for bit, whatever
+shares its launch, and the right values.
+
+On a CUDA machine: ``pytest -m gpu tests/test_invariant_kernels.py``; without a GPU, under Triton's
+CPU interpreter: ``NGRAMMAR_TRITON_INTERPRET=1 pytest -m gpu tests/test_invariant_kernels.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_triton_attention import check_against_reference, make_case
+from triton_env import DEVICE, INTERPRET
+
+from ngrammar.attention.metadata import AttentionMetadata
+from ngrammar.attention.triton import TritonAttentionBackend
+from ngrammar.kernels.fused_linear import Prologue
+from ngrammar.kernels.invariant_linear import TILES, invariant_linear
+from ngrammar.model.ops import TorchOps
+
+pytestmark = pytest.mark.gpu
+
+# The interpreter computes in numpy, which has no bf16.
+DTYPE = torch.float32 if INTERPRET else torch.bfloat16
+TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+HEADS = [(9, 3, 64)] if INTERPRET else [(9, 3, 64), (32, 8, 128)]
+PS = 16
+
+
+def _linear_inputs(prologue: Prologue, m: int, n: int, k: int, seed: int) -> dict[str, torch.Tensor | None]:
+    gen = torch.Generator().manual_seed(seed)
+    x_cols = 2 * k if prologue == Prologue.SILU_MUL else k
+    has_norm = prologue in (Prologue.NORM, Prologue.ADD_NORM)
+    return {
+        "x": (torch.randn(m, x_cols, generator=gen) * 2).to(DEVICE, DTYPE),
+        "weight": (torch.randn(n, k, generator=gen) / k**0.5).to(DEVICE, DTYPE),
+        "bias": torch.randn(n, generator=gen).to(DEVICE, DTYPE),
+        "norm_weight": (torch.rand(k, generator=gen) + 0.5).to(DEVICE, DTYPE) if has_norm else None,
+        "residual": torch.randn(m, k, generator=gen).to(DEVICE, DTYPE)
+        if prologue == Prologue.ADD_NORM
+        else None,
+    }
+
+
+@pytest.mark.parametrize("prologue", list(Prologue))
+@pytest.mark.parametrize("m,n,k", [(1, 96, 576), (5, 70, 130), (TILES.block_m + 3, 33, 64)])
+def test_invariant_linear_matches_torch(prologue: Prologue, m: int, n: int, k: int) -> None:
+    a = _linear_inputs(prologue, m, n, k, seed=m + n + k)
+    x, w, b, g, res = a["x"], a["weight"], a["bias"], a["norm_weight"], a["residual"]
+    assert x is not None and w is not None
+    got, got_sum = invariant_linear(x, w, b, prologue=prologue, norm_weight=g, residual=res, eps=1e-5)
+    ref, want_sum = TorchOps(), None
+    if prologue == Prologue.SILU_MUL:
+        act = ref.silu_and_mul(x)
+    elif prologue == Prologue.NONE:
+        act = x
+    else:
+        assert g is not None
+        act, want_sum = ref.rms_norm(x, g, 1e-5, res)
+    want = F.linear(act.float(), w.float(), b.float() if b is not None else None)
+    err = (got.float() - want).abs().max().item()
+    assert err <= TOL[DTYPE] * max(want.abs().max().item(), 1.0), err
+    if prologue == Prologue.ADD_NORM:
+        assert got_sum is not None and want_sum is not None and torch.equal(got_sum, want_sum)
+
+
+@settings(max_examples=6 if INTERPRET else 30, deadline=None)
+@given(
+    prologue=st.sampled_from(list(Prologue)),
+    m=st.integers(2, 80 if INTERPRET else 600),
+    row=st.integers(0, 599),
+    seed=st.integers(0, 99),
+)
+def test_invariant_linear_row_alone_equals_row_in_any_batch(
+    prologue: Prologue, m: int, row: int, seed: int
+) -> None:
+    """Bitwise: a row computed alone == the same row among m rows (a batch, a tree, a chunk)."""
+    row %= m
+    a = _linear_inputs(prologue, m, 72, 200, seed)
+    kw = {"prologue": prologue, "norm_weight": a["norm_weight"], "eps": 1e-5}
+    x, w, res = a["x"], a["weight"], a["residual"]
+    assert x is not None and w is not None
+    full, full_sum = invariant_linear(x, w, a["bias"], residual=res, **kw)  # type: ignore[arg-type]
+    one, one_sum = invariant_linear(
+        x[row : row + 1],
+        w,
+        a["bias"],
+        residual=None if res is None else res[row : row + 1],
+        **kw,  # type: ignore[arg-type]
+    )
+    assert torch.equal(full[row], one[0])
+    if full_sum is not None and one_sum is not None:
+        assert torch.equal(full_sum[row], one_sum[0])
+
+
+# Attention: reference values, then rows alike in a decode, a tree, a chunk and a batch.
+
+INVARIANT = TritonAttentionBackend(invariant=True)
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=str)
+@pytest.mark.parametrize(
+    "q_lens,kv_lens,tree",
+    [
+        ([5, 17, 1], [5, 17, 1], False),
+        ([7, 20, 3], [40, 20, 70 if INTERPRET else 1300], False),
+        ([1, 1, 1], [1, 70, 600 if INTERPRET else 5000], False),
+        ([4, 8, 2], [21, 58, 4 if INTERPRET else 3002], True),
+    ],
+    ids=["prefill", "chunk", "decode", "tree"],
+)
+def test_invariant_attention_matches_reference(
+    heads: tuple[int, int, int], q_lens: list[int], kv_lens: list[int], tree: bool
+) -> None:
+    case = make_case(q_lens, kv_lens, page_size=PS, heads=heads, dtype=DTYPE, tree=tree, seed=len(q_lens))
+    check_against_reference(*case, backend=INVARIANT)
+
+
+def _meta(q_lens: list[int], kv_lens: list[int], tree_mask: torch.Tensor | None = None) -> AttentionMetadata:
+    """Requests laid out one after another in pages 0.., each over its own pages."""
+    pages = [-(-kv // PS) for kv in kv_lens]
+    first = [sum(pages[:b]) for b in range(len(pages))]
+    table = torch.zeros(len(pages), max(pages), dtype=torch.int64)
+    slots = []
+    for b, (ql, kv) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        table[b, : pages[b]] = torch.arange(first[b], first[b] + pages[b])
+        slots.append(first[b] * PS + torch.arange(kv - ql, kv))
+    q_start = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
+    q_start[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+    return AttentionMetadata(
+        slot_mapping=torch.cat(slots).to(DEVICE),
+        page_table=table.to(DEVICE),
+        kv_lens=torch.tensor(kv_lens, device=DEVICE),
+        q_lens=torch.tensor(q_lens, device=DEVICE),
+        q_start=q_start.to(DEVICE),
+        max_q_len=max(q_lens),
+        max_kv_len=max(kv_lens),
+        page_size=PS,
+        tree_mask=None if tree_mask is None else tree_mask.to(DEVICE),
+    )
+
+
+def _attend(
+    meta: AttentionMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, old: torch.Tensor
+) -> torch.Tensor:
+    """One step of request 0..B over a pool whose first kv rows are ``old`` [2, n, Hkv, d] (request
+    0's committed K/V; other requests' pages stay zero)."""
+    hkv, d = k.shape[1:]
+    pages = int(meta.page_table.max().item()) + 1
+    cache = torch.zeros(2, pages * PS, hkv, d, dtype=DTYPE, device=DEVICE)
+    cache[:, : old.shape[1]] = old
+    cache = cache.view(2, pages, PS, hkv, d)
+    return INVARIANT.forward(q, k, v, cache, INVARIANT.plan(meta), d**-0.5)
+
+
+def _qkv(n: int, heads: tuple[int, int, int], gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    hq, hkv, d = heads
+    return tuple(torch.randn(n, h, d, generator=gen).to(DEVICE, DTYPE) for h in (hq, hkv, hkv))
+
+
+@settings(max_examples=5 if INTERPRET else 25, deadline=None)
+@given(
+    prefix=st.integers(1, 140 if INTERPRET else 1400),
+    nodes=st.integers(1, 12 if INTERPRET else 64),
+    node=st.integers(0, 63),
+    seed=st.integers(0, 99),
+)
+def test_a_tree_node_attends_as_the_decode_row_of_its_path(
+    prefix: int, nodes: int, node: int, seed: int
+) -> None:
+    heads = HEADS[0]
+    node %= nodes
+    gen = torch.Generator().manual_seed(seed)
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, nodes)]
+    mask = torch.eye(nodes, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            mask[i] |= mask[p]
+    path = [i for i in range(nodes) if mask[node, i]]  # ancestors-or-self, by depth
+    old_k, old_v = (torch.randn(prefix, heads[1], heads[2], generator=gen).to(DEVICE, DTYPE) for _ in "kv")
+    q, k, v = _qkv(nodes, heads, gen)
+    tree = _attend(_meta([nodes], [prefix + nodes], mask[None]), q, k, v, torch.stack([old_k, old_v]))
+    line_old = torch.stack([torch.cat([old_k, k[path[:-1]]]), torch.cat([old_v, v[path[:-1]]])])
+    line = _attend(
+        _meta([1], [prefix + len(path)]), q[node : node + 1], k[node : node + 1], v[node : node + 1], line_old
+    )
+    assert torch.equal(tree[node], line[0])
+
+
+@settings(max_examples=5 if INTERPRET else 25, deadline=None)
+@given(
+    prefix=st.integers(0, 140 if INTERPRET else 1400),
+    chunk=st.integers(2, 40 if INTERPRET else 600),
+    row=st.integers(0, 599),
+    seed=st.integers(0, 99),
+)
+def test_a_prefill_row_attends_as_a_decode_row(prefix: int, chunk: int, row: int, seed: int) -> None:
+    heads = HEADS[-1]
+    row %= chunk
+    gen = torch.Generator().manual_seed(seed)
+    old_k, old_v = (torch.randn(prefix, heads[1], heads[2], generator=gen).to(DEVICE, DTYPE) for _ in "kv")
+    q, k, v = _qkv(chunk, heads, gen)
+    full = _attend(_meta([chunk], [prefix + chunk]), q, k, v, torch.stack([old_k, old_v]))
+    line_old = torch.stack([torch.cat([old_k, k[:row]]), torch.cat([old_v, v[:row]])])
+    one = _attend(
+        _meta([1], [prefix + row + 1]), q[row : row + 1], k[row : row + 1], v[row : row + 1], line_old
+    )
+    assert torch.equal(full[row], one[0])
+
+
+@settings(max_examples=5 if INTERPRET else 25, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 120 if INTERPRET else 3000), min_size=2, max_size=8 if INTERPRET else 64),
+    seed=st.integers(0, 99),
+)
+def test_a_decode_row_attends_alike_in_any_batch(lens: list[int], seed: int) -> None:
+    """Request 0 decoding alone == request 0 decoding beside others (of other lengths)."""
+    heads = HEADS[-1]
+    gen = torch.Generator().manual_seed(seed)
+    old_k, old_v = (
+        torch.randn(lens[0] - 1, heads[1], heads[2], generator=gen).to(DEVICE, DTYPE) for _ in "kv"
+    )
+    q, k, v = _qkv(len(lens), heads, gen)
+    old = torch.stack([old_k, old_v])
+    batch = _attend(_meta([1] * len(lens), lens), q, k, v, old)
+    alone = _attend(_meta([1], lens[:1]), q[:1], k[:1], v[:1], old)
+    assert torch.equal(batch[0], alone[0])
