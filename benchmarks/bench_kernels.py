@@ -188,6 +188,8 @@ def bench_invariant_linear(
         InvariantTiles(64, 64, 64, 4, 3),
         InvariantTiles(64, 64, 128, 4, 2),
         InvariantTiles(128, 64, 64, 8, 3),
+        InvariantTiles(64, 32, 256, 4, 2),
+        InvariantTiles(64, 16, 256, 4, 2),
     ]
     dev, dt = torch.device("cuda"), torch.bfloat16
     fast = TritonOps()
