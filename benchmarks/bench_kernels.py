@@ -211,15 +211,20 @@ def bench_invariant_linear(
                     return fast.linear(x, w)
 
                 row: dict[str, Any] = {"model": model, "proj": name, "m": m, "fast_us": graph_us(fast_call)}
+                want = invariant_linear(x, w, prologue=prologue, norm_weight=norm_w, residual=res, eps=1e-5)[
+                    0
+                ]
                 for t in candidates:
                     try:
-                        row[repr(t)] = graph_us(
-                            lambda t=t: invariant_linear(
+
+                        def call(t: Any = t) -> Any:
+                            return invariant_linear(
                                 x, w, prologue=prologue, norm_weight=norm_w, residual=res, eps=1e-5, tiles=t
-                            ),
-                            calls=20,
-                            replays=10,
-                        )
+                            )[0]
+
+                        us = graph_us(call, calls=20, replays=10)
+                        # "=": bitwise the same numbers as TILES (such tilings could be mixed by M)
+                        row[repr(t)] = f"{us:.1f}{'=' if torch.equal(call(), want) else '≠'}"
                     except Exception as e:  # a tiling that does not fit is reported, not fatal
                         row[repr(t)] = f"{type(e).__name__}"
                 rows.append(row)
