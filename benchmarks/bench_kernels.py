@@ -174,25 +174,26 @@ def bench_linear(shapes: dict[str, ModelConfig], ms: tuple[int, ...] = (1, 2, 4,
 def bench_invariant_linear(
     shapes: dict[str, ModelConfig], ms: tuple[int, ...] = (1, 16, 64, 512)
 ) -> list[dict[str, Any]]:
-    """The row-invariant projection (one tiling for every M) against the fast path it replaces (the
-    fused kernel at one token, else the Triton norm / SiLU·mul + cuBLAS), µs per call in a CUDA graph,
-    for a few candidate tilings (the engine's is ``TILES``)."""
+    """Each projection with its norm or SiLU·mul through ``InvariantOps`` (row-invariant) against
+    ``TritonOps`` (the fast path: the fused kernel at one token, else Triton norm / SiLU·mul +
+    cuBLAS), µs per call in a CUDA graph; then the bare invariant GEMM under other tilings, marked
+    "=" where its output is bitwise that of ``choose_tiles``' tiling (the claim the kernel rests on)."""
     from ngrammar.kernels.fused_linear import Prologue
-    from ngrammar.kernels.fused_ops import TritonOps
-    from ngrammar.kernels.invariant_linear import TILES, InvariantTiles, invariant_linear
+    from ngrammar.kernels.fused_ops import InvariantOps, TritonOps
+    from ngrammar.kernels.invariant_linear import InvariantTiles, invariant_linear
 
     candidates = [
-        TILES,
-        InvariantTiles(64, 32, 128, 4, 3),
-        InvariantTiles(64, 16, 128, 4, 3),
-        InvariantTiles(64, 64, 64, 4, 3),
-        InvariantTiles(64, 64, 128, 4, 2),
-        InvariantTiles(128, 64, 64, 8, 3),
-        InvariantTiles(64, 32, 256, 4, 2),
-        InvariantTiles(64, 16, 256, 4, 2),
+        InvariantTiles(16, 32),
+        InvariantTiles(16, 64),
+        InvariantTiles(32, 32),
+        InvariantTiles(64, 16),
+        InvariantTiles(64, 32),
+        InvariantTiles(64, 64),
+        InvariantTiles(128, 64, num_warps=8),
+        InvariantTiles(128, 128, num_warps=8),
     ]
     dev, dt = torch.device("cuda"), torch.bfloat16
-    fast = TritonOps()
+    ops = {"fast": TritonOps(), "invariant": InvariantOps()}
     rows = []
     for model, cfg in shapes.items():
         for name, n, k, prologue in _projections(cfg):
@@ -201,45 +202,44 @@ def bench_invariant_linear(
             for m in ms:
                 x = torch.randn(m, 2 * k if prologue == Prologue.SILU_MUL else k, device=dev, dtype=dt)
                 res = torch.randn(m, k, device=dev, dtype=dt) if prologue == Prologue.ADD_NORM else None
-                norm_w = g if prologue == Prologue.ADD_NORM else None
+                row: dict[str, Any] = {"model": model, "proj": name, "m": m}
+                for label, op in ops.items():
 
-                def fast_call() -> Any:
-                    if prologue == Prologue.ADD_NORM:
-                        return fast.norm_linear(x, res, g, 1e-5, w, None)
-                    if prologue == Prologue.SILU_MUL:
-                        return fast.silu_mul_linear(x, w)
-                    return fast.linear(x, w)
+                    def call(op: Any = op) -> Any:
+                        if prologue == Prologue.ADD_NORM:
+                            return op.norm_linear(x, res, g, 1e-5, w, None)
+                        if prologue == Prologue.SILU_MUL:
+                            return op.silu_mul_linear(x, w)
+                        return op.linear(x, w)
 
-                row: dict[str, Any] = {"model": model, "proj": name, "m": m, "fast_us": graph_us(fast_call)}
-                want = invariant_linear(x, w, prologue=prologue, norm_weight=norm_w, residual=res, eps=1e-5)[
-                    0
-                ]
+                    row[f"{label}_us"] = graph_us(call)
+                a = torch.randn(m, k, device=dev, dtype=dt)
+                want = invariant_linear(a, w)
                 for t in candidates:
                     try:
-
-                        def call(t: Any = t) -> Any:
-                            return invariant_linear(
-                                x, w, prologue=prologue, norm_weight=norm_w, residual=res, eps=1e-5, tiles=t
-                            )[0]
-
-                        us = graph_us(call, calls=20, replays=10)
-                        # "=": bitwise the same numbers as TILES (such tilings could be mixed by M)
-                        row[repr(t)] = f"{us:.1f}{'=' if torch.equal(call(), want) else '≠'}"
+                        us = graph_us(lambda t=t: invariant_linear(a, w, tiles=t), calls=20, replays=10)
+                        row[repr(t)] = (
+                            f"{us:.1f}{'=' if torch.equal(invariant_linear(a, w, tiles=t), want) else '≠'}"
+                        )
                     except Exception as e:  # a tiling that does not fit is reported, not fatal
                         row[repr(t)] = f"{type(e).__name__}"
                 rows.append(row)
     names = [repr(t) for t in candidates]
     print_table(
-        "row-invariant linear (fixed tiling) vs the fast path, µs per call in a CUDA graph; "
-        "tilings (block_m, block_n, block_k, warps, stages)",
+        "row-invariant projection (InvariantOps) vs the fast path (TritonOps), µs per call in a CUDA "
+        "graph; then the bare invariant GEMM per tiling (block_m,block_n,warps), = bitwise as chosen",
         [
             "model",
             "proj",
             "m",
             "fast",
-            *[f"{t.block_m},{t.block_n},{t.block_k},{t.num_warps},{t.num_stages}" for t in candidates],
+            "invariant",
+            *[f"{t.block_m},{t.block_n},{t.num_warps}" for t in candidates],
         ],
-        [[r["model"], r["proj"], r["m"], r["fast_us"], *[r[c] for c in names]] for r in rows],
+        [
+            [r["model"], r["proj"], r["m"], r["fast_us"], r["invariant_us"], *[r[c] for c in names]]
+            for r in rows
+        ],
     )
     return rows
 

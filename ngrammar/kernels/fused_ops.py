@@ -166,10 +166,9 @@ class TritonOps:
 
 
 class InvariantOps:
-    """``ngrammar.model.ops.LayerOps`` whose every output row is independent of the rows beside it
-    (``ngrammar.kernels.invariant_linear``): each projection is one tensor-core kernel of a fixed
-    tiling with its norm or SiLU·mul fused in, whatever the step's token count; the standalone norm
-    (the model's last) is one program per row. ``pdl`` as in ``TritonOps``."""
+    """``ngrammar.model.ops.LayerOps`` whose every output row is independent of the rows beside it:
+    the norm and SiLU·mul kernels above (one program per row and column block, so per row), then
+    ``invariant_linear`` (one K order for every row count). ``pdl`` as in ``TritonOps``."""
 
     def __init__(self, pdl: bool | None = None) -> None:
         self.pdl = pdl
@@ -191,17 +190,16 @@ class InvariantOps:
         weight: torch.Tensor,
         bias: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        prologue = Prologue.NORM if residual is None else Prologue.ADD_NORM
-        return invariant_linear(
-            x, weight, bias, prologue=prologue, norm_weight=norm_weight, residual=residual, eps=eps,
-            pdl=self._pdl(x),
-        )  # fmt: skip
+        pdl = self._pdl(x)
+        normed, summed = rms_norm(x, norm_weight, eps, residual, pdl)
+        return invariant_linear(normed, weight, bias, pdl=pdl), summed
 
     def silu_mul_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return invariant_linear(x, weight, prologue=Prologue.SILU_MUL, pdl=self._pdl(x))[0]
+        pdl = self._pdl(x)
+        return invariant_linear(silu_and_mul(x, pdl), weight, pdl=pdl)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return invariant_linear(x, weight, bias, pdl=self._pdl(x))[0]
+        return invariant_linear(x, weight, bias, pdl=self._pdl(x))
 
 
 __all__ = ["InvariantOps", "TritonOps", "rms_norm", "silu_and_mul"]

@@ -3,17 +3,12 @@
 Why: cuBLAS picks its kernel (tile shape, split-K) by the row count M, and the one-token fused
 kernel (``fused_linear``) sums on the CUDA cores, so the same token got different bf16 logits alone,
 in a batch, in a verify tree or in a prefill chunk, and NGRAM's greedy output drifted from plain
-decoding's. Here one tensor-core tiling serves every M: a program computes a ``BLOCK_M`` x
-``BLOCK_N`` tile, walking K in ``BLOCK_K`` chunks in order, with the elementwise op that feeds the
-projection (RMSNorm, residual add + RMSNorm, SiLU·mul) applied to each chunk as it is loaded. Rows
-never meet inside a program, and the tiling, warp count and K order are constants (``TILES``), so
-every row runs the same instructions in the same order whatever M is: bitwise row invariance.
-
-The prologue rounds to the storage dtype where ``ngrammar.model.ops.TorchOps`` rounds (the sum, the
-normalised row, its product with the norm weight, the SiLU, the SiLU·up product); the row's mean
-square is summed over ``[BLOCK_M, BLOCK_K]`` chunks in the same fixed layout. With ADD_NORM the
-programs of the first column block also write the rounded sum x + residual (the next residual
-stream). float32 weights multiply in IEEE fp32 (no TF32).
+decoding's. Here every M runs the same tensor-core dot over K in ``BLOCK_K``-deep chunks, in order,
+with fp32 accumulation: a program computes a ``block_m`` x ``block_n`` tile and rows never meet, so a
+row's sums are the same instructions in the same order whatever M is. The tile's rows, columns and
+warps only split the work, so each row count may take the tiling that runs it fastest
+(``choose_tiles``); ``BLOCK_K`` is what fixes the numbers. The GPU tests check both bitwise
+(tests/test_invariant_kernels.py). float32 weights multiply in IEEE fp32 (no TF32).
 """
 
 from __future__ import annotations
@@ -25,30 +20,35 @@ import triton
 import triton.language as tl
 from triton.language.extra import cuda as tcuda
 
-from ngrammar.kernels.fused_linear import Prologue, _prologue_chunk, _row_inv_rms, check_linear_args
+# The depth of each dot in K: changing it changes the numbers.
+BLOCK_K = 64
 
 
 @dataclass(frozen=True)
 class InvariantTiles:
-    """The one launch shape of every row-invariant projection (changing it changes the numbers)."""
+    """How one launch splits its work (not its numbers): rows and columns per program, warps."""
 
-    block_m: int = 64
-    block_n: int = 32
-    block_k: int = 64
+    block_m: int
+    block_n: int
     num_warps: int = 4
     num_stages: int = 3
 
 
-TILES = InvariantTiles()
+def choose_tiles(m: int) -> InvariantTiles:
+    """The tiling for m rows: narrow column blocks (more programs) for decode-sized steps, wider
+    tiles (fewer weight re-reads) for prefill-sized ones."""
+    if m <= 64:
+        return InvariantTiles(64, 32)
+    if m <= 256:
+        return InvariantTiles(64, 64)
+    return InvariantTiles(128, 64, num_warps=8)
 
 
-@triton.jit(do_not_specialize=["M"])  # one binary for every row count
+@triton.jit(do_not_specialize=["M"])  # one binary per tiling, whatever the row count
 def _invariant_linear_kernel(
-    x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr,
+    x_ptr, w_ptr, bias_ptr, out_ptr,
     M, N, K,
-    stride_x, stride_r, stride_ro, stride_w, stride_o,
-    eps,
-    PROLOGUE: tl.constexpr,
+    stride_x, stride_w, stride_o,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -57,7 +57,7 @@ def _invariant_linear_kernel(
     PDL: tl.constexpr,
 ):  # fmt: skip
     # grid = (column blocks, row blocks): the row blocks of one column block share its weight tile
-    # through L2. M, N and K are runtime ints (no recompile per batch size).
+    # through L2.
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -65,29 +65,17 @@ def _invariant_linear_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     offs_k = tl.arange(0, BLOCK_K)
-    dtype = w_ptr.dtype.element_ty
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_x
-    r_rows = res_ptr + rows[:, None].to(tl.int64) * stride_r
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w
-    HAS_NORM: tl.constexpr = PROLOGUE == 1 or PROLOGUE == 2
-    HAS_RESIDUAL: tl.constexpr = PROLOGUE == 2
-    if PDL:  # activations come from the kernel before
+    if PDL:  # x comes from the kernel before
         tcuda.gdc_wait()
         tcuda.gdc_launch_dependents()
-
-    inv = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if HAS_NORM:
-        # Pass 1: each row's mean square (and, in the first column block, the new residual stream).
-        ro_rows = res_out_ptr + rows[:, None].to(tl.int64) * stride_ro
-        inv = _row_inv_rms(
-            x_rows, r_rows, ro_rows, row_ok, K, eps, pid_n == 0, HAS_RESIDUAL, BLOCK_M, BLOCK_K
-        )
-
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
-        a = _prologue_chunk(x_rows, r_rows, norm_w_ptr, inv, kk, row_ok, K, dtype, PROLOGUE)
-        w = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & (kk < K)[None, :], other=0.0)
+        k_ok = (kk < K)[None, :]
+        a = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & k_ok, other=0.0)
+        w = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & k_ok, other=0.0)
         if IEEE:
             acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
         else:
@@ -95,7 +83,7 @@ def _invariant_linear_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + rows[:, None].to(tl.int64) * stride_o + cols[None, :]
-    tl.store(out, acc.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 def invariant_linear(
@@ -103,36 +91,33 @@ def invariant_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
-    prologue: Prologue = Prologue.NONE,
-    norm_weight: torch.Tensor | None = None,
-    residual: torch.Tensor | None = None,
-    eps: float | None = None,
     pdl: bool = False,
-    tiles: InvariantTiles = TILES,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(prologue(x) @ weight.T + bias [M, N], the new residual stream [M, K] for ADD_NORM else None);
-    the arguments are ``fused_linear``'s. ``pdl``: programmatic dependent launch (sm_90+). ``tiles``:
-    the benchmark's sweep only (the engine's numbers are ``TILES``')."""
-    check_linear_args(x, weight, bias, prologue, norm_weight, residual, eps)
-    m = x.shape[0]
-    n, k = weight.shape
+    tiles: InvariantTiles | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ weight.T (+ bias) -> [M, N] in weight's dtype; x and weight with unit stride along
+    K. ``pdl``: programmatic dependent launch (sm_90+). ``tiles``: a benchmark's override of
+    ``choose_tiles`` (any tiling gives the same numbers)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError(
+            f"need x [M, K] and weight [N, K] with unit stride along K, got {tuple(x.shape)}, {tuple(weight.shape)}"
+        )
+    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
+        raise ValueError(f"bias must be a contiguous [{n}] vector, got {tuple(bias.shape)}")
     out = torch.empty((m, n), dtype=weight.dtype, device=x.device)
-    res_out = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else None
     if m == 0:
-        return out, res_out
-    t = tiles
-    r = residual if residual is not None else x
-    ro = res_out if res_out is not None else out
+        return out
+    t = tiles or choose_tiles(m)
     grid = (triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m))
     _invariant_linear_kernel[grid](
-        x, r, ro, norm_weight if norm_weight is not None else weight, weight,
-        bias if bias is not None else weight, out,
-        m, n, k, x.stride(0), r.stride(0), ro.stride(0), weight.stride(0), out.stride(0), eps or 0.0,
-        PROLOGUE=int(prologue), HAS_BIAS=bias is not None,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, IEEE=weight.dtype == torch.float32,
-        PDL=pdl, num_warps=t.num_warps, num_stages=t.num_stages, launch_pdl=pdl,
+        x, weight, bias if bias is not None else weight, out, m, n, k,
+        x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=BLOCK_K,
+        IEEE=weight.dtype == torch.float32, PDL=pdl, num_warps=t.num_warps, num_stages=t.num_stages,
+        launch_pdl=pdl,
     )  # fmt: skip
-    return out, res_out
+    return out
 
 
-__all__ = ["TILES", "InvariantTiles", "invariant_linear"]
+__all__ = ["BLOCK_K", "InvariantTiles", "choose_tiles", "invariant_linear"]
