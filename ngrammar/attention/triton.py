@@ -329,6 +329,11 @@ def _paged_attention_kernel(
         if split == num_splits - 1:
             hi = kv_end
     full_hi = lo + (tl.maximum(tl.minimum(hi, full_end) - lo, 0) // BLOCK_N) * BLOCK_N
+    if INVARIANT:
+        # One code path for every tile: whether a tile is a row's "full" one differs between a
+        # decode row, a tree row and a prefill row at the same position, and the two loops may be
+        # compiled with different floating-point contractions.
+        full_hi = lo
 
     # Row r of the block is query token tok_begin + r // GROUP of head kv_head * GROUP + r % GROUP.
     rows = tl.arange(0, BLOCK_M)
