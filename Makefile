@@ -36,7 +36,7 @@ test: setup
 	# The Triton kernels against their torch references, under Triton's CPU interpreter.
 	NGRAMMAR_TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m gpu -p no:cacheprovider \
 		tests/test_fused_ops.py tests/test_fused_linear.py tests/test_triton_attention.py \
-		tests/test_tree_accept_kernel.py tests/test_invariant_kernels.py
+		tests/test_tree_accept_kernel.py tests/test_invariant_kernels.py tests/test_invariant_engine.py
 
 # ruff (lint + format check) over the tree, mypy over the package (configs in pyproject.toml).
 lint: setup
