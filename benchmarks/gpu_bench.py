@@ -14,6 +14,9 @@ Part ``acceptor`` (not run by default): the greedy acceptor graph, torch ops aga
 kernel (``ngrammar.kernels.tree_accept``).
 Part ``serve_schema`` (not run by default): through the server, ``--serve-concurrency`` (256)
 clients whose requests all carry a JSON schema against none, plain and NGRAM (``bench_serve_schema``).
+Part ``identity`` (not run by default): ``benchmarks.bench_identity``, token identity (batch == alone,
+NGRAM == plain and its variants) and tok/s under ``--numerics invariant`` and ``fast``; with
+``--load-format dummy`` a config folder is enough.
 Part ``overhead`` (not run by default; runs on a CPU too): plain against NGRAM with one draft width
 (corpus upkeep only, never a verify step) and NGRAM with D = 16 (``bench_spec_overhead``).
 
@@ -1003,7 +1006,7 @@ def main() -> int:
         "--load-format",
         default="auto",
         choices=["auto", "dummy"],
-        help="arrivals part: dummy = random weights of --model's architecture (a config folder will do)",
+        help="arrivals and identity parts: dummy = random weights of --model's architecture (a config folder will do)",
     )
     p.add_argument(
         "--dtype",
@@ -1077,6 +1080,17 @@ def main() -> int:
         _safe(
             "arrivals",
             lambda: _arrivals_part(args.model, args.load_format, args.dtype, sizes, args.max_tokens),
+            log,
+        )
+    if "identity" in parts:
+        from benchmarks.bench_identity import bench_identity
+
+        kw = _engine_kwargs(args.model, True) | {"load_format": args.load_format}
+        kw.pop("numerics", None)
+        prompts = [p for ps in _categories().values() for p in ps[:2]]
+        _safe(
+            "identity",
+            lambda: bench_identity(kw, ["invariant", "fast"], prompts, sizes, args.max_tokens),
             log,
         )
     if "8b" in parts and torch.cuda.is_available():

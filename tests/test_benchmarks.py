@@ -213,3 +213,18 @@ def test_the_arrivals_benchmark_replaces_each_finished_stream() -> None:
         assert set(res["c2"]) == {"eager_tok_s", "mixed_share"}
     finally:
         llm.close()
+
+
+def test_the_identity_benchmark_counts_identical_outputs_per_numerics(tmp_path: Any) -> None:
+    """On the CPU (row-invariant kernels whatever the numerics) every comparison is whole."""
+    from benchmarks.bench_host import tiny_checkpoint
+    from benchmarks.bench_identity import VARIANTS, bench_identity
+
+    folder = tiny_checkpoint(tmp_path / "tiny", layers=1)
+    prompts = [[{"role": "user", "content": f"Repeat {w} {w} {w} {w}."}] for w in ("red", "blue")]
+    kw = {"model": str(folder), "device": "cpu", "dtype": "float32", "kv_cache_tokens": 4096}
+    res = bench_identity(kw, ["fast"], prompts, [2], 8)
+    cell = res["fast"]
+    assert cell["plain batch == alone"] == "2/2" and cell["ngram batch == plain"] == "2/2"
+    assert all(cell[f"ngram {name} == plain"] == "2/2" for name in VARIANTS)
+    assert cell["b2 plain tok/s"] > 0 and cell["b2 ngram tok/s"] > 0
