@@ -196,3 +196,32 @@ def test_a_decode_row_attends_alike_in_any_batch(lens: list[int], seed: int) -> 
     batch = _attend(_meta([1] * len(lens), lens), q, k, v, old)
     alone = _attend(_meta([1], lens[:1]), q[:1], k[:1], v[:1], old)
     assert torch.equal(batch[0], alone[0])
+
+
+def test_invariant_ops_rows_alone_equal_rows_in_a_batch() -> None:
+    """``InvariantOps``' three projections with their norm / SiLU·mul: bitwise per row whatever the
+    batch, and the torch reference's values."""
+    from ngrammar.kernels.fused_ops import InvariantOps
+    from ngrammar.model.ops import TorchOps
+
+    gen = torch.Generator().manual_seed(3)
+    m, k, n = 90, 96, 80
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(DEVICE, DTYPE)
+
+    x, res, x2, g = rand(m, k), rand(m, k), rand(m, 2 * k), rand(k).abs() + 0.5
+    w, wd = rand(n, k) / 10, rand(n, k) / 10
+    calls = {
+        "norm_linear": lambda ops, r: ops.norm_linear(x[r], res[r], g, 1e-5, w, None)[0],
+        "silu_mul_linear": lambda ops, r: ops.silu_mul_linear(x2[r], wd),
+        "linear": lambda ops, r: ops.linear(x[r], w),
+    }
+    ops, ref = InvariantOps(), TorchOps()
+    for name, call in calls.items():
+        full = call(ops, slice(None))
+        for row in (0, 37, m - 1):
+            assert torch.equal(full[row], call(ops, slice(row, row + 1))[0]), name
+        want = call(ref, slice(None)).float()
+        err = (full.float() - want).abs().max().item()
+        assert err <= TOL[DTYPE] * max(want.abs().max().item(), 1.0), (name, err)

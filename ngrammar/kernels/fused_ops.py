@@ -165,21 +165,13 @@ class TritonOps:
         return F.linear(x, weight, bias)
 
 
-class InvariantOps:
+class InvariantOps(TritonOps):
     """``ngrammar.model.ops.LayerOps`` whose every output row is independent of the rows beside it:
     the norm and SiLU·mul kernels above (one program per row and column block, so per row), then
     ``invariant_linear`` (one K order for every row count). ``pdl`` as in ``TritonOps``."""
 
     def __init__(self, pdl: bool | None = None) -> None:
-        self.pdl = pdl
-
-    def _pdl(self, x: torch.Tensor) -> bool:
-        return pdl_for_step(x.device, x.shape[0]) if self.pdl is None else self.pdl
-
-    def rms_norm(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return rms_norm(x, weight, eps, residual, self._pdl(x))
+        super().__init__(fuse_linear=False, pdl=pdl)
 
     def norm_linear(
         self,
