@@ -15,6 +15,7 @@ from ngrammar.engine.speculator import Speculator
 from ngrammar.model.config import ModelConfig
 from ngrammar.model.loader import Checkpoint, resolve_checkpoint
 from ngrammar.model.parallel import check_tensor_parallel, tensor_parallel_quantization
+from ngrammar.model.quant import notice
 from ngrammar.model.tokenizer import Tokenizer
 from ngrammar.runner.model_runner import (
     ModelRunner,
@@ -71,8 +72,13 @@ def build_parts(config: EngineConfig) -> EngineParts:
     num_pages = kv_pages(config, model, device, dtype)
     # The pool gets one page past the allocator's range (page ``num_pages``): no sequence ever
     # owns it, so CUDA-graph padding rows write their K/V there.
+    invariant = resolve_numerics(config.numerics, config.attention_backend, device, tp)
+    if device.type == "cuda" and not invariant and config.numerics == "auto":
+        notice(
+            "numerics auto: per-shape kernels (fast), so outputs may change with the batch and "
+            "speculation (the row-invariant ones need --tp 1 and Triton attention)"
+        )
     if tp == 1:
-        invariant = resolve_numerics(config.numerics, config.attention_backend, device, tp)
         backend = attention_backend(config.attention_backend, device, invariant)
         runner = ModelRunner(
             checkpoint, device, dtype, num_pages + 1, config.page_size, backend, quantization,
