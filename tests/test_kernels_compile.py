@@ -1,0 +1,66 @@
+"""The row-invariant CUDA kernels compile for Hopper (sm_90) on a machine without a GPU: Triton's
+own compiler and ptxas, ahead of time, so a kernel that would not build fails here, not on the
+first GPU that runs it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+triton = pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("the interpreter's kernels are not compiled", allow_module_level=True)
+pytest.importorskip("triton.backends.nvidia")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+
+def compile_for_hopper(fn: object, types: dict[str, str], constexprs: dict[str, object], warps: int) -> str:
+    """The kernel's PTX; every argument not in ``constexprs`` typed by ``types`` (default i32)."""
+    names = fn.arg_names  # type: ignore[attr-defined]
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    kernel = triton.compile(src, target=HOPPER, options={"num_warps": warps, "num_stages": 2})
+    return str(kernel.asm["ptx"])
+
+
+@pytest.mark.parametrize("tiles", [(64, 32, 4), (128, 64, 8)], ids=str)
+def test_the_invariant_linear_compiles_to_wgmma(tiles: tuple[int, int, int]) -> None:
+    from ngrammar.kernels.invariant_linear import BLOCK_K, _invariant_linear_kernel
+
+    block_m, block_n, warps = tiles
+    types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
+    cex = {
+        "HAS_BIAS": True,
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "BLOCK_K": BLOCK_K,
+        "IEEE": False,
+        "PDL": True,
+    }
+    assert "wgmma" in compile_for_hopper(_invariant_linear_kernel, types, cex, warps)
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["causal", "tree"])
+def test_the_invariant_attention_compiles(tree: bool) -> None:
+    from ngrammar.attention.triton import INVARIANT_SPLIT_TILES, _paged_attention_kernel
+
+    types = {
+        **{n: "*bf16" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")},
+        "part_o_ptr": "*fp32",
+        "part_lse_ptr": "*fp32",
+        "counter_ptr": "*i32",
+        **{n: "*i64" for n in ("q_start_ptr", "q_lens_ptr", "kv_lens_ptr", "page_table_ptr")},
+        "tree_mask_ptr": "*u8",
+        "qk_scale": "fp32",
+    }
+    cex = dict(
+        GROUP=3, HEAD_DIM=64, BLOCK_M=64, BLOCK_N=64, PAGE_SIZE=16, MIN_TILES=2, SPLIT_OUTPUT=True,
+        MERGE_IN_KERNEL=True, HAS_TREE=tree, IEEE_DOT=False, PDL=False, INVARIANT=True,
+        SPLIT_TILES=INVARIANT_SPLIT_TILES, TREE_POW2=16 if tree else 1,
+    )  # fmt: skip
+    assert compile_for_hopper(_paged_attention_kernel, types, cex, 4)
