@@ -63,34 +63,11 @@ def _load_summed(x_rows, r_rows, kk, ok, HAS_RESIDUAL: tl.constexpr):
 
 
 @triton.jit
-def _row_inv_rms(
-    x_rows, r_rows, res_out_rows, row_ok, K, eps, write_residual,
-    HAS_RESIDUAL: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """[BLOCK_M] 1 / rms of each row (of x + residual), summed over K in BLOCK_K chunks in order;
-    with ``write_residual`` the rounded sum x + residual (the next residual stream) is stored too."""
-    offs_k = tl.arange(0, BLOCK_K)
-    sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + offs_k
-        ok = row_ok[:, None] & (kk < K)[None, :]
-        xs = _load_summed(x_rows, r_rows, kk, ok, HAS_RESIDUAL)
-        if HAS_RESIDUAL:
-            if write_residual:
-                tl.store(res_out_rows + kk[None, :], xs, mask=ok)
-        xf = xs.to(tl.float32)
-        sum_sq += tl.sum(xf * xf, axis=1)
-    return tl.rsqrt(sum_sq / K + eps)
-
-
-@triton.jit
-def _prologue_chunk(
-    x_rows, r_rows, norm_w_ptr, inv, kk, row_ok, K, dtype,
+def _chunk_product(
+    x_rows, r_rows, norm_w_ptr, w, inv, kk, row_ok, K, dtype,
     PROLOGUE: tl.constexpr,
 ):  # fmt: skip
-    """prologue(x)[:, kk] in the storage dtype: [BLOCK_M, BLOCK_K]."""
+    """prologue(x)[:, kk] @ w.T for one K chunk: [BLOCK_M, BLOCK_N] fp32 (w: [BLOCK_N, BLOCK_K])."""
     k_ok = kk < K
     ok = row_ok[:, None] & k_ok[None, :]
     if PROLOGUE == 3:
@@ -105,16 +82,6 @@ def _prologue_chunk(
         a = (g[None, :] * normed.to(tl.float32)).to(dtype)
     else:
         a = tl.load(x_rows + kk[None, :], mask=ok, other=0.0).to(dtype)
-    return a
-
-
-@triton.jit
-def _chunk_product(
-    x_rows, r_rows, norm_w_ptr, w, inv, kk, row_ok, K, dtype,
-    PROLOGUE: tl.constexpr,
-):  # fmt: skip
-    """prologue(x)[:, kk] @ w.T for one K chunk: [BLOCK_M, BLOCK_N] fp32 (w: [BLOCK_N, BLOCK_K])."""
-    a = _prologue_chunk(x_rows, r_rows, norm_w_ptr, inv, kk, row_ok, K, dtype, PROLOGUE)
     # [BLOCK_M, 1, BLOCK_K] * [1, BLOCK_N, BLOCK_K] summed over K.
     return tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
 
@@ -157,10 +124,18 @@ def _small_m_linear_kernel(
     inv = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_NORM:
         # Pass 1: the mean square of each row (and, once per row block, the new residual stream).
-        ro_rows = res_out_ptr + rows[:, None].to(tl.int64) * stride_ro
-        inv = _row_inv_rms(
-            x_rows, r_rows, ro_rows, row_ok, K, eps, pid_n == 0, HAS_RESIDUAL, BLOCK_M, BLOCK_K
-        )
+        sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
+            ok = row_ok[:, None] & (kk < K)[None, :]
+            xs = _load_summed(x_rows, r_rows, kk, ok, HAS_RESIDUAL)
+            if HAS_RESIDUAL:
+                if pid_n == 0:
+                    ro = res_out_ptr + rows[:, None].to(tl.int64) * stride_ro + kk[None, :]
+                    tl.store(ro, xs, mask=ok)
+            xf = xs.to(tl.float32)
+            sum_sq += tl.sum(xf * xf, axis=1)
+        inv = tl.rsqrt(sum_sq / K + eps)
 
     acc = _chunk_product(x_rows, r_rows, norm_w_ptr, w_first, inv, offs_k, row_ok, K, dtype, PROLOGUE)
     for k0 in range(BLOCK_K, K, BLOCK_K):
@@ -201,38 +176,6 @@ def use_fused_linear(m: int, weight: torch.Tensor) -> bool:
     return m <= FUSED_MAX_TOKENS and weight.numel() <= FUSED_MAX_WEIGHT_ELEMENTS
 
 
-def check_linear_args(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    prologue: Prologue,
-    norm_weight: torch.Tensor | None,
-    residual: torch.Tensor | None,
-    eps: float | None,
-) -> None:
-    """The shapes and strides a prologue linear kernel needs (``fused_linear``'s arguments)."""
-    m = x.shape[0]
-    n, k = weight.shape
-    if x.stride(-1) != 1 or weight.stride(-1) != 1:
-        raise ValueError("a prologue linear needs unit stride along K")
-    want_k = 2 * k if prologue == Prologue.SILU_MUL else k
-    if x.shape[1] != want_k:
-        raise ValueError(
-            f"x has {x.shape[1]} columns, the {prologue.name} prologue of a [{n}, {k}] weight needs {want_k}"
-        )
-    has_norm = prologue in (Prologue.NORM, Prologue.ADD_NORM)
-    if has_norm and (norm_weight is None or eps is None):
-        raise ValueError(f"{prologue.name} needs norm_weight and eps")
-    if norm_weight is not None and (norm_weight.shape != (k,) or norm_weight.stride(0) != 1):
-        raise ValueError(f"norm_weight must be a contiguous [{k}] vector, got {tuple(norm_weight.shape)}")
-    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
-        raise ValueError(f"bias must be a contiguous [{n}] vector, got {tuple(bias.shape)}")
-    if (prologue == Prologue.ADD_NORM) != (residual is not None):
-        raise ValueError("residual is given exactly with ADD_NORM")
-    if residual is not None and (residual.shape != (m, k) or residual.stride(-1) != 1):
-        raise ValueError(f"residual must be [{m}, {k}] with unit stride along K, got {tuple(residual.shape)}")
-
-
 def fused_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -253,9 +196,26 @@ def fused_linear(
     load overlaps the previous kernel. The caller decides (``TritonOps`` asks
     ``device_info.pdl_for_step``); the instructions need sm_90 or newer.
     """
-    check_linear_args(x, weight, bias, prologue, norm_weight, residual, eps)
     m = x.shape[0]
     n, k = weight.shape
+    if x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError("fused_linear needs unit stride along K")
+    want_k = 2 * k if prologue == Prologue.SILU_MUL else k
+    if x.shape[1] != want_k:
+        raise ValueError(
+            f"x has {x.shape[1]} columns, the {prologue.name} prologue of a [{n}, {k}] weight needs {want_k}"
+        )
+    has_norm = prologue in (Prologue.NORM, Prologue.ADD_NORM)
+    if has_norm and (norm_weight is None or eps is None):
+        raise ValueError(f"{prologue.name} needs norm_weight and eps")
+    if norm_weight is not None and (norm_weight.shape != (k,) or norm_weight.stride(0) != 1):
+        raise ValueError(f"norm_weight must be a contiguous [{k}] vector, got {tuple(norm_weight.shape)}")
+    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
+        raise ValueError(f"bias must be a contiguous [{n}] vector, got {tuple(bias.shape)}")
+    if (prologue == Prologue.ADD_NORM) != (residual is not None):
+        raise ValueError("residual is given exactly with ADD_NORM")
+    if residual is not None and (residual.shape != (m, k) or residual.stride(-1) != 1):
+        raise ValueError(f"residual must be [{m}, {k}] with unit stride along K, got {tuple(residual.shape)}")
     out = torch.empty((m, n), dtype=weight.dtype, device=x.device)
     res_out = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else None
     if m == 0:
@@ -275,4 +235,4 @@ def fused_linear(
     return out, res_out
 
 
-__all__ = ["LinearTiles", "Prologue", "check_linear_args", "choose_tiles", "fused_linear", "use_fused_linear"]
+__all__ = ["LinearTiles", "Prologue", "choose_tiles", "fused_linear", "use_fused_linear"]
