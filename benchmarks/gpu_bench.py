@@ -1011,7 +1011,7 @@ def main() -> int:
     p.add_argument(
         "--dtype",
         default="auto",
-        help="arrivals part: float32 to check tokens (bf16 GEMMs vary with row count)",
+        help="arrivals part: float32 to check tokens under --numerics fast (its bf16 GEMMs vary with row count)",
     )
     p.add_argument(
         "--numerics",

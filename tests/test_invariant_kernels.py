@@ -129,6 +129,22 @@ def _qkv(n: int, heads: tuple[int, int, int], gen: torch.Generator) -> tuple[tor
     return tuple(torch.randn(n, h, d, generator=gen).to(DEVICE, DTYPE) for h in (hq, hkv, hkv))
 
 
+def _history(n: int, heads: tuple[int, int, int], gen: torch.Generator) -> torch.Tensor:
+    """[2, n, Hkv, d]: the K and V of n committed tokens."""
+    return torch.stack([torch.randn(n, heads[1], heads[2], generator=gen).to(DEVICE, DTYPE) for _ in "kv"])
+
+
+def _decode_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: int, old: torch.Tensor) -> torch.Tensor:
+    """Token i of q/k/v decoded alone after the committed K/V ``old``: its output [Hq, d]."""
+    one = slice(i, i + 1)
+    return _attend(_meta([1], [old.shape[1] + 1]), q[one], k[one], v[one], old)[0]
+
+
+def _then(old: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: list[int] | slice) -> torch.Tensor:
+    """``old`` with the K/V of ``rows`` of k/v appended (as decode steps would have written them)."""
+    return torch.cat([old, torch.stack([k[rows], v[rows]])], dim=1)
+
+
 @settings(max_examples=5 if INTERPRET else 25, deadline=None)
 @given(
     prefix=st.integers(1, 140 if INTERPRET else 1400),
@@ -148,14 +164,10 @@ def test_a_tree_node_attends_as_the_decode_row_of_its_path(
         if p >= 0:
             mask[i] |= mask[p]
     path = [i for i in range(nodes) if mask[node, i]]  # ancestors-or-self, by depth
-    old_k, old_v = (torch.randn(prefix, heads[1], heads[2], generator=gen).to(DEVICE, DTYPE) for _ in "kv")
+    old = _history(prefix, heads, gen)
     q, k, v = _qkv(nodes, heads, gen)
-    tree = _attend(_meta([nodes], [prefix + nodes], mask[None]), q, k, v, torch.stack([old_k, old_v]))
-    line_old = torch.stack([torch.cat([old_k, k[path[:-1]]]), torch.cat([old_v, v[path[:-1]]])])
-    line = _attend(
-        _meta([1], [prefix + len(path)]), q[node : node + 1], k[node : node + 1], v[node : node + 1], line_old
-    )
-    assert torch.equal(tree[node], line[0])
+    tree = _attend(_meta([nodes], [prefix + nodes], mask[None]), q, k, v, old)
+    assert torch.equal(tree[node], _decode_row(q, k, v, node, _then(old, k, v, path[:-1])))
 
 
 @settings(max_examples=5 if INTERPRET else 25, deadline=None)
@@ -169,14 +181,10 @@ def test_a_prefill_row_attends_as_a_decode_row(prefix: int, chunk: int, row: int
     heads = HEADS[-1]
     row %= chunk
     gen = torch.Generator().manual_seed(seed)
-    old_k, old_v = (torch.randn(prefix, heads[1], heads[2], generator=gen).to(DEVICE, DTYPE) for _ in "kv")
+    old = _history(prefix, heads, gen)
     q, k, v = _qkv(chunk, heads, gen)
-    full = _attend(_meta([chunk], [prefix + chunk]), q, k, v, torch.stack([old_k, old_v]))
-    line_old = torch.stack([torch.cat([old_k, k[:row]]), torch.cat([old_v, v[:row]])])
-    one = _attend(
-        _meta([1], [prefix + row + 1]), q[row : row + 1], k[row : row + 1], v[row : row + 1], line_old
-    )
-    assert torch.equal(full[row], one[0])
+    full = _attend(_meta([chunk], [prefix + chunk]), q, k, v, old)
+    assert torch.equal(full[row], _decode_row(q, k, v, row, _then(old, k, v, slice(0, row))))
 
 
 @settings(max_examples=5 if INTERPRET else 25, deadline=None)
@@ -188,14 +196,10 @@ def test_a_decode_row_attends_alike_in_any_batch(lens: list[int], seed: int) -> 
     """Request 0 decoding alone == request 0 decoding beside others (of other lengths)."""
     heads = HEADS[-1]
     gen = torch.Generator().manual_seed(seed)
-    old_k, old_v = (
-        torch.randn(lens[0] - 1, heads[1], heads[2], generator=gen).to(DEVICE, DTYPE) for _ in "kv"
-    )
+    old = _history(lens[0] - 1, heads, gen)
     q, k, v = _qkv(len(lens), heads, gen)
-    old = torch.stack([old_k, old_v])
     batch = _attend(_meta([1] * len(lens), lens), q, k, v, old)
-    alone = _attend(_meta([1], lens[:1]), q[:1], k[:1], v[:1], old)
-    assert torch.equal(batch[0], alone[0])
+    assert torch.equal(batch[0], _decode_row(q, k, v, 0, old))
 
 
 def test_invariant_ops_rows_alone_equal_rows_in_a_batch() -> None:

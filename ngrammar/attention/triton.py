@@ -297,7 +297,6 @@ def _paged_attention_kernel(
         path_bits = tl.where(path_bits != 0, 1, 0)
         path_rank = tl.cumsum(path_bits, 0)
         kv_end = prefix + tl.sum(path_bits, 0)
-        full_end = prefix
     elif HAS_TREE:
         # The tree mask may open any column of the new block, so scan to the end; only the prefix is
         # known visible to every row.
@@ -328,12 +327,13 @@ def _paged_attention_kernel(
     if INVARIANT:
         if split == num_splits - 1:
             hi = kv_end
-    full_hi = lo + (tl.maximum(tl.minimum(hi, full_end) - lo, 0) // BLOCK_N) * BLOCK_N
     if INVARIANT:
         # One code path for every tile: whether a tile is a row's "full" one differs between a
         # decode row, a tree row and a prefill row at the same position, and the two loops may be
         # compiled with different floating-point contractions.
         full_hi = lo
+    else:
+        full_hi = lo + (tl.maximum(tl.minimum(hi, full_end) - lo, 0) // BLOCK_N) * BLOCK_N
 
     # Row r of the block is query token tok_begin + r // GROUP of head kv_head * GROUP + r % GROUP.
     rows = tl.arange(0, BLOCK_M)
