@@ -1,4 +1,4 @@
-"""The row-invariant CUDA kernels compile for Hopper (sm_90) on a machine without a GPU: Triton's
+"""The row-invariant CUDA kernels (and the attention's fast launches) compile for Hopper (sm_90) on a machine without a GPU: Triton's
 own compiler and ptxas, ahead of time, so a kernel that would not build fails here, not on the
 first GPU that runs it."""
 
@@ -45,8 +45,9 @@ def test_the_invariant_linear_compiles_to_wgmma(tiles: tuple[int, int, int]) -> 
     assert "wgmma" in compile_for_hopper(_invariant_linear_kernel, types, cex, warps)
 
 
+@pytest.mark.parametrize("invariant", [True, False], ids=["invariant", "fast"])
 @pytest.mark.parametrize("tree", [False, True], ids=["causal", "tree"])
-def test_the_invariant_attention_compiles(tree: bool) -> None:
+def test_the_attention_compiles(tree: bool, invariant: bool) -> None:
     from ngrammar.attention.triton import INVARIANT_SPLIT_TILES, _paged_attention_kernel
 
     types = {
@@ -60,7 +61,7 @@ def test_the_invariant_attention_compiles(tree: bool) -> None:
     }
     cex = dict(
         GROUP=3, HEAD_DIM=64, BLOCK_M=64, BLOCK_N=64, PAGE_SIZE=16, MIN_TILES=2, SPLIT_OUTPUT=True,
-        MERGE_IN_KERNEL=True, HAS_TREE=tree, IEEE_DOT=False, PDL=False, INVARIANT=True,
-        SPLIT_TILES=INVARIANT_SPLIT_TILES, TREE_POW2=16 if tree else 1,
+        MERGE_IN_KERNEL=invariant, HAS_TREE=tree, IEEE_DOT=False, PDL=False, INVARIANT=invariant,
+        SPLIT_TILES=INVARIANT_SPLIT_TILES if invariant else 0, TREE_POW2=16 if tree and invariant else 1,
     )  # fmt: skip
     assert compile_for_hopper(_paged_attention_kernel, types, cex, 4)
