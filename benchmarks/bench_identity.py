@@ -55,7 +55,7 @@ def bench_identity(
         alone = [_ids(plain, [p], greedy)[0] for p in prompts]
         cell: dict[str, Any] = {"plain batch == alone": _same(_ids(plain, prompts, greedy), alone)}
         for name, extra in VARIANTS.items():
-            spec = LLM(**kw, **spec_kw, **extra)
+            spec = LLM(**(kw | spec_kw | extra))
             cell[f"ngram {name} == plain"] = _same([_ids(spec, [p], greedy)[0] for p in prompts], alone)
             if name == "graphs":
                 cell["ngram batch == plain"] = _same(_ids(spec, prompts, greedy), alone)

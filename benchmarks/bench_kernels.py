@@ -187,6 +187,7 @@ def bench_invariant_linear(
         InvariantTiles(16, 64),
         InvariantTiles(32, 32),
         InvariantTiles(64, 16),
+        InvariantTiles(64, 16, num_stages=6),
         InvariantTiles(64, 32),
         InvariantTiles(64, 64),
         InvariantTiles(128, 64, num_warps=8),
@@ -227,14 +228,14 @@ def bench_invariant_linear(
     names = [repr(t) for t in candidates]
     print_table(
         "row-invariant projection (InvariantOps) vs the fast path (TritonOps), µs per call in a CUDA "
-        "graph; then the bare invariant GEMM per tiling (block_m,block_n,warps), = bitwise as chosen",
+        "graph; then the bare invariant GEMM per tiling (block_m,block_n,warps,stages), = bitwise as chosen",
         [
             "model",
             "proj",
             "m",
             "fast",
             "invariant",
-            *[f"{t.block_m},{t.block_n},{t.num_warps}" for t in candidates],
+            *[f"{t.block_m},{t.block_n},{t.num_warps},{t.num_stages}" for t in candidates],
         ],
         [
             [r["model"], r["proj"], r["m"], r["fast_us"], r["invariant_us"], *[r[c] for c in names]]

@@ -19,30 +19,33 @@ from triton.compiler import ASTSource  # noqa: E402
 HOPPER = GPUTarget("cuda", 90, 32)
 
 
-def compile_for_hopper(fn: object, types: dict[str, str], constexprs: dict[str, object], warps: int) -> str:
+def compile_for_hopper(
+    fn: object, types: dict[str, str], constexprs: dict[str, object], warps: int, stages: int = 2
+) -> str:
     """The kernel's PTX; every argument not in ``constexprs`` typed by ``types`` (default i32)."""
     names = fn.arg_names  # type: ignore[attr-defined]
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    kernel = triton.compile(src, target=HOPPER, options={"num_warps": warps, "num_stages": 2})
+    kernel = triton.compile(src, target=HOPPER, options={"num_warps": warps, "num_stages": stages})
     return str(kernel.asm["ptx"])
 
 
-@pytest.mark.parametrize("tiles", [(64, 32, 4), (128, 64, 8)], ids=str)
-def test_the_invariant_linear_compiles_to_wgmma(tiles: tuple[int, int, int]) -> None:
-    from ngrammar.kernels.invariant_linear import BLOCK_K, _invariant_linear_kernel
+@pytest.mark.parametrize("m", [1, 100, 300])
+def test_the_invariant_linear_compiles_to_wgmma(m: int) -> None:
+    """Each tiling ``choose_tiles`` picks, as the engine launches it."""
+    from ngrammar.kernels.invariant_linear import BLOCK_K, _invariant_linear_kernel, choose_tiles
 
-    block_m, block_n, warps = tiles
+    t = choose_tiles(m)
     types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
     cex = {
         "HAS_BIAS": True,
-        "BLOCK_M": block_m,
-        "BLOCK_N": block_n,
+        "BLOCK_M": t.block_m,
+        "BLOCK_N": t.block_n,
         "BLOCK_K": BLOCK_K,
         "IEEE": False,
         "PDL": True,
     }
-    assert "wgmma" in compile_for_hopper(_invariant_linear_kernel, types, cex, warps)
+    assert "wgmma" in compile_for_hopper(_invariant_linear_kernel, types, cex, t.num_warps, t.num_stages)
 
 
 @pytest.mark.parametrize("invariant", [True, False], ids=["invariant", "fast"])

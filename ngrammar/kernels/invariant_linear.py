@@ -35,10 +35,11 @@ class InvariantTiles:
 
 
 def choose_tiles(m: int) -> InvariantTiles:
-    """The tiling for m rows: narrow column blocks (more programs) for decode-sized steps, wider
-    tiles (fewer weight re-reads) for prefill-sized ones."""
+    """The tiling for m rows: narrow column blocks (more programs) and a deep prefetch of K (its loop
+    is short and latency-bound) for decode-sized steps, wider tiles (fewer weight re-reads) for
+    prefill-sized ones."""
     if m <= 64:
-        return InvariantTiles(64, 32)
+        return InvariantTiles(64, 16, num_stages=6)
     if m <= 256:
         return InvariantTiles(64, 64)
     return InvariantTiles(128, 64, num_warps=8)
