@@ -61,7 +61,7 @@ def test_every_tiling_gives_the_same_numbers() -> None:
     w = (torch.randn(200, 576, generator=gen) / 24).to(DEVICE, DTYPE)
     want = invariant_linear(x, w)
     for t in (
-        InvariantTiles(64, 16, num_stages=6),
+        InvariantTiles(64, 32, num_stages=6),
         InvariantTiles(64, 32),
         InvariantTiles(64, 64),
         InvariantTiles(128, 64, num_warps=8),

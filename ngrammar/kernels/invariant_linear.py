@@ -39,7 +39,7 @@ def choose_tiles(m: int) -> InvariantTiles:
     is short and latency-bound) for decode-sized steps, wider tiles (fewer weight re-reads) for
     prefill-sized ones."""
     if m <= 64:
-        return InvariantTiles(64, 16, num_stages=6)
+        return InvariantTiles(64, 32, num_stages=6)
     if m <= 256:
         return InvariantTiles(64, 64)
     return InvariantTiles(128, 64, num_warps=8)
