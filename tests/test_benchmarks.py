@@ -222,7 +222,14 @@ def test_the_identity_benchmark_counts_identical_outputs_per_numerics(tmp_path: 
 
     folder = tiny_checkpoint(tmp_path / "tiny", layers=1)
     prompts = [[{"role": "user", "content": f"Repeat {w} {w} {w} {w}."}] for w in ("red", "blue")]
-    kw = {"model": str(folder), "device": "cpu", "dtype": "float32", "kv_cache_tokens": 4096}
+    # ``cuda_graph`` as gpu_bench passes it: the eager variant overrides it rather than repeat it
+    kw = {
+        "model": str(folder),
+        "device": "cpu",
+        "dtype": "float32",
+        "kv_cache_tokens": 4096,
+        "cuda_graph": True,
+    }
     res = bench_identity(kw, ["fast"], prompts, [2], 8)
     cell = res["fast"]
     assert cell["plain batch == alone"] == "2/2" and cell["ngram batch == plain"] == "2/2"
