@@ -253,23 +253,27 @@ def bench_steps(
     kv_len_bound: int = 8192,
 ) -> dict[str, Any]:
     """Plans are built for kv_len_bound, as the engine's CUDA graphs are (SmolLM2's context is 8192).
-    Variants: unfused, fused projections, and fused with programmatic dependent launch (PDL: each
-    Triton kernel starts, and loads its weights, while the one before finishes)."""
+    Variants: unfused, fused projections, fused with programmatic dependent launch (PDL: each
+    Triton kernel starts, and loads its weights, while the one before finishes), and the
+    row-invariant numerics (``--numerics invariant``: ``InvariantOps`` and the attention's invariant
+    launches, PDL as the engine sets it)."""
     from benchmarks.gpu_bench import random_model, step_time
     from ngrammar.attention.triton import TritonAttentionBackend
     from ngrammar.kernels.device_info import pdl_supported
-    from ngrammar.kernels.fused_ops import TritonOps
+    from ngrammar.kernels.fused_ops import InvariantOps, TritonOps
 
-    variants = [("unfused", False, False), ("fused", True, False)]
+    variants: list[tuple[str, Callable[[], tuple[Any, Any]]]] = [
+        ("unfused", lambda: (TritonOps(fuse_linear=False, pdl=False), TritonAttentionBackend(pdl=False))),
+        ("fused", lambda: (TritonOps(fuse_linear=True, pdl=False), TritonAttentionBackend(pdl=False))),
+    ]
     if pdl_supported(torch.device("cuda")):
-        variants.append(("fused+PDL", True, True))
+        variants.append(("fused+PDL", lambda: (TritonOps(pdl=True), TritonAttentionBackend(pdl=True))))
+    variants.append(("invariant", lambda: (InvariantOps(), TritonAttentionBackend(invariant=True))))
     res: dict[str, Any] = {}
     rows = []
     for model_name, cfg in shapes.items():
-        for label, fuse, pdl in variants:
-            model, backend = random_model(
-                cfg, TritonOps(fuse_linear=fuse, pdl=pdl), TritonAttentionBackend(pdl=pdl)
-            )
+        for label, build in variants:
+            model, backend = random_model(cfg, *build())
             for bs in batches:
                 for q in qs:
                     if bs * q > 512:
