@@ -6,7 +6,8 @@ inside a CUDA graph of back-to-back calls (as the model runs them): the fused ke
 RMSNorm or SiLU·mul, then cuBLAS). Prints µs per call and the weight bandwidth it reaches.
 Part ``invariant``: the row-invariant projection's candidate tilings against the fast path.
 Part 2 (``steps``): random-weight models of both shapes, one decode (q = 1) or verify (q = 16) step
-as a CUDA graph, with the projections' prologues fused and not; ms per step and tok/s of decoding.
+as a CUDA graph, per kernel set: unfused, fused projections, fused with PDL, and the row-invariant
+numerics (``--numerics invariant``); ms per step and tok/s of decoding.
 
     python -m benchmarks.gpu_bench --parts kernels --out $OUT/kernels.json
     python -m benchmarks.gpu_bench --parts kernel_steps --out $OUT/kernels.json   (steps only)
@@ -188,6 +189,7 @@ def bench_invariant_linear(
         InvariantTiles(32, 32),
         InvariantTiles(64, 16),
         InvariantTiles(64, 16, num_stages=6),
+        InvariantTiles(64, 32, num_stages=6),
         InvariantTiles(64, 32),
         InvariantTiles(64, 64),
         InvariantTiles(128, 64, num_warps=8),

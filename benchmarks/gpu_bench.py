@@ -7,7 +7,7 @@ grounded and open-ended prompts at several batch sizes; the spec+grammar step ru
 Part 2, a random-weight Llama-3-8B-shaped model: plain decode and tree-verify step times (CUDA
 graphs) against the bandwidth floor measured in the same run.
 Part ``kernels`` (not run by default): ``benchmarks.bench_kernels``, the fused small-step linear
-kernel against the unfused ops, and whole steps with it on and off (``kernel_steps``: the steps only; ``kernel_splits``: batch-1 decode by split cap and context; ``verify_splits``: the same for a 16-token tree verify).
+kernel against the unfused ops, and whole steps per kernel set, the invariant numerics' included (``kernel_steps``: the steps only; ``kernel_splits``: batch-1 decode by split cap and context; ``verify_splits``: the same for a 16-token tree verify).
 Part ``links``: host-derived tree links against the readback switch on equal work (NGRAM + grammar,
 the policy off so that both variants verify at every step and emit the same tokens).
 Part ``acceptor`` (not run by default): the greedy acceptor graph, torch ops against the one-launch

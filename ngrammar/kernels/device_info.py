@@ -22,6 +22,18 @@ def num_sms(device: torch.device) -> int:
 
 
 @functools.cache
+def _cuda_smem(index: int) -> int:
+    import triton  # the figure Triton checks a launch against
+
+    return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
+
+
+def max_shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one program may use on a CUDA device (opt-in maximum)."""
+    return _cuda_smem(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
 def _cuda_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
