@@ -15,6 +15,7 @@ tiles do not agree with wider ones). float32 weights multiply in IEEE fp32 (no T
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,14 @@ def fit_stages(tiles: InvariantTiles, elem_bytes: int, smem_bytes: int) -> int:
     depth changes when loads issue, never the sums."""
     per_stage = (tiles.block_m + tiles.block_n) * BLOCK_K * elem_bytes
     return max(1, min(tiles.num_stages, (smem_bytes - SMEM_RESERVE) // per_stage))
+
+
+@functools.cache
+def _launch_stages(tiles: InvariantTiles, elem_bytes: int, device: torch.device) -> int:
+    """``fit_stages`` for this device, once per (tiling, element size, device): not per launch."""
+    if device.type != "cuda":  # Triton's interpreter: no shared memory to fit
+        return tiles.num_stages
+    return fit_stages(tiles, elem_bytes, max_shared_memory(device))
 
 
 @triton.jit(do_not_specialize=["M"])  # one binary per tiling, whatever the row count
@@ -130,11 +139,7 @@ def invariant_linear(
     if m == 0:
         return out
     t = tiles or choose_tiles(m)
-    stages = (
-        t.num_stages
-        if x.device.type != "cuda"
-        else fit_stages(t, weight.element_size(), max_shared_memory(x.device))
-    )
+    stages = _launch_stages(t, weight.element_size(), x.device)
     grid = (triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m))
     _invariant_linear_kernel[grid](
         x, weight, bias if bias is not None else weight, out, m, n, k,
