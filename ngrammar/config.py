@@ -124,9 +124,11 @@ class EngineConfig:
     mixed_steps: bool = _opt(True, "prefill chunks ride along with running requests' decode steps")
     # A prefill chunk costs a decode step's time at about this many tokens: 512 on a GPU; on a CPU a
     # forward's cost grows with its tokens from the first, and 64 keeps a mixed step near 2 plain ones.
+    # Counted beside the decode rows: a budget shared with them starved admissions at large batches
+    # (256 streams left 256 prompt tokens per step for ~400 arriving), so the batch shrank.
     mixed_step_tokens: int | None = _opt(
         None,
-        "token budget of a mixed step, decode tokens + prefill chunks (default: 512 on CUDA, 64 on a CPU)",
+        "prompt tokens a mixed step prefills beside its decode rows (default: 512 on CUDA, 64 on a CPU)",
     )
     attention_backend: str = _opt("auto", "attention kernels", ["auto", "sdpa", "triton"])
     # Lossless by default: with row-invariant kernels a token's logits are the same whether it is

@@ -73,10 +73,10 @@ def test_a_chained_step_launches_before_the_read_of_the_step_before(overlap_llm:
             0
         ]
     assert len(out.token_ids) == 12
-    # prefill, then 11 decode steps: every token is read exactly once, and the chained decode steps
-    # launch their forward while the step before is still unread (two launches in a row).
+    # prefill, then 11 decode steps: every token is read exactly once, and every decode step, the
+    # first included, launches its forward while the step before is still unread.
     assert events.count("read") == 12 and events.count("forward") == 12
-    assert events[:4] == ["forward", "read", "forward", "forward"]
+    assert events[:5] == ["forward", "forward", "read", "forward", "read"]
 
 
 def test_a_step_left_in_flight_by_a_finished_batch_is_dropped(overlap_llm: LLM) -> None:
@@ -133,8 +133,8 @@ def test_members_that_finish_leave_the_chain_without_breaking_it(
     if trace[-1].kind == "idle":  # the last member ended at max_tokens (drained), not on a stop
         trace.pop()
     kinds = [r.kind for r in trace]
-    # One unchained decode step, the first after prefill; then the batch shrinks while chained.
-    assert kinds[:2] == ["prefill", "decode"] and set(kinds[2:]) == {"chain"}
+    # Every decode step is chained, the first after prefill included; the batch shrinks.
+    assert kinds[0] == "prefill" and set(kinds[1:]) == {"chain"}
     sizes = [r.batch_size for r in trace[1:]]
     assert sizes == sorted(sizes, reverse=True) and sizes[0] == 4 and sizes[-1] == 1
     assert eng.stats.decode_tokens - before == sum(len(o.token_ids) - 1 for o in got)
@@ -149,25 +149,26 @@ def test_members_reaching_max_tokens_leave_one_at_a_time() -> None:
     overlap.generate(
         PROMPTS, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (4, 9, 6, 13)]
     )
-    assert [r.kind for r in trace] == ["prefill", "decode"] + ["chain"] * 11 + ["idle"]
+    assert [r.kind for r in trace] == ["prefill"] + ["chain"] * 12 + ["idle"]
     assert [r.batch_size for r in trace[1:-1]] == [4, 4, 4, 3, 3, 2, 2, 2, 1, 1, 1, 1]
 
 
-def test_a_member_leaving_lets_a_waiting_request_in_at_once() -> None:
-    """Under load a member that finishes frees a slot: the chain breaks so the scheduler admits the
-    next request now, rather than one step later."""
+def test_a_member_leaving_lets_a_waiting_request_in_at_once(llm: LLM) -> None:
+    """Under load a member that finishes frees a slot: the next request takes it in the step
+    launched while that member's last token is in flight (a chained mixed step), not one step
+    later, and without draining the chain."""
     capped = LLM(
         device="cpu", dtype="float32", kv_cache_tokens=4096, overlap_schedule=True, max_running_requests=2
     )
     eng = capped.engine
     eng.step_trace = trace = []
-    capped.generate(
-        PROMPTS[:3], [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 8, 4)]
-    )
-    # The first member's last token is in flight at the third decode step: the next engine step
-    # drains and admits the third request instead of launching a step for the second alone (its
-    # prefill rides along the second's decode: a mixed step).
-    assert [r.kind for r in trace[:5]] == ["prefill", "decode", "chain", "mixed", "decode"]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 8, 4)]
+    got = capped.generate(PROMPTS[:3], params)
+    # The first member's last token is in flight at the third chained step: it carries the second
+    # member's decode row and the third request's prompt.
+    assert [r.kind for r in trace] == ["prefill"] + ["chain"] * 7 + ["idle"]
+    assert [r.batch_size for r in trace[:-1]] == [2] * 7 + [1] and eng.stats.mixed_steps == 1
+    assert [o.token_ids for o in got] == [o.token_ids for o in llm.generate(PROMPTS[:3], params)]
 
 
 def test_a_full_batch_keeps_chaining_while_requests_wait(llm: LLM) -> None:
@@ -448,7 +449,7 @@ def test_the_plain_step_restarting_the_chain_carries_the_verify_steps_tail() -> 
     )
     eng = spec.engine
     assert eng.ngram is not None
-    widths = [4]  # the first decode step verifies, every later one is plain
+    widths = [4, 4]  # the first decode step verifies (asked ahead, then afresh), every later one is plain
     eng.ngram.choose_width = lambda seqs, draining, ahead=False: widths.pop() if widths else 1  # type: ignore[method-assign]
     observed: list[tuple[int, float, float | None]] = []
     observe = eng.ngram.observe_step
@@ -477,3 +478,60 @@ def test_the_plain_step_restarting_the_chain_carries_the_verify_steps_tail() -> 
     tail = observed[1][2]
     assert tail is not None and INSIDE <= tail < BETWEEN  # the sleep inside the step, not the one after it
     assert all(s < INSIDE for _, s, _ in observed[1:]), observed  # plain steps: neither sleep
+
+
+def _arrivals(llm: LLM, prompts: list[Any], params: list[SamplingParams], concurrency: int) -> list[Any]:
+    """Requests at most ``concurrency`` at a time, each finished one replaced at once (a serving
+    engine's load: prompts join running batches); outputs in request order."""
+    eng = llm.engine
+    done: dict[str, RequestOutput] = {}
+    ids = [f"arrival-{i}-{time.perf_counter_ns()}" for i in range(len(prompts))]
+    added = 0
+    while added < min(concurrency, len(prompts)):
+        eng.add_request(prompts[added], params[added], request_id=ids[added])
+        added += 1
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+                if added < len(prompts):
+                    eng.add_request(prompts[added], params[added], request_id=ids[added])
+                    added += 1
+    return [done[i] for i in ids]
+
+
+def test_prompts_arriving_ride_along_chained_steps(llm: LLM, overlap_llm: LLM) -> None:
+    """Under continuous arrivals a newcomer's prompt is prefilled in a step launched before the
+    step in flight is read back (a chained mixed step), a long prompt chunk by chunk across such
+    steps: greedy, seeded sampling, logprobs, a stop string and a grammar come out as in the
+    step-by-step engine, and every page is free after."""
+    eng = overlap_llm.engine
+    story = "Once upon a time, in a small village by the sea, there lived an old fisherman. " * 6
+    prompts: list[Any] = [*PROMPTS, story + "What happened next?", "Name a fruit:", "Why is the sky blue?"]
+    prompts.append(
+        [{"role": "user", "content": "Paris has 2161000 people. Give name and population as JSON."}]
+    )
+    params = [
+        SamplingParams(max_tokens=9, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=14, temperature=0.9, top_p=0.95, seed=3, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0, stop=[","]),
+        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=5, temperature=0.7, seed=9, ignore_eos=True),
+        SamplingParams(max_tokens=11, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0, json_schema=SCHEMA),
+    ]
+    before = eng.stats.chained_mixed
+    got = _arrivals(overlap_llm, prompts, params, concurrency=3)
+    assert eng.stats.chained_mixed - before >= 4
+    want = _arrivals(llm, prompts, params, concurrency=3)
+    assert [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in got] == [
+        [(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in want
+    ]
+    for a, b in zip(got, want):
+        for x, y in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or []):
+            assert x.top[0][0] == y.top[0][0] and x.logprob == pytest.approx(y.logprob, abs=1e-4)
+    assert got[-1].outputs[0].finish_reason == "stop"  # the grammar's JSON ended
+    assert eng._in_flight is None and not eng.scheduler.running
+    eng.blocks.allocator.check_integrity()
+    assert eng.blocks.allocator.num_free == eng.blocks.allocator.num_pages

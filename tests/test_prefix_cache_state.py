@@ -95,6 +95,30 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             self.blocks.trim(seq, seq.num_cached)
         self.sched.remove_finished()
 
+    @precondition(lambda self: self.sched.mixed_step_tokens is not None)
+    @rule(leaving=st.integers(0, 1))
+    def chained_mixed_step(self, leaving: int) -> None:
+        """A mixed step chained behind the step in flight (overlap scheduling): the decode rows'
+        KV reserved without preempting, then ``chain_prefill``; ``leaving`` members end with the
+        token in flight (they finish right after the step)."""
+        decoding = [s for s in self.sched.running if not s.is_prefilling]
+        leaving = min(leaving, len(decoding))
+        if not self.sched.reserve_decode(decoding, 1):
+            return
+        chunks = self.sched.chain_prefill(leaving)
+        for seq, n in chunks:
+            self._write(seq, range(seq.num_cached, seq.num_cached + n), seq.token_ids)
+            seq.num_cached += n
+            if seq.num_cached == len(seq.token_ids):
+                seq.append_tokens([40 + self.rng.randrange(3)])
+        for seq in decoding:
+            self._write(seq, [seq.num_cached], seq.token_ids)
+            seq.num_cached += 1
+            seq.append_tokens([40 + self.rng.randrange(3)])
+        for seq in decoding[:leaving]:
+            seq.finish("length")
+        self.sched.remove_finished()
+
     @precondition(lambda self: self.sched.running)
     @rule(i=st.integers(0, 10))
     def finish(self, i: int) -> None:
@@ -187,3 +211,25 @@ def test_pages_are_shared_by_content_and_evicted_lru(tokenizer: Tokenizer) -> No
     assert alloc.evictions == 2 and blocks.match(b) == []
     with pytest.raises(ValueError, match="double free"):
         alloc.free([hit[0]] * 2)
+
+
+def test_a_full_batch_leaves_a_mixed_step_its_prompt_budget(tokenizer: Tokenizer) -> None:
+    """A mixed step prefills up to ``mixed_step_tokens`` prompt tokens beside its decode rows
+    (a budget shared with them left a batch as large as the budget one page per step, so
+    admissions fell behind arrivals and the batch shrank); a chained one alike."""
+    blocks = BlockManager(PageAllocator(64, PAGE), prefix_cache=False)
+    sched = Scheduler(blocks, max_running=16, max_prefill_tokens=16, mixed_step_tokens=8)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    for i in range(8):
+        sched.add(Sequence(f"d{i}", 0, [7, 8], params, tokenizer, seed=0, max_len=64))
+    sched.schedule(lambda seqs: 1)  # prefill: all eight prompts
+    for seq in sched.running:
+        seq.num_cached = 2
+        seq.append_tokens([40])
+    for i in range(3):
+        sched.add(Sequence(f"p{i}", 0, list(range(10, 16)), params, tokenizer, seed=0, max_len=64))
+    batch = sched.schedule(lambda seqs: 1)
+    assert len(batch.decode) == 8 and [n for _, n in batch.prefill] == [6, 2]
+    for seq, n in batch.prefill:
+        seq.num_cached += n
+    assert [n for _, n in sched.chain_prefill(leaving=0)] == [4, 4]  # p1's rest, then p2 in part

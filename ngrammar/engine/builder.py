@@ -117,19 +117,25 @@ def attach_graphs(parts: EngineParts, config: EngineConfig, speculator: Speculat
     )
     graphs = parts.runner.graphs
     if capture and config.tensor_parallel_size == 1:
-        # Prefill and mixed steps: under continuous arrivals nearly every step is one.
-        budget = mixed_step_tokens(config, parts.device) or PIECEWISE_MAX_TOKENS
-        parts.runner.attach_piecewise(min(budget, PIECEWISE_MAX_TOKENS))
+        # Prefill and mixed steps (a full batch's decode rows beside the prompt tokens): under
+        # continuous arrivals nearly every step is one.
+        budget = mixed_step_tokens(config, parts.device)
+        tokens = (
+            PIECEWISE_MAX_TOKENS
+            if budget is None
+            else min(config.max_running_requests, config.cuda_graph_max_bs) + budget
+        )
+        parts.runner.attach_piecewise(min(tokens, PIECEWISE_MAX_TOKENS))
     if capture and graphs is not None and config.tensor_parallel_size == 1 and max(widths) > 1:
         # Each width's device cost, so the policy prices a width before timing it in the engine
         # (a first verify step timed untrimmed costs what a trimmed one would not).
         speculator.set_step_profile(graphs.profile())
 
 
-# The largest eager step served from piecewise graphs (the mixed-step budget where smaller): past a
-# few hundred tokens a step's launches no longer dominate its time, and the graphs' static buffers
-# grow with it.
-PIECEWISE_MAX_TOKENS = 512
+# The largest eager step served from piecewise graphs (a full mixed step where smaller: the largest
+# graphed decode batch plus the mixed-step budget): past that a step's launches no longer dominate
+# its time, and the graphs' static buffers grow with it.
+PIECEWISE_MAX_TOKENS = 1024
 
 
 def mixed_step_tokens(config: EngineConfig, device: torch.device) -> int | None:

@@ -241,12 +241,12 @@ class LLMEngine:
         self.check_open()
         start = self._step_start = time.perf_counter()
         host, shadow = self._host_seconds(), self.stats.shadow_seconds
-        if (isinstance(self._in_flight, PendingDecode) and self._chain_decode()) or (
+        chained = (isinstance(self._in_flight, PendingDecode) and self._chain_decode()) or (
             isinstance(self._in_flight, PendingVerify) and self._chain_out_of_verify()
-        ):
-            assert self._in_flight is not None
+        )
+        if chained:
             kind: StepKind = "chain"
-            size, width = len(self._in_flight.seqs), 1
+            size, width = chained, 1
         else:
             self._drain()
             kind, size, width = self._schedule_and_run()
@@ -305,7 +305,6 @@ class LLMEngine:
             self.speculator.on_finish(batch.failed)  # not in running any more: _retire will not see them
         if batch.prefill:
             self._run_prefill(batch.prefill, batch.decode)
-            self._last_commit = time.perf_counter()
             if batch.decode:
                 return "mixed", len(batch.decode) + len(batch.prefill), 1
             return "prefill", len(batch.prefill), 1
@@ -340,22 +339,43 @@ class LLMEngine:
         """A prefill step, or with ``decode`` a mixed step: one forward whose first rows are the
         decode sequences' plain step (one token each) and the rest the prefill chunks; a token is
         sampled for every decode sequence and every sequence whose prompt the step completes. Not
-        timed for the draft policy: it is not a plain step."""
-        step, sampled = prefill_input(chunks, decode)
+        timed for the draft policy: it is not a plain step. With overlap its tokens stay in flight
+        (the next step may be launched from them: ``_chain_decode``)."""
+        sampled, logits = self._launch_prefill(chunks, list(decode), None)
+        if sampled:
+            flight = self._sample_prefill(sampled, logits, list(decode))
+            if self.overlap:
+                self._in_flight = flight  # committed by the next step, after it launches
+                return
+            self._commit(flight)
+        self._last_commit = time.perf_counter()
+
+    def _launch_prefill(
+        self, chunks: list[tuple[Sequence, int]], decode: list[Sequence], decode_ids: torch.Tensor | None
+    ) -> tuple[list[Sequence], torch.Tensor]:
+        """Launch a prefill or mixed step (``decode_ids``: its decode rows' tokens, still on the
+        device); returns the sequences it samples for and their logits rows."""
+        step, sampled = prefill_input(chunks, decode, decode_ids)
         logits = timed_forward(self.runner, step, self.stats)
         for seq in decode:
             seq.num_cached += 1
         for seq, n in chunks:
             seq.num_cached += n
         self.stats.prefill_tokens += sum(n for _, n in chunks)
-        if not sampled:
-            return
-        flight = self._sample(sampled, logits[: len(sampled)])
+        self.stats.mixed_steps += bool(decode)
+        return sampled, logits[: len(sampled)]
+
+    def _sample_prefill(
+        self, sampled: list[Sequence], logits: torch.Tensor, decode: list[Sequence]
+    ) -> PendingDecode:
+        """Queue a prefill or mixed step's sampling (after the commit of the step before: grammar
+        rows need its tokens), then index its decode rows' committed tokens."""
+        flight = self._sample(sampled, logits)
+        flight.prefill = True
         if decode:
-            self.stats.mixed_steps += 1
-            self.speculator.index_plain_step(list(decode), self.read_wait)
+            self.speculator.index_plain_step(decode, self.read_wait)
         self.stats.decode_tokens += sum(not s.is_finished for s in decode)  # (what the commit appends)
-        self._commit(flight)
+        return flight
 
     def _run_decode(self, seqs: list[Sequence], restart: float | None) -> None:
         """A plain step from committed state. ``restart`` (overlap): it is the first after a verify
@@ -378,44 +398,64 @@ class LLMEngine:
             seq.num_cached += 1
         return logits
 
-    def _chain_decode(self) -> bool:
-        """Overlap: launch the in-flight batch's next plain step from its device tokens, then commit
+    def _chain_decode(self) -> int:
+        """Overlap: launch the in-flight batch's next step from its device tokens, then commit
         those tokens while the forward runs. Members that finished, or finish with the token in
-        flight, are left out of the launch (``_chainable``); False (nothing launched) when the
-        batch cannot simply go on."""
+        flight, are left out of the launch (``_chainable``). With mixed steps, prompts waiting or
+        part-prefilled ride along in it (a chained mixed step: a serving engine's usual step).
+        Returns the rows launched; 0 (nothing launched) when the batch cannot simply go on."""
         flight = self._in_flight
         assert isinstance(flight, PendingDecode)
+        self._retire()  # requests aborted since the last step must not be admitted
         chain = self._chainable(flight.seqs)
         if chain is None:
-            return False
+            return 0
         keep, seqs = chain
         tokens = flight.tokens
         if len(keep) < len(flight.seqs):
             tokens = tokens.index_select(0, to_device(keep, torch.int64, self.device))  # no host read
-        logits = self._launch_decode(seqs, tokens)
-        self._commit_decode(flight)  # the read waits for the previous step only
-        self._in_flight = self._sample_and_index(
-            seqs, logits
-        )  # after the commit: grammar rows need its tokens
+        leaving = sum(not s.is_finished for s in flight.seqs) - len(seqs)
+        chunks = self.scheduler.chain_prefill(leaving) if self._prefill_pending(leaving) else []
+        if chunks:
+            sampled, logits = self._launch_prefill(chunks, seqs, tokens)
+            self._commit_decode(flight)  # the read waits for the previous step only
+            self._in_flight = self._sample_prefill(sampled, logits, seqs)
+            self.stats.chained_mixed += 1
+        else:
+            logits = self._launch_decode(seqs, tokens)
+            self._commit_decode(flight)
+            self._in_flight = self._sample_and_index(
+                seqs, logits
+            )  # after the commit: grammar rows need its tokens
         self.stats.chained_steps += 1
-        return True
+        return len(seqs) + len(chunks)
 
-    def _chain_out_of_verify(self) -> bool:
+    def _prefill_pending(self, leaving: int = 0) -> bool:
+        """Whether a mixed step would prefill now: prompts part-prefilled, or one admissible
+        (``leaving``: members ending with the token in flight, whose places are free)."""
+        sched = self.scheduler
+        if sched.mixed_step_tokens is None:
+            return False
+        return any(s.is_prefilling for s in sched.running) or sched.can_admit(leaving)
+
+    def _chain_out_of_verify(self) -> int:
         """Launch the in-flight verify step's batch's next plain step from its device result (each
         member's bonus token, at its root's position plus its accepted length), then commit the
         verify step while the forward runs and queue the sampling (after the commit: grammar rows
-        need its tokens). False (nothing launched) where the batch cannot simply go on
-        (``_chainable``: members within a verify step of their end leave it) or the policy wants
-        another verify step now."""
+        need its tokens). Returns the rows launched; 0 (nothing launched) where the batch cannot
+        simply go on (``_chainable``: members within a verify step of their end leave it) or the
+        policy wants another verify step now."""
         flight = self._in_flight
         assert isinstance(flight, PendingVerify)
         if flight.next_tokens is None or flight.offsets is None:
-            return False  # (kept only where ``chain_verify`` is on)
+            return 0  # (kept only where ``chain_verify`` is on)
         if not self.speculator.chain_after_verify(flight.seqs):
-            return False  # another verify step is likely worth it: decide on the committed result
-        chain = self._chainable(flight.seqs, ahead=flight.width, reserve=flight.width + 1, plain=True)
+            return 0  # another verify step is likely worth it: decide on the committed result
+        chain = self._chainable(
+            flight.seqs, ahead=flight.width, reserve=flight.width + 1, plain=True, prefill=False
+        )
         if chain is None:
-            return False
+            return 0
         keep, seqs = chain
         tokens, offsets = flight.next_tokens, flight.offsets
         if len(keep) < len(flight.seqs):
@@ -431,7 +471,7 @@ class LLMEngine:
         self._in_flight = self._sample_and_index(seqs, logits)
         self.stats.chained_steps += 1
         self.stats.chained_out_of_verify += 1
-        return True
+        return len(seqs)
 
     def _sample_and_index(self, seqs: list[Sequence], logits: torch.Tensor) -> PendingDecode:
         """Queue a plain step's sampling, then index the batch's committed tokens into the corpus:
@@ -441,7 +481,12 @@ class LLMEngine:
         return flight
 
     def _chainable(
-        self, seqs: list[Sequence], ahead: int = 1, reserve: int = 1, plain: bool | None = None
+        self,
+        seqs: list[Sequence],
+        ahead: int = 1,
+        reserve: int = 1,
+        plain: bool | None = None,
+        prefill: bool = True,
     ) -> tuple[list[int], list[Sequence]] | None:
         """The members the next plain step can be launched for before the tokens in flight are
         read back (their indices into ``seqs``, and themselves), or None: drain and schedule afresh.
@@ -449,22 +494,27 @@ class LLMEngine:
         its width for a verify step); ``reserve``: KV slots past ``num_cached`` the next step may
         write up to (1 past a plain step, whose token is counted already; width + 1 past a verify
         step, counted from its root). ``plain``: decided already (else the policy is asked).
+        ``prefill``: the chained step may carry prompt chunks (a mixed step; only where mixed steps
+        are on).
 
         Members leave the chain without breaking it when they finished while their token was in
         flight (EOS, a stop string, an abort: that token is dropped at commit) or when the token in
         flight is their last (``max_tokens`` or the context end, ``Sequence.remaining_tokens``): the
         members of a speculating batch, or of any batch ending on EOS, finish at different steps,
-        and each drain there costs about half a step. The chain breaks for requests that
-        wait while the batch and the KV pool have room for them (``Scheduler.can_admit``) or get
-        room now, a verify step the policy wants, or KV that cannot grow."""
+        and each drain there costs about half a step. Without mixed steps the chain breaks for
+        requests that wait while the batch and the KV pool have room for them
+        (``Scheduler.can_admit``); with them, those prompts ride along in the chained step. It also
+        breaks for a verify step the policy wants, or KV that cannot grow."""
         sched = self.scheduler
-        # Waiting requests stop the chain only while they could be admitted: a full batch, or a
-        # full KV pool, must keep overlapping under load.
-        if sched.can_admit():
+        mixed = prefill and sched.mixed_step_tokens is not None
+        # Waiting requests stop an unmixed chain only while they could be admitted: a full batch,
+        # or a full KV pool, must keep overlapping under load.
+        if not mixed and sched.can_admit():
             return None
         live = [i for i, seq in enumerate(seqs) if not seq.is_finished]  # finished ones were retired
-        running = sched.running
-        if len(running) != len(live) or any(running[k] is not seqs[i] for k, i in enumerate(live)):
+        # Every sequence decoding now is a member (part-prefilled ones go on with their chunks).
+        decoding = [s for s in sched.running if not (mixed and s.is_prefilling)]
+        if len(decoding) != len(live) or {id(s) for s in decoding} != {id(seqs[i]) for i in live}:
             return None  # requests joined (or left some other way): the scheduler decides
         keep = []
         for i in live:
@@ -472,14 +522,16 @@ class LLMEngine:
             if seq.remaining_tokens <= ahead:
                 continue  # may finish on commit (max_tokens or the context end), whatever else holds
             keep.append(i)
-        if not keep or (sched.waiting and len(keep) < len(seqs)):
+        if not keep or (not mixed and sched.waiting and len(keep) < len(seqs)):
             return None  # nothing left, or a member leaves and a waiting request can take its place
         members = seqs if len(keep) == len(seqs) else [seqs[i] for i in keep]
         # The policy sees the committed tokens, one behind the step it decides for, and prices the
         # token in flight: chain unless a verify step is expected to pay; otherwise drain and decide
-        # afresh with that token.
+        # afresh with that token. A step that prefills is plain (``Scheduler._schedule_mixed``).
         if plain is None:
-            plain = self.speculator.choose_width(members, not sched.waiting, ahead=True) == 1
+            plain = (mixed and self._prefill_pending(len(live) - len(keep))) or self.speculator.choose_width(
+                members, not sched.waiting, ahead=True
+            ) == 1
         if not plain:
             self.stats.policy_drains += 1
             self._policy_drained = True
@@ -511,7 +563,11 @@ class LLMEngine:
         self._observe(len(result.seqs), result.chosen, result.launched, result=result)
 
     def _commit_decode(self, flight: PendingDecode) -> None:
-        self.stats.decode_tokens += self._commit(flight)
+        appended = self._commit(flight)
+        if flight.prefill:  # not a plain step's time; its decode tokens were counted at launch
+            self._last_commit = time.perf_counter()
+            return
+        self.stats.decode_tokens += appended
         self._observe(len(flight.seqs), 1, flight.launched, flight.restart)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> PendingDecode:

@@ -15,6 +15,7 @@ from ngrammar.engine.sequence import Sequence
 from ngrammar.outputs import TokenLogprob
 from ngrammar.runner.model_runner import ModelRunner, PendingRead, StepInput
 from ngrammar.runner.sampler import SamplingTensors, sample
+from ngrammar.runner.transfer import to_device
 from ngrammar.speculative.replay import ReplayTarget
 
 
@@ -29,6 +30,9 @@ class PendingDecode:
     # The first plain step after a verify step (overlap): the verify engine step's host time after
     # its commit, which the device sat idle through (``LLMEngine._run_decode``); None otherwise.
     restart: float | None = None
+    # Sampled by a prefill or mixed step: not a plain step's time for the draft policy, and its
+    # decode tokens were counted at launch.
+    prefill: bool = False
 
 
 def decode_input(seqs: list[Sequence], input_ids: torch.Tensor | None) -> StepInput:
@@ -44,12 +48,16 @@ def decode_input(seqs: list[Sequence], input_ids: torch.Tensor | None) -> StepIn
 
 
 def prefill_input(
-    chunks: list[tuple[Sequence, int]], decode: Seq[Sequence]
+    chunks: list[tuple[Sequence, int]],
+    decode: Seq[Sequence],
+    decode_ids: torch.Tensor | None = None,
 ) -> tuple[StepInput, list[Sequence]]:
     """A prefill (or mixed) step's input: the decode sequences' one token each first, then the
     prefill chunks; and the sequences a token is sampled for, in the order of their logits rows
-    (every decode sequence, and every sequence whose prompt the step completes)."""
-    tokens = [[s.token_ids[-1]] for s in decode]
+    (every decode sequence, and every sequence whose prompt the step completes). ``decode_ids``
+    ([len(decode)] int64, device): the decode rows' tokens, still in flight (a chained mixed
+    step); the step's packed ids are then built on the device."""
+    tokens = [[0] if decode_ids is not None else [s.token_ids[-1]] for s in decode]
     positions = [[s.num_cached] for s in decode]
     rows = list(range(len(decode)))
     sampled = list(decode)
@@ -63,8 +71,19 @@ def prefill_input(
             rows.append(offset - 1)
             sampled.append(seq)
     members = [*decode, *(s for s, _ in chunks)]
+    input_ids = None
+    if decode_ids is not None:
+        prompt_ids = to_device(
+            [t for toks in tokens[len(decode) :] for t in toks], torch.int64, decode_ids.device
+        )
+        input_ids = torch.cat([decode_ids, prompt_ids])
     step = StepInput(
-        tokens, positions, [s.num_cached for s in members], [s.pages for s in members], rows or [0]
+        tokens,
+        positions,
+        [s.num_cached for s in members],
+        [s.pages for s in members],
+        rows or [0],
+        input_ids=input_ids,
     )
     return step, sampled
 

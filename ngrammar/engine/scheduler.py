@@ -4,7 +4,7 @@ prefix sharing and mixed steps.
 Without mixed steps a step is either a prefill step (new or preempted sequences, chunked to a
 token budget) or a decode step over every running sequence; prefill goes first so new requests
 join quickly. With mixed steps (``mixed_step_tokens``) a step that has running sequences to decode
-carries their decode tokens and, in what is left of that token budget, prefill chunks of waiting or
+carries their decode tokens and, up to that many prompt tokens, prefill chunks of waiting or
 partially prefilled ones, so streams keep their pace while long prompts prefill. Such a step is
 plain (width 1): a tree verify step waits until no prefill is pending. Only when nothing is
 decoding does a prefill step take the whole ``max_prefill_tokens``.
@@ -88,27 +88,42 @@ class Scheduler:
         return batch
 
     def _schedule_mixed(self, decode_width: Callable[[list[Sequence]], int]) -> ScheduledBatch:
-        """Decode every running sequence (plainly while prefill is pending), then fill what is
-        left of ``mixed_step_tokens`` (at least a page) with prefill chunks. Decoding reserves
-        first: running sequences never give way to a prefill."""
+        """Decode every running sequence (plainly while prefill is pending), then prefill chunks
+        of up to ``mixed_step_tokens`` prompt tokens. Decoding reserves first: running sequences
+        never give way to a prefill."""
         assert self.mixed_step_tokens is not None
         pending = any(s.is_prefilling for s in self.running) or self.can_admit()
         batch = self._schedule_decode(_plain if pending else decode_width)
         if pending and not batch.preempted:  # (the pool is short: no admissions this step)
-            budget = max(self.mixed_step_tokens - len(batch.decode), self.blocks.page_size)
-            prefill = self._schedule_prefill(budget)
+            prefill = self._schedule_prefill(self.mixed_step_tokens)
             batch.prefill = prefill.prefill
             batch.failed += prefill.failed
         self._unblock(batch)
         return batch
+
+    def chain_prefill(self, leaving: int) -> list[tuple[Sequence, int]]:
+        """Prompt chunks for a mixed step chained behind the step in flight (overlap scheduling),
+        whose decode rows' KV is reserved already: part-prefilled prompts first, then admissions,
+        up to ``mixed_step_tokens`` tokens. ``leaving`` running sequences end with the token in
+        flight: their places in the batch are taken now. Never preempts: where the pool is short
+        it prefills less."""
+        assert self.mixed_step_tokens is not None
+        if self.blocks.prefix_cache:
+            for seq in self.running:
+                self.blocks.register_full_pages(seq)
+        batch = self._schedule_prefill(self.mixed_step_tokens, leaving)
+        assert not batch.failed  # (only a step with nothing running fails a prompt)
+        return batch.prefill
 
     def _unblock(self, batch: ScheduledBatch) -> None:
         if batch.empty and len(self.running) > 1:
             # Partial prefills filled the pool and none can grow: requeue one so the rest can.
             batch.preempted.append(self._preempt(self.running.pop()))
 
-    def _schedule_prefill(self, budget: int) -> ScheduledBatch:
+    def _schedule_prefill(self, budget: int, leaving: int = 0) -> ScheduledBatch:
+        """Prefill chunks within ``budget`` tokens (``leaving``: see ``chain_prefill``)."""
         batch = ScheduledBatch()
+        cap = self.max_running + leaving
         for seq in self.running:  # continue chunked prefills first
             if seq.is_prefilling and budget > 0:
                 chunk = self._fit_chunk(seq, budget)
@@ -118,7 +133,7 @@ class Scheduler:
         # Sequences prefilling now: few, so a waiting sequence is checked against them alone.
         prefilling = [s for s in self.running if s.is_prefilling] if self.blocks.prefix_cache else []
         i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_running:
+        while i < len(self.waiting) and budget > 0 and len(self.running) < cap:
             seq = self.waiting[i]
             hit = self.blocks.match(seq)
             if self._deferred(seq, len(hit), prefilling):
@@ -169,9 +184,10 @@ class Scheduler:
             for other in prefilling
         )
 
-    def can_admit(self) -> bool:
-        """Whether scheduling now would admit the first waiting sequence (and so run a prefill)."""
-        if not self.waiting or len(self.running) >= self.max_running:
+    def can_admit(self, leaving: int = 0) -> bool:
+        """Whether scheduling now would admit the first waiting sequence (and so run a prefill);
+        ``leaving``: see ``chain_prefill``."""
+        if not self.waiting or len(self.running) >= self.max_running + leaving:
             return False
         seq = self.waiting[0]
         hit = self.blocks.match(seq) if seq.num_output_tokens else []

@@ -44,9 +44,10 @@ class StepInput:
 
     ``starts[b]`` is the kv index of the first new token (tokens before it are cached);
     ``tree_mask`` ([B, Q, Q] bool, all q equal) replaces the causal mask for tree verify.
-    ``input_ids`` ([B] int64, on the device) is set only for a chained plain decode step (overlap
-    scheduling): its input tokens were sampled by the step before and are not on the host yet, so
-    ``tokens`` holds placeholders and the forward reads these instead (a device->device copy).
+    ``input_ids`` ([total tokens] int64, on the device, packed as ``tokens``) is set only for a
+    chained step (overlap scheduling): its decode rows' input tokens were sampled by the step before
+    and are not on the host yet, so ``tokens`` holds placeholders there and the forward reads these
+    instead (a device->device copy; a chained mixed step's prompt chunks are uploaded into it).
     ``offsets`` ([B] int64, on the device; one token per row) is set only for a plain step chained
     out of a verify step: each row's accepted length, not on the host yet, is added to its position
     and kv length on the device (``shift_rows``), and ``max_offset`` bounds it; the page tables
