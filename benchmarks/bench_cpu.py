@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.common import chat, load_workload, print_table
+from benchmarks.common import chat, forget_outputs, load_workload, print_table
 from ngrammar import LLM, SamplingParams
 
 # The default (the GGUF's 4-bit weights) and float32.
@@ -42,6 +42,21 @@ def _rate(run: Callable[[list[dict[str, str]]], int], prompts: list[Any], repeat
     return out
 
 
+def chat_run(
+    llm: LLM, params: SamplingParams, toks: list[list[int]]
+) -> Callable[[list[dict[str, str]]], int]:
+    """One chat per call from an empty n-gram corpus (a repeat must not draft from its own earlier
+    answer); its tokens appended to ``toks``, their count returned."""
+
+    def run(msgs: list[dict[str, str]]) -> int:
+        forget_outputs(llm)
+        out = llm.chat([msgs], params, use_tqdm=False)[0]
+        toks.append(out.token_ids)
+        return len(out.token_ids)
+
+    return run
+
+
 def ngrammar_runs(kw: dict[str, Any], prompts: list[Any], max_tokens: int, repeats: int) -> dict[str, Any]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0)  # outputs stop at EOS
     results: dict[str, Any] = {}
@@ -52,13 +67,7 @@ def ngrammar_runs(kw: dict[str, Any], prompts: list[Any], max_tokens: int, repea
             spec_kw = {"speculative": "ngram", "num_draft_tokens": 8} if spec else {}
             llm = LLM(**{**kw, **extra, **spec_kw})
             toks: list[list[int]] = []
-
-            def run(msgs: list[dict[str, str]], llm: LLM = llm, toks: list[list[int]] = toks) -> int:
-                out = llm.chat([msgs], params, use_tqdm=False)[0]
-                toks.append(out.token_ids)
-                return len(out.token_ids)
-
-            results[label] = _rate(run, prompts, repeats)
+            results[label] = _rate(chat_run(llm, params, toks), prompts, repeats)
             outputs[label] = toks[1::repeats]  # the first repeat of each prompt (after the warm-up)
             del llm
             gc.collect()

@@ -235,3 +235,27 @@ def test_the_identity_benchmark_counts_identical_outputs_per_numerics(tmp_path: 
     assert cell["plain batch == alone"] == "2/2" and cell["ngram batch == plain"] == "2/2"
     assert all(cell[f"ngram {name} == plain"] == "2/2" for name in VARIANTS)
     assert cell["b2 plain tok/s"] > 0 and cell["b2 ngram tok/s"] > 0
+
+
+def test_the_cpu_benchmark_repeats_a_prompt_from_an_empty_corpus(tmp_path: Any) -> None:
+    """Best-of-N repeats of one prompt: each starts from an empty n-gram corpus, so the second
+    cannot draft from the first's answer (it did, which made NGRAM's best of 3 a replay)."""
+    from benchmarks.bench_cpu import chat_run
+    from benchmarks.bench_host import tiny_checkpoint
+    from ngrammar import LLM, SamplingParams
+
+    folder = tiny_checkpoint(tmp_path / "tiny", layers=1)
+    llm = LLM(model=str(folder), device="cpu", dtype="float32", kv_cache_tokens=1024, speculative="ngram")
+    try:
+        toks: list[list[int]] = []
+        run = chat_run(llm, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), toks)
+        msgs = [{"role": "user", "content": "Repeat after me: one two three four."}]
+        assert llm.engine.ngram is not None
+        corpus = llm.engine.ngram.corpus
+        counts = []
+        for _ in range(2):
+            run(msgs)
+            counts.append(corpus.ngram_count(toks[-1][:2]))
+        assert toks[0] == toks[1] and counts[0] == counts[1] >= 1
+    finally:
+        llm.close()
