@@ -130,6 +130,13 @@ class EngineConfig:
         None,
         "prompt tokens a mixed step prefills beside its decode rows (default: 512 on CUDA, 64 on a CPU)",
     )
+    # On a GPU a mixed step costs a graphed decode step plus its eager attention launches (a fixed
+    # host cost), so prompts arriving one or two per step are better gathered into one mixed step
+    # every few steps than taken into every step; on a CPU a step's cost follows its tokens.
+    prefill_wait_steps: int | None = _opt(
+        None,
+        "decode steps an arriving prompt may wait to share one mixed step with others (default: 4 on CUDA, 0 on a CPU)",
+    )
     attention_backend: str = _opt("auto", "attention kernels", ["auto", "sdpa", "triton"])
     # Lossless by default: with row-invariant kernels a token's logits are the same whether it is
     # decoded alone, in a batch, in a verify tree or in a prefill chunk (model/ops.py, attention).
@@ -185,6 +192,8 @@ class EngineConfig:
             raise ValueError("max_prefill_tokens must be at least one page")
         if self.mixed_step_tokens is not None and self.mixed_step_tokens < self.page_size:
             raise ValueError("mixed_step_tokens must be at least one page")
+        if self.prefill_wait_steps is not None and self.prefill_wait_steps < 0:
+            raise ValueError("prefill_wait_steps must be >= 0")
         if self.quantization not in ("auto", "none", "int4"):
             raise ValueError(f"quantization must be auto, none or int4, got {self.quantization!r}")
         if self.load_format not in ("auto", "dummy"):

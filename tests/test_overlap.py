@@ -535,3 +535,26 @@ def test_prompts_arriving_ride_along_chained_steps(llm: LLM, overlap_llm: LLM) -
     assert eng._in_flight is None and not eng.scheduler.running
     eng.blocks.allocator.check_integrity()
     assert eng.blocks.allocator.num_free == eng.blocks.allocator.num_pages
+
+
+def test_prompts_waiting_to_share_a_mixed_step_change_no_token(llm: LLM) -> None:
+    """``prefill_wait_steps`` (a GPU's default: 4) only moves when a prompt is prefilled: the
+    outputs are the step-by-step engine's, with fewer mixed steps than taking each arrival at once."""
+    prompts = [*PROMPTS, "Name a fruit:", "Why is the sky blue?", "Count to five:"]
+    params = [
+        SamplingParams(max_tokens=5 + 2 * i, temperature=0, ignore_eos=True) for i in range(len(prompts))
+    ]
+    mixed = {}
+    for wait in (0, 4):
+        waiting = LLM(
+            device="cpu",
+            dtype="float32",
+            kv_cache_tokens=4096,
+            overlap_schedule=True,
+            prefill_wait_steps=wait,
+        )
+        got = _arrivals(waiting, prompts, params, concurrency=3)
+        assert [o.token_ids for o in got] == [o.token_ids for o in _arrivals(llm, prompts, params, 3)]
+        mixed[wait] = waiting.engine.stats.mixed_steps
+        waiting.close()
+    assert 0 < mixed[4] < mixed[0]

@@ -233,3 +233,38 @@ def test_a_full_batch_leaves_a_mixed_step_its_prompt_budget(tokenizer: Tokenizer
     for seq, n in batch.prefill:
         seq.num_cached += n
     assert [n for _, n in sched.chain_prefill(leaving=0)] == [4, 4]  # p1's rest, then p2 in part
+
+
+def test_arriving_prompts_wait_to_share_a_mixed_step(tokenizer: Tokenizer) -> None:
+    """With ``prefill_wait_steps`` an admissible prompt waits up to that many steps for others to
+    share its mixed step; prompts that fill the step's budget, and what a full step left over, go at
+    once; with 0 (a CPU's default) every admissible prompt goes at once."""
+    blocks = BlockManager(PageAllocator(64, PAGE), prefix_cache=False)
+    sched = Scheduler(
+        blocks, max_running=16, max_prefill_tokens=16, mixed_step_tokens=8, prefill_wait_steps=2
+    )
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    sched.add(Sequence("d", 0, [7, 8], params, tokenizer, seed=0, max_len=64))
+    sched.tick()
+    sched.schedule(lambda seqs: 1)  # nothing decodes: a prefill step takes it at once
+    decoding = sched.running[0]
+    decoding.num_cached = 2
+    decoding.append_tokens([40])
+
+    def step() -> list[int]:
+        sched.tick()
+        batch = sched.schedule(lambda seqs: 1)
+        for seq, n in batch.prefill:
+            seq.num_cached += n
+        return [n for _, n in batch.prefill]
+
+    sched.add(Sequence("a", 0, [1, 2, 3], params, tokenizer, seed=0, max_len=64))
+    assert [step(), step(), step()] == [[], [], [3]]  # waited two steps, then shared nothing
+    sched.add(Sequence("b", 0, [1, 2, 3, 4, 5], params, tokenizer, seed=0, max_len=64))
+    sched.add(Sequence("c", 0, [1, 2, 3, 4, 5, 6, 7], params, tokenizer, seed=0, max_len=64))
+    assert step() == [5, 3]  # together they fill the budget (8): due at once
+    sched.add(Sequence("e", 0, [9, 9, 9], params, tokenizer, seed=0, max_len=64))
+    assert step() == [4, 3]  # c's rest, and e rides along the step that is mixed anyway
+    sched.prefill_wait_steps = 0
+    sched.add(Sequence("f", 0, [5, 5], params, tokenizer, seed=0, max_len=64))
+    assert step() == [2]

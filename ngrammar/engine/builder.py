@@ -147,6 +147,13 @@ def mixed_step_tokens(config: EngineConfig, device: torch.device) -> int | None:
     return 512 if device.type == "cuda" else 64
 
 
+def prefill_wait_steps(config: EngineConfig, device: torch.device) -> int:
+    """Decode steps an admissible prompt may wait for a mixed step (``Scheduler.admission_due``)."""
+    if config.prefill_wait_steps is not None:
+        return config.prefill_wait_steps
+    return 4 if device.type == "cuda" else 0
+
+
 def context_length(requested: int | None, model: ModelConfig) -> int:
     """``max_model_len``, or the model's whole context (capped at a sliding window, which is not
     implemented: within it attention is full). Asking for more is an error, as in vLLM."""

@@ -25,7 +25,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ngrammar.config import EngineConfig
-from ngrammar.engine.builder import EngineParts, attach_graphs, build_parts, mixed_step_tokens
+from ngrammar.engine.builder import (
+    EngineParts,
+    attach_graphs,
+    build_parts,
+    mixed_step_tokens,
+    prefill_wait_steps,
+)
 from ngrammar.engine.grammar_rows import GrammarRows
 from ngrammar.engine.logprobs import unpack_logprobs
 from ngrammar.engine.plain_step import PendingDecode, commit_runs, decode_input, prefill_input, sample_plain
@@ -68,6 +74,7 @@ class LLMEngine:
             config.max_running_requests,
             config.max_prefill_tokens,
             mixed_step_tokens(config, self.device),
+            prefill_wait_steps(config, self.device),
         )
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
@@ -240,6 +247,7 @@ class LLMEngine:
         """Run one scheduled forward; returns outputs of requests that progressed or finished."""
         self.check_open()
         start = self._step_start = time.perf_counter()
+        self.scheduler.tick()
         host, shadow = self._host_seconds(), self.stats.shadow_seconds
         chained = (isinstance(self._in_flight, PendingDecode) and self._chain_decode()) or (
             isinstance(self._in_flight, PendingVerify) and self._chain_out_of_verify()
@@ -431,12 +439,12 @@ class LLMEngine:
         return len(seqs) + len(chunks)
 
     def _prefill_pending(self, leaving: int = 0) -> bool:
-        """Whether a mixed step would prefill now: prompts part-prefilled, or one admissible
+        """Whether a mixed step would prefill now: prompts part-prefilled, or admissions due
         (``leaving``: members ending with the token in flight, whose places are free)."""
         sched = self.scheduler
         if sched.mixed_step_tokens is None:
             return False
-        return any(s.is_prefilling for s in sched.running) or sched.can_admit(leaving)
+        return any(s.is_prefilling for s in sched.running) or sched.admission_due(leaving)
 
     def _chain_out_of_verify(self) -> int:
         """Launch the in-flight verify step's batch's next plain step from its device result (each

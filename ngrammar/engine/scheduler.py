@@ -7,7 +7,9 @@ join quickly. With mixed steps (``mixed_step_tokens``) a step that has running s
 carries their decode tokens and, up to that many prompt tokens, prefill chunks of waiting or
 partially prefilled ones, so streams keep their pace while long prompts prefill. Such a step is
 plain (width 1): a tree verify step waits until no prefill is pending. Only when nothing is
-decoding does a prefill step take the whole ``max_prefill_tokens``.
+decoding does a prefill step take the whole ``max_prefill_tokens``. Arriving prompts may wait up to
+``prefill_wait_steps`` decode steps to share one mixed step (``admission_due``): on a GPU a mixed
+step's eager attention launches cost the same for one prompt as for several.
 
 Admission looks the prompt up in the prefix cache (``BlockManager.match``) and starts the sequence
 on the shared pages; a sequence whose next page another running sequence is prefilling right now
@@ -49,6 +51,7 @@ class Scheduler:
         max_running: int,
         max_prefill_tokens: int,
         mixed_step_tokens: int | None = None,
+        prefill_wait_steps: int = 0,
     ) -> None:
         self.blocks = blocks
         self.max_running = max_running
@@ -56,11 +59,18 @@ class Scheduler:
         # Token budget of a step that decodes running sequences and prefills others (None: no
         # mixed steps; a step either prefills or decodes).
         self.mixed_step_tokens = mixed_step_tokens
+        self.prefill_wait_steps = prefill_wait_steps
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._steps = 0  # engine steps so far (``tick``)
+        self._wait_from: int | None = None  # the step since which an admissible prompt waits
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    def tick(self) -> None:
+        """An engine step begins (the clock of ``prefill_wait_steps``)."""
+        self._steps += 1
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -92,7 +102,7 @@ class Scheduler:
         of up to ``mixed_step_tokens`` prompt tokens. Decoding reserves first: running sequences
         never give way to a prefill."""
         assert self.mixed_step_tokens is not None
-        pending = any(s.is_prefilling for s in self.running) or self.can_admit()
+        pending = any(s.is_prefilling for s in self.running) or self.admission_due()
         batch = self._schedule_decode(_plain if pending else decode_width)
         if pending and not batch.preempted:  # (the pool is short: no admissions this step)
             prefill = self._schedule_prefill(self.mixed_step_tokens)
@@ -149,6 +159,8 @@ class Scheduler:
             del self.waiting[i]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if not self.waiting:
+                self._wait_from = None  # (else what is left over is due at once)
             if first:  # 0: a preempted sequence whose whole context was still cached decodes next
                 batch.prefill.append((seq, first))
                 budget -= first
@@ -183,6 +195,25 @@ class Scheduler:
             other.num_cached < end <= len(other.token_ids) and other.token_ids[:end] == head
             for other in prefilling
         )
+
+    def admission_due(self, leaving: int = 0) -> bool:
+        """Whether a mixed step should admit waiting prompts now: one is admissible
+        (``can_admit``) and has waited ``prefill_wait_steps`` steps, or the waiting prompts fill a
+        mixed step's budget. Admissions left over by a full step are due at once."""
+        if not self.can_admit(leaving):
+            self._wait_from = None
+            return False
+        if self._wait_from is None:
+            self._wait_from = self._steps
+        if self._steps - self._wait_from >= self.prefill_wait_steps:
+            return True
+        budget = self.mixed_step_tokens or self.max_prefill_tokens
+        waiting = 0
+        for seq in self.waiting:
+            waiting += len(seq.token_ids)
+            if waiting >= budget:
+                return True
+        return False
 
     def can_admit(self, leaving: int = 0) -> bool:
         """Whether scheduling now would admit the first waiting sequence (and so run a prefill);
