@@ -196,6 +196,8 @@ class BlockManager:
         ps = self.page_size
         full = min(seq.num_cached, len(seq.token_ids)) // ps
         keys = seq.page_key_ids
+        if full <= len(keys):
+            return
         ids = seq.token_ids
         for i in range(len(keys), full):
             parent = keys[-1] if keys else ROOT_KEY
@@ -217,7 +219,9 @@ class BlockManager:
         """Make ``seq``'s page table cover ``num_tokens`` tokens (raises OutOfPagesError). Every step
         reserves first, so this is also where the pages the last step filled are registered."""
         self.register_full_pages(seq)
-        seq.pages.extend(self.allocator.allocate(self.pages_needed(seq, num_tokens)))
+        need = -(-num_tokens // self.page_size) - len(seq.pages)
+        if need > 0:  # (most steps of most sequences need none)
+            seq.pages.extend(self.allocator.allocate(need))
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Release pages beyond what ``num_tokens`` tokens need (rejected draft slots: the

@@ -20,7 +20,7 @@ import itertools
 import random
 import time
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -58,6 +58,14 @@ if TYPE_CHECKING:
     from ngrammar.speculative.replay import ReplayTarget
 
 __all__ = ["EngineStats", "LLMEngine", "Request", "StepKind", "StepRecord"]
+
+
+class _Chain(NamedTuple):
+    """A step the batch in flight can go on with (``LLMEngine._chainable``)."""
+
+    keep: list[int]  # indices into the batch in flight of the members launched
+    members: list[Sequence]
+    leaving: int | None  # prompts ride along (members ending with the token in flight); None: none do
 
 
 class LLMEngine:
@@ -418,12 +426,11 @@ class LLMEngine:
         chain = self._chainable(flight.seqs)
         if chain is None:
             return 0
-        keep, seqs = chain
+        keep, seqs = chain.keep, chain.members
         tokens = flight.tokens
         if len(keep) < len(flight.seqs):
             tokens = tokens.index_select(0, to_device(keep, torch.int64, self.device))  # no host read
-        leaving = sum(not s.is_finished for s in flight.seqs) - len(seqs)
-        chunks = self.scheduler.chain_prefill(leaving) if self._prefill_pending(leaving) else []
+        chunks = [] if chain.leaving is None else self.scheduler.chain_prefill(chain.leaving)
         if chunks:
             sampled, logits = self._launch_prefill(chunks, seqs, tokens)
             self._commit_decode(flight)  # the read waits for the previous step only
@@ -437,14 +444,6 @@ class LLMEngine:
             )  # after the commit: grammar rows need its tokens
         self.stats.chained_steps += 1
         return len(seqs) + len(chunks)
-
-    def _prefill_pending(self, leaving: int = 0) -> bool:
-        """Whether a mixed step would prefill now: prompts part-prefilled, or admissions due
-        (``leaving``: members ending with the token in flight, whose places are free)."""
-        sched = self.scheduler
-        if sched.mixed_step_tokens is None:
-            return False
-        return any(s.is_prefilling for s in sched.running) or sched.admission_due(leaving)
 
     def _chain_out_of_verify(self) -> int:
         """Launch the in-flight verify step's batch's next plain step from its device result (each
@@ -464,7 +463,7 @@ class LLMEngine:
         )
         if chain is None:
             return 0
-        keep, seqs = chain
+        keep, seqs = chain.keep, chain.members
         tokens, offsets = flight.next_tokens, flight.offsets
         if len(keep) < len(flight.seqs):
             index = to_device(keep, torch.int64, self.device)
@@ -495,15 +494,14 @@ class LLMEngine:
         reserve: int = 1,
         plain: bool | None = None,
         prefill: bool = True,
-    ) -> tuple[list[int], list[Sequence]] | None:
+    ) -> _Chain | None:
         """The members the next plain step can be launched for before the tokens in flight are
-        read back (their indices into ``seqs``, and themselves), or None: drain and schedule afresh.
-        ``ahead``: the most tokens per member the step in flight may commit (1 for a plain step,
-        its width for a verify step); ``reserve``: KV slots past ``num_cached`` the next step may
-        write up to (1 past a plain step, whose token is counted already; width + 1 past a verify
-        step, counted from its root). ``plain``: decided already (else the policy is asked).
-        ``prefill``: the chained step may carry prompt chunks (a mixed step; only where mixed steps
-        are on).
+        read back, or None: drain and schedule afresh. ``ahead``: the most tokens per member the
+        step in flight may commit (1 for a plain step, its width for a verify step); ``reserve``:
+        KV slots past ``num_cached`` the next step may write up to (1 past a plain step, whose token
+        is counted already; width + 1 past a verify step, counted from its root). ``plain``:
+        decided already (else the policy is asked). ``prefill``: the chained step may carry prompt
+        chunks (a mixed step; only where mixed steps are on).
 
         Members leave the chain without breaking it when they finished while their token was in
         flight (EOS, a stop string, an abort: that token is dropped at commit) or when the token in
@@ -521,29 +519,32 @@ class LLMEngine:
             return None
         live = [i for i, seq in enumerate(seqs) if not seq.is_finished]  # finished ones were retired
         # Every sequence decoding now is a member (part-prefilled ones go on with their chunks).
-        decoding = [s for s in sched.running if not (mixed and s.is_prefilling)]
-        if len(decoding) != len(live) or {id(s) for s in decoding} != {id(seqs[i]) for i in live}:
+        decoding: set[int] = set()
+        part_prefilled = False
+        for s in sched.running:
+            if mixed and s.is_prefilling:
+                part_prefilled = True
+            else:
+                decoding.add(id(s))
+        if len(decoding) != len(live) or decoding != {id(seqs[i]) for i in live}:
             return None  # requests joined (or left some other way): the scheduler decides
-        keep = []
-        for i in live:
-            seq = seqs[i]
-            if seq.remaining_tokens <= ahead:
-                continue  # may finish on commit (max_tokens or the context end), whatever else holds
-            keep.append(i)
+        keep = [i for i in live if seqs[i].remaining_tokens > ahead]  # the others may finish on commit
         if not keep or (not mixed and sched.waiting and len(keep) < len(seqs)):
             return None  # nothing left, or a member leaves and a waiting request can take its place
         members = seqs if len(keep) == len(seqs) else [seqs[i] for i in keep]
+        leaving = len(live) - len(keep)
+        prefill_now = mixed and (part_prefilled or sched.admission_due(leaving))
         # The policy sees the committed tokens, one behind the step it decides for, and prices the
         # token in flight: chain unless a verify step is expected to pay; otherwise drain and decide
         # afresh with that token. A step that prefills is plain (``Scheduler._schedule_mixed``).
         if plain is None:
-            plain = (mixed and self._prefill_pending(len(live) - len(keep))) or self.speculator.choose_width(
-                members, not sched.waiting, ahead=True
-            ) == 1
+            plain = prefill_now or self.speculator.choose_width(members, not sched.waiting, ahead=True) == 1
         if not plain:
             self.stats.policy_drains += 1
             self._policy_drained = True
-        return (keep, members) if plain and sched.reserve_decode(members, reserve) else None
+        if plain and sched.reserve_decode(members, reserve):
+            return _Chain(keep, members, leaving if prefill_now else None)
+        return None
 
     def _drain(self) -> None:
         """Commit the step in flight, if any (its forward and sampling are already queued)."""

@@ -77,6 +77,8 @@ class Scheduler:
 
     def remove_finished(self) -> list[Sequence]:
         done = [s for s in self.running if s.is_finished] + [s for s in self.waiting if s.is_finished]
+        if not done:
+            return done  # (called every step, twice when chained: no rebuild of the queues)
         for seq in done:
             if seq.pages:
                 self.blocks.release(seq)

@@ -46,6 +46,7 @@ class Sequence:
         self.index = index
         self.seq_id = f"{request_id}#{index}"
         self.prompt_token_ids = prompt_token_ids
+        self._num_prompt = len(prompt_token_ids)  # (the properties below run per sequence per step)
         self.token_ids: list[int] = list(prompt_token_ids)
         self.params = params
         self.seed = seed
@@ -81,20 +82,21 @@ class Sequence:
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return self._num_prompt
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        return self.token_ids[self._num_prompt :]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return len(self.token_ids) - self._num_prompt
 
     @property
     def remaining_tokens(self) -> int:
         """Tokens the sequence may still emit before max_tokens or the context end stops it."""
-        return min(self.params.max_tokens - self.num_output_tokens, self.max_len - len(self.token_ids))
+        n = len(self.token_ids)
+        return min(self.params.max_tokens - (n - self._num_prompt), self.max_len - n)
 
     @property
     def is_finished(self) -> bool:
@@ -104,11 +106,13 @@ class Sequence:
     def prefill_target(self) -> int:
         """Tokens whose KV prefill must compute: the whole prompt for a new sequence (its last
         logits give the first token); all but the last token for a preempted one being recomputed."""
-        return len(self.token_ids) if self.num_output_tokens == 0 else len(self.token_ids) - 1
+        n = len(self.token_ids)
+        return n if n == self._num_prompt else n - 1
 
     @property
     def is_prefilling(self) -> bool:
-        return self.num_cached < self.prefill_target
+        n = len(self.token_ids)
+        return self.num_cached < (n if n == self._num_prompt else n - 1)
 
     @property
     def text(self) -> str:
