@@ -198,6 +198,7 @@ def test_requests_joining_and_aborting_mid_flight(llm: LLM, overlap_llm: LLM) ->
     """A request joining or aborting while a step is in flight drains it; nothing is lost or leaked."""
     eng = overlap_llm.engine
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    decoded = eng.stats.decode_tokens
     first = eng.add_request("Tell me about the moon.", params)
     doomed = eng.add_request("Write a long poem about the sea.", params)
     results: dict[str, RequestOutput] = {}
@@ -216,6 +217,8 @@ def test_requests_joining_and_aborting_mid_flight(llm: LLM, overlap_llm: LLM) ->
     assert results[first].token_ids == llm.generate("Tell me about the moon.", params)[0].token_ids
     assert results[second].token_ids == llm.generate("Why is the sky blue?", params)[0].token_ids
     assert eng.blocks.allocator.num_free == eng.blocks.allocator.num_pages
+    # decode tokens are those committed (each request's first came from its prefill)
+    assert eng.stats.decode_tokens - decoded == sum(len(o.token_ids) - 1 for o in results.values())
 
 
 def test_grammar_under_overlap_equals_the_step_by_step_engine(llm: LLM, overlap_llm: LLM) -> None:
@@ -521,9 +524,12 @@ def test_prompts_arriving_ride_along_chained_steps(llm: LLM, overlap_llm: LLM) -
         SamplingParams(max_tokens=11, temperature=0, ignore_eos=True),
         SamplingParams(max_tokens=40, temperature=0, json_schema=SCHEMA),
     ]
-    before = eng.stats.chained_mixed
+    before = (eng.stats.chained_mixed, eng.stats.mixed_steps)
     got = _arrivals(overlap_llm, prompts, params, concurrency=3)
-    assert eng.stats.chained_mixed - before >= 4
+    chained = eng.stats.chained_mixed - before[0]
+    # every mixed step was chained: one per newcomer, and more for the long prompt's chunks (the
+    # CPU's mixed step carries 64 prompt tokens)
+    assert chained == eng.stats.mixed_steps - before[1] >= len(prompts) - 3 + 1
     want = _arrivals(llm, prompts, params, concurrency=3)
     assert [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in got] == [
         [(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in want
@@ -558,3 +564,41 @@ def test_prompts_waiting_to_share_a_mixed_step_change_no_token(llm: LLM) -> None
         mixed[wait] = waiting.engine.stats.mixed_steps
         waiting.close()
     assert 0 < mixed[4] < mixed[0]
+
+
+def test_a_chained_mixed_launch_is_not_charged_to_the_plain_step_before() -> None:
+    """A chained mixed step launches (eager attention, prompt uploads) before the plain step in
+    flight is committed: that commit must not be timed for the draft policy, or the launch's host
+    time would be read as a slow plain step. No step is observed between such a launch and its
+    sampling."""
+    spec = LLM(
+        device="cpu", dtype="float32", kv_cache_tokens=4096, overlap_schedule=True, speculative="ngram"
+    )
+    eng = spec.engine
+    assert eng.ngram is not None
+    launching: list[bool] = []  # a chained mixed step launched and not sampled yet
+    charged: list[int] = []
+    observe = eng.ngram.observe_step
+    eng.ngram.observe_step = lambda bs, width, *a, **k: (  # type: ignore[method-assign]
+        launching and charged.append(width),
+        observe(bs, width, *a, **k),
+    )
+    launch, sample = eng._launch_prefill, eng._sample_prefill
+
+    def launch_prefill(chunks: Any, decode: Any, decode_ids: Any) -> Any:
+        if decode_ids is not None:
+            launching.append(True)
+        return launch(chunks, decode, decode_ids)
+
+    def sample_prefill(*a: Any) -> Any:
+        launching.clear()
+        return sample(*a)
+
+    eng._launch_prefill, eng._sample_prefill = launch_prefill, sample_prefill  # type: ignore[method-assign]
+    prompts = [*PROMPTS, "Name a fruit:"]
+    params = [
+        SamplingParams(max_tokens=4 + 3 * i, temperature=0, ignore_eos=True) for i in range(len(prompts))
+    ]
+    _arrivals(spec, prompts, params, concurrency=2)
+    assert eng.stats.chained_mixed > 0 and not charged
+    spec.close()

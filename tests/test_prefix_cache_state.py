@@ -96,27 +96,35 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.sched.remove_finished()
 
     @precondition(lambda self: self.sched.mixed_step_tokens is not None)
-    @rule(leaving=st.integers(0, 1))
+    @rule(leaving=st.integers(0, 2))
     def chained_mixed_step(self, leaving: int) -> None:
-        """A mixed step chained behind the step in flight (overlap scheduling): the decode rows'
-        KV reserved without preempting, then ``chain_prefill``; ``leaving`` members end with the
-        token in flight (they finish right after the step)."""
+        """A mixed step chained behind a plain step in flight (overlap scheduling), in the engine's
+        order: the step in flight has written its KV and holds its tokens; the members that do not
+        end with that token reserve KV without preempting, ``chain_prefill`` admits behind them (the
+        ``leaving`` ones' places taken at once), the tokens in flight are committed (the leaving
+        members finish), then the chained step writes its rows."""
         decoding = [s for s in self.sched.running if not s.is_prefilling]
-        leaving = min(leaving, len(decoding))
-        if not self.sched.reserve_decode(decoding, 1):
+        if not decoding or not self.sched.reserve_decode(decoding, 1):
             return
-        chunks = self.sched.chain_prefill(leaving)
+        for seq in decoding:  # the step in flight
+            self._write(seq, [seq.num_cached], seq.token_ids)
+            seq.num_cached += 1
+        leaving = min(leaving, len(decoding))
+        members = decoding[leaving:]
+        chunks = self.sched.chain_prefill(leaving) if self.sched.reserve_decode(members, 1) else []
+        for seq in decoding:  # its commit
+            seq.append_tokens([40 + self.rng.randrange(3)])
+        for seq in decoding[:leaving]:
+            seq.finish("length")
+        for seq in members if chunks else []:  # the chained step (a plain one is the next rule's)
+            self._write(seq, [seq.num_cached], seq.token_ids)
+            seq.num_cached += 1
+            seq.append_tokens([40 + self.rng.randrange(3)])
         for seq, n in chunks:
             self._write(seq, range(seq.num_cached, seq.num_cached + n), seq.token_ids)
             seq.num_cached += n
             if seq.num_cached == len(seq.token_ids):
                 seq.append_tokens([40 + self.rng.randrange(3)])
-        for seq in decoding:
-            self._write(seq, [seq.num_cached], seq.token_ids)
-            seq.num_cached += 1
-            seq.append_tokens([40 + self.rng.randrange(3)])
-        for seq in decoding[:leaving]:
-            seq.finish("length")
         self.sched.remove_finished()
 
     @precondition(lambda self: self.sched.running)
@@ -152,6 +160,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                 readers[p] += 1
         assert readers == self.alloc.refcount
         self.alloc.check_integrity()
+        assert len(self.sched.running) <= self.sched.max_running
 
     @invariant()
     def every_sequence_reads_its_own_tokens(self) -> None:
@@ -265,6 +274,10 @@ def test_arriving_prompts_wait_to_share_a_mixed_step(tokenizer: Tokenizer) -> No
     assert step() == [5, 3]  # together they fill the budget (8): due at once
     sched.add(Sequence("e", 0, [9, 9, 9], params, tokenizer, seed=0, max_len=64))
     assert step() == [4, 3]  # c's rest, and e rides along the step that is mixed anyway
+    sched.add(Sequence("g", 0, list(range(20, 31)), params, tokenizer, seed=0, max_len=64))
+    sched.add(Sequence("h", 0, [6, 6], params, tokenizer, seed=0, max_len=64))
+    assert step() == [8]  # g's first chunk fills the step ...
+    assert step() == [3, 2]  # ... and its leftovers go at once: g's rest, then h, not after a wait
     sched.prefill_wait_steps = 0
     sched.add(Sequence("f", 0, [5, 5], params, tokenizer, seed=0, max_len=64))
     assert step() == [2]

@@ -363,7 +363,7 @@ class LLMEngine:
             if self.overlap:
                 self._in_flight = flight  # committed by the next step, after it launches
                 return
-            self._commit(flight)
+            self._commit_decode(flight)
         self._last_commit = time.perf_counter()
 
     def _launch_prefill(
@@ -387,10 +387,9 @@ class LLMEngine:
         """Queue a prefill or mixed step's sampling (after the commit of the step before: grammar
         rows need its tokens), then index its decode rows' committed tokens."""
         flight = self._sample(sampled, logits)
-        flight.prefill = True
+        flight.decode_rows = len(decode)
         if decode:
             self.speculator.index_plain_step(decode, self.read_wait)
-        self.stats.decode_tokens += sum(not s.is_finished for s in decode)  # (what the commit appends)
         return flight
 
     def _run_decode(self, seqs: list[Sequence], restart: float | None) -> None:
@@ -433,7 +432,9 @@ class LLMEngine:
         chunks = [] if chain.leaving is None else self.scheduler.chain_prefill(chain.leaving)
         if chunks:
             sampled, logits = self._launch_prefill(chunks, seqs, tokens)
-            self._commit_decode(flight)  # the read waits for the previous step only
+            # The read waits for the previous step only; not timed for the policy: the commit comes
+            # after this step's eager launches, which a plain step's time must not include.
+            self._commit_decode(flight, timed=False)
             self._in_flight = self._sample_prefill(sampled, logits, seqs)
             self.stats.chained_mixed += 1
         else:
@@ -513,9 +514,11 @@ class LLMEngine:
         breaks for a verify step the policy wants, or KV that cannot grow."""
         sched = self.scheduler
         mixed = prefill and sched.mixed_step_tokens is not None
-        # Waiting requests stop an unmixed chain only while they could be admitted: a full batch,
-        # or a full KV pool, must keep overlapping under load.
-        if not mixed and sched.can_admit():
+        # Waiting requests stop an unmixed chain only while they could be admitted (and, with mixed
+        # steps, are due): a full batch, or a full KV pool, must keep overlapping under load.
+        if not mixed and (
+            sched.admission_due() if sched.mixed_step_tokens is not None else sched.can_admit()
+        ):
             return None
         live = [i for i, seq in enumerate(seqs) if not seq.is_finished]  # finished ones were retired
         # Every sequence decoding now is a member (part-prefilled ones go on with their chunks).
@@ -571,13 +574,19 @@ class LLMEngine:
         self.stats.decode_tokens += emitted
         self._observe(len(result.seqs), result.chosen, result.launched, result=result)
 
-    def _commit_decode(self, flight: PendingDecode) -> None:
+    def _commit_decode(self, flight: PendingDecode, timed: bool = True) -> None:
+        """Commit a plain, prefill or mixed step's tokens; a plain one is timed for the draft policy
+        unless ``timed`` is off."""
+        rows = flight.decode_rows
+        if rows is not None:  # decode tokens only, not prompts' first ones (a member gone keeps none)
+            self.stats.decode_tokens += sum(not s.is_finished for s in flight.seqs[:rows])
         appended = self._commit(flight)
-        if flight.prefill:  # not a plain step's time; its decode tokens were counted at launch
+        if rows is None:
+            self.stats.decode_tokens += appended
+        if rows is None and timed:
+            self._observe(len(flight.seqs), 1, flight.launched, flight.restart)
+        else:
             self._last_commit = time.perf_counter()
-            return
-        self.stats.decode_tokens += appended
-        self._observe(len(flight.seqs), 1, flight.launched, flight.restart)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> PendingDecode:
         """Grammar-mask and sample one token per sequence on the device; start reading them back."""

@@ -30,9 +30,9 @@ class PendingDecode:
     # The first plain step after a verify step (overlap): the verify engine step's host time after
     # its commit, which the device sat idle through (``LLMEngine._run_decode``); None otherwise.
     restart: float | None = None
-    # Sampled by a prefill or mixed step: not a plain step's time for the draft policy, and its
-    # decode tokens were counted at launch.
-    prefill: bool = False
+    # Sampled by a prefill or mixed step: its first ``decode_rows`` rows decode (the rest are first
+    # tokens of prompts); not a plain step's time for the draft policy. None: a plain step.
+    decode_rows: int | None = None
 
 
 def decode_input(seqs: list[Sequence], input_ids: torch.Tensor | None) -> StepInput:

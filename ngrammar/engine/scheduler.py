@@ -145,11 +145,13 @@ class Scheduler:
         # Sequences prefilling now: few, so a waiting sequence is checked against them alone.
         prefilling = [s for s in self.running if s.is_prefilling] if self.blocks.prefix_cache else []
         i = 0
+        deferred = False
         while i < len(self.waiting) and budget > 0 and len(self.running) < cap:
             seq = self.waiting[i]
             hit = self.blocks.match(seq)
             if self._deferred(seq, len(hit), prefilling):
                 i += 1  # it shares that page once computed; later requests may go first
+                deferred = True
                 continue
             first = self._admit(seq, hit, budget)
             if first is None:
@@ -161,13 +163,17 @@ class Scheduler:
             del self.waiting[i]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            if not self.waiting:
-                self._wait_from = None  # (else what is left over is due at once)
             if first:  # 0: a preempted sequence whose whole context was still cached decodes next
                 batch.prefill.append((seq, first))
                 budget -= first
                 if seq.is_prefilling and self.blocks.prefix_cache:
                     prefilling.append(seq)
+        if not self.waiting:
+            self._wait_from = None
+        elif budget <= 0 or deferred:
+            # A full step's leftovers, or a prompt waiting for a page another computes now (the
+            # n samples of a request): due at once, not after another wait.
+            self._wait_from = self._steps - self.prefill_wait_steps
         return batch
 
     def _admit(self, seq: Sequence, hit: list[int], budget: int) -> int | None:
