@@ -1,7 +1,7 @@
 """Continuous arrivals, offline: ``c`` streams (ramped up one per step), each replaced by a new
 request as it finishes, so
 the engine runs mixed steps (decode rows + a newcomer's prefill) as a serving engine does; the same
-engine with its piecewise graphs on and off (``gpu_bench --parts arrivals``).
+engine with its mixed-step graphs on and off (``gpu_bench --parts arrivals``).
 
 Prompts are tokenized before the clock starts (a server's API processes do that, not its core);
 greedy, ``ignore_eos``, so both variants decode the same number of tokens.
@@ -61,29 +61,29 @@ def arrivals(
 
 
 def bench_arrivals(llm: Any, prompts: list[Any], sizes: list[int], max_tokens: int) -> dict[str, Any]:
-    """Per concurrency: tok/s with the piecewise graphs and without (the same engine, its
-    ``runner.pieces`` set aside), whether the outputs are the same, the share of mixed steps."""
+    """Per concurrency: tok/s with the mixed-step graphs and without (the same engine, its
+    ``runner.mixed`` set aside), whether the outputs are the same, the share of mixed steps."""
     runner = llm.engine.runner
-    pieces = runner.pieces
+    graphs = runner.mixed
     ids = [llm.engine.tokenize(p) for p in prompts]
     arrivals(llm, ids, max(sizes), max(sizes), 4)  # first-use costs (the attention kernels' shapes)
     res: dict[str, Any] = {}
     try:
         for c in sizes:
             runs = {}
-            for name, p in (("piecewise", pieces), ("eager", None)):
-                if name == "piecewise" and pieces is None:
+            for name, g in (("graphs", graphs), ("eager", None)):
+                if name == "graphs" and graphs is None:
                     continue
-                runner.pieces = p
+                runner.mixed = g
                 runs[name] = arrivals(llm, ids, c, 4 * c, max_tokens)
             cell: dict[str, Any] = {f"{k}_tok_s": r["tok_s"] for k, r in runs.items()}
             cell["mixed_share"] = runs["eager"]["mixed_share"]
-            if "piecewise" in runs:
-                cell["ratio"] = runs["piecewise"]["tok_s"] / runs["eager"]["tok_s"]
-                cell["same"] = runs["piecewise"]["outputs"] == runs["eager"]["outputs"]
+            if "graphs" in runs:
+                cell["ratio"] = runs["graphs"]["tok_s"] / runs["eager"]["tok_s"]
+                cell["same"] = runs["graphs"]["outputs"] == runs["eager"]["outputs"]
             res[f"c{c}"] = cell
     finally:
-        runner.pieces = pieces
+        runner.mixed = graphs
     return res
 
 
@@ -91,7 +91,7 @@ def summarize_arrivals(res: dict[str, Any]) -> None:
     rows = [
         [
             key,
-            v.get("piecewise_tok_s", "-"),
+            v.get("graphs_tok_s", "-"),
             v["eager_tok_s"],
             v.get("ratio", "-"),
             v.get("same", "-"),
@@ -100,7 +100,7 @@ def summarize_arrivals(res: dict[str, Any]) -> None:
         for key, v in res.items()
     ]
     print_table(
-        "Continuous arrivals (each finished stream replaced): piecewise graphs on / off, same engine",
-        ["concurrency", "piecewise tok/s", "eager tok/s", "piecewise / eager", "same tokens", "mixed steps"],
+        "Continuous arrivals (each finished stream replaced): mixed-step graphs on / off, same engine",
+        ["concurrency", "graphs tok/s", "eager tok/s", "graphs / eager", "same tokens", "mixed steps"],
         rows,
     )

@@ -99,7 +99,7 @@ def _engine_kwargs(model: str | None, graphs: bool) -> dict[str, Any]:
 def _arrivals_part(
     model: str | None, load_format: str, dtype: str, sizes: list[int], max_tokens: int
 ) -> dict[str, Any]:
-    """``bench_arrivals`` on one engine (CUDA graphs and piecewise graphs captured where CUDA is)."""
+    """``bench_arrivals`` on one engine (CUDA graphs and mixed-step graphs captured where CUDA is)."""
     llm = LLM(**_engine_kwargs(model, True), load_format=load_format, dtype=dtype)
     try:
         return bench_arrivals(llm, [p for ps in _categories().values() for p in ps], sizes, max_tokens)

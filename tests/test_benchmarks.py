@@ -198,7 +198,7 @@ def test_the_serve_benchmark_reports_the_share_of_mixed_steps() -> None:
 
 def test_the_arrivals_benchmark_replaces_each_finished_stream() -> None:
     """Offline continuous arrivals: every request finishes with its tokens, most steps are mixed;
-    on the CPU (no piecewise graphs) only the eager variant runs."""
+    on the CPU (no mixed-step graphs) only the eager variant runs."""
     from benchmarks.bench_arrivals import arrivals, bench_arrivals
     from ngrammar import LLM
 

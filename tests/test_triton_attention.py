@@ -359,3 +359,43 @@ def test_split_counters_rearm_for_the_next_layer():
     second = backend.forward(q, k, v, cache.clone(), plan, 0.125)
     assert torch.equal(first, second)
     check_against_reference(meta, q, k, v, cache, backend=backend)
+
+
+@pytest.mark.parametrize("invariant", [False, True], ids=["fast", "invariant"])
+def test_a_token_bound_grid_equals_the_request_grid(invariant: bool):
+    """A mixed step (decode rows beside prompt chunks) launched on a grid fixed by a token bound and
+    padded with spare requests (q_len 0) and spare tokens, as a CUDA graph of a bigger bucket runs
+    it, writes the same K/V and gives bitwise the same rows as the step's own grid."""
+    q_lens, kv_lens = [1, 23, 1, 45, 1], [40, 23, 130, 50, 2]
+    meta, q, k, v, cache = make_case(q_lens, kv_lens, page_size=16, heads=HEADS[0], dtype=DTYPES[0], seed=3)
+    backend = TritonAttentionBackend(invariant=invariant)
+    want_cache = cache.clone()
+    want = backend.forward(q, k, v, want_cache, backend.plan(meta, kv_len_bound=1500), 0.125)
+
+    tokens, spare_tokens, spare_requests = sum(q_lens), 30, 3
+    used = set(meta.page_table.flatten().tolist())
+    spare_page = next(p for p in range(cache.shape[1]) if p not in used)
+    spare_slots = spare_page * 16 + torch.arange(spare_tokens, device=DEVICE) % 16
+    gen = torch.Generator().manual_seed(4)
+    pad = [torch.randn(spare_tokens, *x.shape[1:], generator=gen).to(DEVICE, x.dtype) for x in (q, k, v)]
+    zeros = torch.zeros(spare_requests, dtype=torch.int64, device=DEVICE)
+    padded = AttentionMetadata(
+        slot_mapping=torch.cat([meta.slot_mapping, spare_slots]),
+        page_table=torch.cat([meta.page_table, meta.page_table[:spare_requests]]),
+        kv_lens=torch.cat([meta.kv_lens, zeros]),
+        q_lens=torch.cat([meta.q_lens, zeros]),
+        q_start=torch.cat([meta.q_start, meta.q_start[-1:].repeat(spare_requests)]),
+        max_q_len=tokens + spare_tokens,
+        max_kv_len=1500,
+        page_size=16,
+    )
+    got_cache = cache.clone()
+    plan = backend.plan(padded, kv_len_bound=1500, token_bound=tokens + spare_tokens)
+    qkv = [torch.cat([x, p]) for x, p in zip((q, k, v), pad, strict=True)]
+    got = backend.forward(*qkv, got_cache, plan, 0.125)
+    assert torch.equal(got[:tokens], want)
+    keep = [p for p in range(cache.shape[1]) if p != spare_page]
+    assert torch.equal(got_cache[:, keep], want_cache[:, keep])
+    with pytest.raises(ValueError, match="causal"):
+        tree_meta = make_case([2], [5], page_size=16, heads=HEADS[0], dtype=DTYPES[0], tree=True)[0]
+        backend.plan(tree_meta, token_bound=8)

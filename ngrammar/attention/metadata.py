@@ -43,22 +43,6 @@ class AttentionMetadata:
         return int(self.q_lens.shape[0])
 
 
-class SegmentCut:
-    """A plan under which the model calls no backend: it hands each layer's attention call to the
-    plan instead (``runner/piecewise.py`` ends one captured CUDA graph there and begins the next)."""
-
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer_cache: torch.Tensor,
-        scale: float,
-        rope: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> torch.Tensor:  # [T, Hq, d]
-        raise NotImplementedError
-
-
 class AttentionBackend(Protocol):
     def plan(self, meta: AttentionMetadata) -> Any:
         """Precompute what every layer of this step shares (indices, masks)."""

@@ -28,7 +28,8 @@ and heads. With one split the kernel writes the output directly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 import triton
@@ -212,6 +213,22 @@ def _attend_tiles(
 
 
 @triton.jit
+def _owner_request(q_start_ptr, pid, num_seqs, Q_PER_BLOCK: tl.constexpr):
+    """The last request b < num_seqs whose first program, q_start[b] // Q_PER_BLOCK + b, is <= pid
+    (a binary search: that first program grows strictly with b)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(q_start_ptr + mid).to(tl.int32) // Q_PER_BLOCK + mid
+        if first <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -228,6 +245,7 @@ def _paged_attention_kernel(
     qk_scale,
     num_kv_heads,
     num_splits,
+    num_seqs,
     stride_q_t,
     stride_q_h,
     stride_c_page,
@@ -258,6 +276,7 @@ def _paged_attention_kernel(
     INVARIANT: tl.constexpr,
     SPLIT_TILES: tl.constexpr,
     TREE_POW2: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     if PDL:  # q and this token's K/V come from the kernel before: wait for it (see _rope_store_kv_kernel)
         tcuda.gdc_wait()
@@ -270,11 +289,22 @@ def _paged_attention_kernel(
     # invariant_launch_config); tree steps then run one query token per program, walking its own path.
     TREE_PATH: tl.constexpr = INVARIANT and HAS_TREE
     Q_PER_BLOCK: tl.constexpr = 1 if TREE_PATH else BLOCK_M // GROUP
-    q_block = tl.program_id(0)
-    pid_bh = tl.program_id(1)
     split = tl.program_id(2)
-    b = pid_bh // num_kv_heads
-    kv_head = pid_bh % num_kv_heads
+    if VARLEN:
+        # grid = (T // Q_PER_BLOCK + B, Hkv, num_splits), fixed by the token and request bounds of a
+        # CUDA graph: request b owns programs q_start[b] // Q_PER_BLOCK + b onwards (at least its
+        # ceil(q_len / Q_PER_BLOCK) blocks); the ones past its last block exit below.
+        pid = tl.program_id(0)
+        b = _owner_request(q_start_ptr, pid, num_seqs, Q_PER_BLOCK)
+        q_block = pid - (tl.load(q_start_ptr + b).to(tl.int32) // Q_PER_BLOCK + b)
+        kv_head = tl.program_id(1)
+        counter_index = kv_head * tl.num_programs(0) + pid
+    else:
+        q_block = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = pid_bh // num_kv_heads
+        kv_head = pid_bh % num_kv_heads
+        counter_index = pid_bh * tl.num_programs(0) + q_block
 
     q_len = tl.load(q_lens_ptr + b).to(tl.int32)
     tok_begin = q_block * Q_PER_BLOCK
@@ -385,7 +415,7 @@ def _paged_attention_kernel(
             # counter's release; the acquire side reads partials through L2 (.cg), never a stale L1
             # line.
             tl.debug_barrier()
-            counter = counter_ptr + pid_bh * tl.num_programs(0) + q_block
+            counter = counter_ptr + counter_index
             if tl.atomic_add(counter, 1, sem="acq_rel") == used_splits - 1:
                 _merge_partials(
                     part_o_ptr,
@@ -612,6 +642,11 @@ class TritonAttentionPlan:
     max_splits: int
     num_sms: int
     invariant: bool = False
+    # > 0: a grid fixed by this many tokens and meta's batch size (``VARLEN``), whatever the step's
+    # query lengths, so one CUDA graph serves every mix of decode rows and prompt chunks up to it.
+    token_bound: int = 0
+    # Split scratch shared with other plans (CUDA graphs of several buckets: views of the largest).
+    scratch: dict[Any, torch.Tensor] | None = field(default=None, compare=False, repr=False)
     # Per (Hq, Hkv, d): the launch config and the split scratch buffers, filled by the first layer
     # and reused by the rest (layers run in order on one stream, so sharing scratch is safe).
     _cache: dict[tuple[int, int, int], _Launch] = field(default_factory=dict, compare=False, repr=False)
@@ -623,28 +658,43 @@ class TritonAttentionPlan:
         key = (num_q_heads, num_kv_heads, head_dim)
         hit = self._cache.get(key)
         if hit is None:
-            meta = self.meta
+            meta, group = self.meta, num_q_heads // num_kv_heads
+            varlen = self.token_bound > 0
             cfg = choose_launch_config(
-                meta.max_q_len, num_q_heads // num_kv_heads, head_dim, meta.batch_size, num_kv_heads,
-                self.kv_len_bound, self.num_sms, self.num_splits, self.max_splits,
-                self.invariant, meta.tree_mask is not None,
+                self.token_bound if varlen else meta.max_q_len, group, head_dim,
+                1 if varlen else meta.batch_size, num_kv_heads, self.kv_len_bound, self.num_sms,
+                self.num_splits, self.max_splits, self.invariant, meta.tree_mask is not None,
             )  # fmt: skip
+            if varlen:  # every request's blocks fit: ceil(q_len / per block) <= its share + 1
+                per_block = cfg.block_m // group
+                cfg = replace(cfg, num_q_blocks=self.token_bound // per_block + meta.batch_size)
             part_o = part_lse = counters = None
             if cfg.num_splits > 1:
                 tokens = int(meta.slot_mapping.shape[0])
-                part_o = torch.empty(
-                    (cfg.num_splits, tokens, num_q_heads, head_dim), dtype=torch.float32, device=device
-                )
-                part_lse = torch.empty(
-                    (cfg.num_splits, tokens, num_q_heads), dtype=torch.float32, device=device
-                )
+                part_o = self._buffer((key, "o"), (cfg.num_splits, tokens, num_q_heads, head_dim), device)
+                part_lse = self._buffer((key, "lse"), (cfg.num_splits, tokens, num_q_heads), device)
             if cfg.num_splits > 1 and cfg.merge_in_kernel:
-                counters = torch.zeros(
-                    meta.batch_size * num_kv_heads * cfg.num_q_blocks, dtype=torch.int32, device=device
+                counters = self._buffer(
+                    (key, "counters"),
+                    (meta.batch_size * num_kv_heads * cfg.num_q_blocks,),
+                    device,
+                    torch.int32,
                 )
             hit = (cfg, part_o, part_lse, counters)
             self._cache[key] = hit
         return hit
+
+    def _buffer(
+        self, name: Any, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """A zeroed scratch buffer of ``shape``: a view of ``scratch[name]`` where that is at least as
+        large in every dimension (split counters stay zero between kernels, so views share them)."""
+        if self.scratch is None:
+            return torch.zeros(shape, dtype=dtype, device=device)
+        held = self.scratch.get(name)
+        if held is None or any(h < n for h, n in zip(held.shape, shape, strict=True)):
+            held = self.scratch[name] = torch.zeros(shape, dtype=dtype, device=device)
+        return held[tuple(slice(0, n) for n in shape)]
 
 
 class TritonAttentionBackend:
@@ -674,9 +724,20 @@ class TritonAttentionBackend:
         self.pdl = pdl
         self.invariant = invariant
 
-    def plan(self, meta: AttentionMetadata, kv_len_bound: int | None = None) -> TritonAttentionPlan:
+    def plan(
+        self,
+        meta: AttentionMetadata,
+        kv_len_bound: int | None = None,
+        token_bound: int = 0,
+        scratch: dict[Any, torch.Tensor] | None = None,
+    ) -> TritonAttentionPlan:
+        """``token_bound`` > 0: a causal step's grid is fixed by it and ``meta.batch_size`` (rows past
+        the real requests have q_len 0), not by ``meta.max_q_len`` (``MixedGraphs``); ``scratch``:
+        split buffers shared with other plans, never run at the same time."""
         if meta.page_size & (meta.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {meta.page_size}")
+        if token_bound and meta.tree_mask is not None:
+            raise ValueError("a token-bound grid serves causal steps only")
         tree = meta.tree_mask
         tree_u8 = None
         if tree is not None:
@@ -690,6 +751,8 @@ class TritonAttentionBackend:
             max_splits=self.max_kv_splits,
             num_sms=num_sms(meta.kv_lens.device),
             invariant=self.invariant,
+            token_bound=token_bound,
+            scratch=scratch,
         )
 
     def forward(
@@ -741,11 +804,12 @@ class TritonAttentionBackend:
         tree_strides = tree.stride() if tree is not None else (0, 0, 0)
         po_strides = part_o.stride()[:3] if part_o is not None else (0, 0, 0)
         pl_strides = part_lse.stride()[:2] if part_lse is not None else (0, 0)
-        grid = (cfg.num_q_blocks, meta.batch_size * num_kv_heads, cfg.num_splits)
+        varlen = plan.token_bound > 0
+        grid = (cfg.num_q_blocks, num_kv_heads if varlen else meta.batch_size * num_kv_heads, cfg.num_splits)
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, out, part_o_arg, part_lse_arg, counters if counters is not None else meta.q_lens,
             meta.q_start, meta.q_lens, meta.kv_lens, meta.page_table, tree_arg,
-            scale * _LOG2E, num_kv_heads, cfg.num_splits,
+            scale * _LOG2E, num_kv_heads, cfg.num_splits, meta.batch_size,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             out.stride(0), out.stride(1),
@@ -758,6 +822,7 @@ class TritonAttentionBackend:
             MERGE_IN_KERNEL=cfg.merge_in_kernel, HAS_TREE=tree is not None,
             IEEE_DOT=layer_cache.dtype == torch.float32, PDL=pdl, INVARIANT=plan.invariant,
             SPLIT_TILES=cfg.split_tiles, TREE_POW2=_next_pow2(tree.shape[-1]) if tree is not None else 1,
+            VARLEN=varlen,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
         )  # fmt: skip
         if split and not cfg.merge_in_kernel:

@@ -100,7 +100,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
 
 def attach_graphs(parts: EngineParts, config: EngineConfig, speculator: Speculator, capture: bool) -> None:
     """Serve uniform decode / verify steps from static buffers, replaying captured CUDA graphs,
-    and (captured, one process) prefill and mixed steps from piecewise graphs.
+    and (captured, one process) prefill and mixed steps from mixed-step graphs.
 
     capture=False runs the same static-buffer and padding path eagerly (how it is tested on CPU).
     Widths are every D the draft policy may pick, or a trimmed tree be verified at
@@ -120,22 +120,24 @@ def attach_graphs(parts: EngineParts, config: EngineConfig, speculator: Speculat
         # Prefill and mixed steps (a full batch's decode rows beside the prompt tokens): under
         # continuous arrivals nearly every step is one.
         budget = mixed_step_tokens(config, parts.device)
-        tokens = (
-            PIECEWISE_MAX_TOKENS
-            if budget is None
-            else min(config.max_running_requests, config.cuda_graph_max_bs) + budget
+        seqs = min(config.max_running_requests, config.cuda_graph_max_bs)
+        tokens = MIXED_GRAPH_MAX_TOKENS if budget is None else seqs + budget
+        parts.runner.attach_mixed_graphs(
+            min(tokens, MIXED_GRAPH_MAX_TOKENS),
+            max_seqs=config.max_running_requests,
+            kv_len_bound=parts.max_model_len + max(widths),
+            dummy_page=parts.blocks.allocator.num_pages,
         )
-        parts.runner.attach_piecewise(min(tokens, PIECEWISE_MAX_TOKENS))
     if capture and graphs is not None and config.tensor_parallel_size == 1 and max(widths) > 1:
         # Each width's device cost, so the policy prices a width before timing it in the engine
         # (a first verify step timed untrimmed costs what a trimmed one would not).
         speculator.set_step_profile(graphs.profile())
 
 
-# The largest eager step served from piecewise graphs (a full mixed step where smaller: the largest
-# graphed decode batch plus the mixed-step budget): past that a step's launches no longer dominate
-# its time, and the graphs' static buffers grow with it.
-PIECEWISE_MAX_TOKENS = 1024
+# The largest step served from mixed-step graphs (a full mixed step where smaller: the largest graphed
+# decode batch plus the mixed-step budget): past that a step's launches no longer dominate its time,
+# and the graphs' activations grow with it.
+MIXED_GRAPH_MAX_TOKENS = 1024
 
 
 def mixed_step_tokens(config: EngineConfig, device: torch.device) -> int | None:

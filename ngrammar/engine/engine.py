@@ -159,7 +159,7 @@ class LLMEngine:
 
     def enable_cuda_graphs(self, capture: bool = True) -> None:
         """Serve uniform decode / verify steps from CUDA graphs, and (captured) prefill and mixed
-        steps from piecewise graphs (``builder.attach_graphs``)."""
+        steps from mixed-step graphs (``builder.attach_graphs``)."""
         attach_graphs(self.parts, self.config, self.speculator, capture)
 
     @property

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ngrammar.attention.metadata import AttentionBackend, SegmentCut
+from ngrammar.attention.metadata import AttentionBackend
 from ngrammar.model.config import ModelConfig
 from ngrammar.model.ops import LayerOps, TorchOps
 from ngrammar.model.quant import PackedWeight, Q4Weight
@@ -116,10 +116,7 @@ class Attention(nn.Module):
         v = v.view(-1, c.num_kv_heads, c.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if isinstance(plan, SegmentCut):  # piecewise capture: the call is handed to the plan
-            out = plan(q, k, v, layer_cache, self.scale, rope)
-        else:
-            out = self.backend.forward(q, k, v, layer_cache, plan, self.scale, rope)
+        out = self.backend.forward(q, k, v, layer_cache, plan, self.scale, rope)
         h = self.ops.linear(out.reshape(-1, c.q_size), self.o_proj.weight)
         return h if self.tp is None else self.tp.all_reduce(h)  # row-parallel: partial sums
 

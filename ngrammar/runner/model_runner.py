@@ -31,7 +31,7 @@ from ngrammar.model.parallel import local_model_config
 from ngrammar.model.quant import apply_quantization
 from ngrammar.model.sharding import iter_shard_weights
 from ngrammar.runner.cuda_graph import CUDAGraphRunner
-from ngrammar.runner.piecewise import PiecewiseGraphs
+from ngrammar.runner.mixed_graphs import MixedGraphs
 from ngrammar.runner.transfer import to_device
 
 if TYPE_CHECKING:
@@ -126,6 +126,29 @@ def page_table(tables: list[list[int]]) -> np.ndarray:
     return table
 
 
+@dataclass(frozen=True)
+class StepArrays:
+    """A step's per-request and per-token attention inputs on the host."""
+
+    q_lens: np.ndarray  # [B] new tokens per request
+    kv_lens: np.ndarray  # [B] cached length after the step
+    q_start: np.ndarray  # [B + 1] exclusive prefix sum of q_lens
+    table: np.ndarray  # [B, pages] page tables, padded with 0
+    slots: np.ndarray  # [T] each new token's cache slot, in packed token order
+
+
+def step_arrays(step: StepInput, page_size: int) -> StepArrays:
+    q_lens = np.fromiter(map(len, step.tokens), np.int64, step.batch_size)
+    starts = np.asarray(step.starts, dtype=np.int64)
+    table = page_table(step.page_tables)
+    q_start = np.concatenate([[0], np.cumsum(q_lens)])
+    # each new token's row and kv index
+    rows = np.repeat(np.arange(step.batch_size), q_lens)
+    index = np.arange(q_start[-1]) - np.repeat(q_start[:-1] - starts, q_lens)
+    slots = table[rows, index // page_size] * page_size + index % page_size
+    return StepArrays(q_lens, starts + q_lens, q_start, table, slots)
+
+
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     return config.num_layers * 2 * config.kv_size * torch.tensor([], dtype=dtype).element_size()
 
@@ -212,8 +235,7 @@ class ModelRunner:
         self.on_forward: Callable[[], None] | None = None  # test hook: called when a forward is launched
         self.on_to_host: Callable[[], None] | None = None  # test hook: called on every device->host read
         self.graphs: CUDAGraphRunner | None = None  # set by the engine: serves uniform decode/verify steps
-        # Set by the engine: the other steps' layers between attention calls.
-        self.pieces: PiecewiseGraphs | None = None
+        self.mixed: MixedGraphs | None = None  # set by the engine: serves prefill and mixed steps
         # Slot mapping of the last eager forward; None after a graph-served one (or none yet).
         self._last_slots: torch.Tensor | None = None
 
@@ -245,17 +267,20 @@ class ModelRunner:
             graphs.capture_all()
         self.graphs = graphs
 
-    def attach_piecewise(self, max_tokens: int) -> None:
-        """Serve eager steps of up to ``max_tokens`` tokens from piecewise graphs, captured here."""
-        pieces = PiecewiseGraphs(self.model, self.backend, self.kv_cache, max_tokens)
-        pieces.capture_all()
-        self.pieces = pieces
+    def attach_mixed_graphs(self, max_tokens: int, max_seqs: int, kv_len_bound: int, dummy_page: int) -> None:
+        """Serve prefill and mixed steps of up to ``max_tokens`` tokens over ``max_seqs`` requests
+        from CUDA graphs, captured here."""
+        mixed = MixedGraphs(
+            self.model, self.backend, self.kv_cache, max_tokens, max_seqs, kv_len_bound, dummy_page
+        )
+        mixed.capture_all()
+        self.mixed = mixed
 
     def close(self) -> None:
         """Free the KV pool and the captured graphs now, not when the last reference goes (the
         ranks too with TP); the runner cannot run a step afterwards."""
         self.graphs = None
-        self.pieces = None
+        self.mixed = None
         self.kv_cache = self.kv_cache.new_empty(0)
 
     def _tensor(self, values: Sequence[int] | np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -264,26 +289,17 @@ class ModelRunner:
     def metadata(self, step: StepInput) -> AttentionMetadata:
         """The step's attention metadata, built with numpy (no Python loop over tokens: a mixed
         step carries hundreds)."""
-        q_lens = np.fromiter(map(len, step.tokens), np.int64, step.batch_size)
-        starts = np.asarray(step.starts, dtype=np.int64)
-        kv_lens = starts + q_lens
-        table = page_table(step.page_tables)
-        q_start = np.concatenate([[0], np.cumsum(q_lens)])
-        # each new token's row and kv index, in packed token order
-        rows = np.repeat(np.arange(step.batch_size), q_lens)
-        index = np.arange(q_start[-1]) - np.repeat(q_start[:-1] - starts, q_lens)
-        ps = self.page_size
-        slots = table[rows, index // ps] * ps + index % ps
+        a = step_arrays(step, self.page_size)
         tree = None if step.tree_mask is None else self._tensor(step.tree_mask, torch.bool)
         return AttentionMetadata(
-            slot_mapping=self._tensor(slots),
-            page_table=self._tensor(table),
-            kv_lens=self._tensor(kv_lens),
-            q_lens=self._tensor(q_lens),
-            q_start=self._tensor(q_start),
-            max_q_len=int(q_lens.max()),
-            max_kv_len=int(kv_lens.max()) + step.max_offset,
-            page_size=ps,
+            slot_mapping=self._tensor(a.slots),
+            page_table=self._tensor(a.table),
+            kv_lens=self._tensor(a.kv_lens),
+            q_lens=self._tensor(a.q_lens),
+            q_start=self._tensor(a.q_start),
+            max_q_len=int(a.q_lens.max()),
+            max_kv_len=int(a.kv_lens.max()) + step.max_offset,
+            page_size=self.page_size,
             tree_mask=tree,
         )
 
@@ -291,15 +307,20 @@ class ModelRunner:
     def forward(self, step: StepInput) -> torch.Tensor:
         """Launch the forward of ``step``; returns logits [len(logits_rows), V] float32 (device).
 
-        Uniform steps go through the graph runner when one is set (its logits are a view that the
-        next step overwrites); everything else runs eagerly, its layers between attention calls
-        replayed from piecewise graphs where they are captured for its token count.
+        Uniform steps go through the graph runner when one is set, prefill and mixed steps through
+        the mixed-step graphs where they fit (their logits are views that the next step
+        overwrites); everything else runs eagerly.
         """
         if self.graphs is not None and self.graphs.accepts(step):
             if self.on_forward is not None:
                 self.on_forward()
             self._last_slots = None  # the graph runner's static slots (``last_slots``)
             return self.graphs.forward(step)
+        if self.mixed is not None and step.tree_mask is None:
+            a = step_arrays(step, self.page_size)
+            max_kv_len = int(a.kv_lens.max()) + step.max_offset
+            if self.mixed.accepts(len(a.slots), step.batch_size, max_kv_len, a.table.shape[1]):
+                return self._mixed_forward(step, a, max_kv_len)
         meta = self.metadata(step)
         self._last_slots = meta.slot_mapping
         if step.input_ids is not None:
@@ -312,11 +333,21 @@ class ModelRunner:
         rows = self._tensor(step.logits_rows)
         if self.on_forward is not None:
             self.on_forward()
-        plan = self.backend.plan(meta)
-        if self.pieces is not None and self.pieces.accepts(ids.shape[0]):
-            hidden = self.pieces.forward(ids, pos, plan)
-        else:
-            hidden = self.model(ids, pos, self.kv_cache, plan)
+        hidden = self.model(ids, pos, self.kv_cache, self.backend.plan(meta))
+        return self.model.compute_logits(hidden.index_select(0, rows))
+
+    def _mixed_forward(self, step: StepInput, a: StepArrays, max_kv_len: int) -> torch.Tensor:
+        assert self.mixed is not None
+        t = len(a.slots)
+        ids = np.fromiter(itertools.chain.from_iterable(step.tokens), np.int64, t)
+        positions = np.fromiter(itertools.chain.from_iterable(step.positions), np.int64, t)
+        rows = self._tensor(step.logits_rows)
+        if self.on_forward is not None:
+            self.on_forward()
+        hidden = self.mixed.forward(
+            ids, positions, a.slots, a.q_lens, a.kv_lens, a.table, step.input_ids, step.offsets, max_kv_len
+        )
+        self._last_slots = self.mixed.last_slots(t)
         return self.model.compute_logits(hidden.index_select(0, rows))
 
     def to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:

@@ -1,10 +1,10 @@
-"""Piecewise CUDA graphs (runner/piecewise.py): prefill and mixed steps replay the layers between
-attention calls from graphs; they must change no token. The captured path needs CUDA (`pytest -m gpu`)."""
+"""Mixed-step CUDA graphs (runner/mixed_graphs.py): prefill and mixed steps replay whole from graphs
+per token bucket; they must change no token, no logit and no KV entry. The captured path needs CUDA
+(`pytest -m gpu`); the attention grid they rely on is tested in tests/test_triton_attention.py."""
 
 from __future__ import annotations
 
 import itertools
-from typing import Any
 
 import pytest
 import torch
@@ -12,10 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ngrammar import LLM, SamplingParams
-from ngrammar.attention.metadata import SegmentCut
 from ngrammar.runner.cuda_graph import bucket_table
+from ngrammar.runner.mixed_graphs import kv_buckets, token_buckets
 from ngrammar.runner.model_runner import StepInput
-from ngrammar.runner.piecewise import token_buckets
 from tests.test_cuda_graph import PROMPTS
 
 
@@ -27,10 +26,11 @@ def test_token_buckets() -> None:
     with pytest.raises(ValueError):
         token_buckets(0)
     assert bucket_table([16, 32, 40]) == [16] * 17 + [32] * 16 + [40] * 8
+    assert kv_buckets(8200) == [2048, 8200] and kv_buckets(1000) == [1000]
 
 
-def test_cpu_engines_have_no_piecewise_graphs(llm: LLM) -> None:
-    assert llm.engine.runner.pieces is None
+def test_cpu_engines_have_no_mixed_graphs(llm: LLM) -> None:
+    assert llm.engine.runner.mixed is None
 
 
 def _staggered(llm: LLM, params: SamplingParams) -> dict[str, list[int]]:
@@ -47,23 +47,23 @@ def _staggered(llm: LLM, params: SamplingParams) -> dict[str, list[int]]:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_piecewise_steps_match_eager() -> None:
+def test_mixed_graph_steps_match_eager() -> None:
     kw = dict(device="cuda", dtype="float32", kv_cache_tokens=16384, cuda_graph_max_bs=8)
     eager = LLM(**kw, cuda_graph=False)  # type: ignore[arg-type]
     graphed = LLM(**kw)  # type: ignore[arg-type]
-    pieces = graphed.engine.runner.pieces
-    assert eager.engine.runner.pieces is None and pieces is not None
-    assert set(pieces.replays) == set()
+    mixed = graphed.engine.runner.mixed
+    assert eager.engine.runner.mixed is None and mixed is not None
+    assert set(mixed.replays) == set()
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     # Staggered arrivals: later requests prefill inside the earlier ones' decode steps (mixed steps).
     staggered = [_staggered(llm, greedy) for llm in (eager, graphed)]
     assert staggered[0] == staggered[1] and len(staggered[0]) == len(PROMPTS)
     assert eager.engine.stats.mixed_steps > 0 and graphed.engine.stats.mixed_steps > 0
-    assert sum(pieces.replays.values()) > 0
+    assert sum(mixed.replays.values()) > 0
     want = [eager.generate([p], greedy)[0].token_ids for p in PROMPTS]
     assert [graphed.generate([p], greedy)[0].token_ids for p in PROMPTS] == want
 
-    # Runner level: one mixed step's logits and KV writes, piecewise against eager.
+    # Runner level: one mixed step's logits and KV writes, bitwise those of the eager step.
     eng, runner = graphed.engine, graphed.engine.runner
     ids = [eng.tokenizer.encode(p) for p in PROMPTS[:3]]
     pages = [eng.blocks.allocator.allocate(-(-(len(t) + 8) // eng.blocks.page_size)) for t in ids]
@@ -77,17 +77,17 @@ def test_piecewise_steps_match_eager() -> None:
             pages,
             [0, len(ids[1]), len(ids[1]) + len(ids[2])],
         )
-        before = dict(pieces.replays)
+        before = dict(mixed.replays)
         got = runner.forward(step).clone()
         kv_got = runner.kv_cache.clone()
-        assert sum(pieces.replays.values()) == sum(before.values()) + 1
-        saved, runner.pieces = runner.pieces, None
+        assert sum(mixed.replays.values()) == sum(before.values()) + 1
+        saved, runner.mixed = runner.mixed, None
         try:
             want_logits = runner.forward(step)
         finally:
-            runner.pieces = saved
-        torch.testing.assert_close(got, want_logits, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(kv_got, runner.kv_cache, rtol=1e-4, atol=1e-4)
+            runner.mixed = saved
+        assert torch.equal(got, want_logits)
+        assert torch.equal(kv_got, runner.kv_cache)
     finally:
         for pg in pages:
             eng.blocks.allocator.free(pg)
@@ -95,46 +95,6 @@ def test_piecewise_steps_match_eager() -> None:
         alloc = llm.engine.blocks.allocator
         alloc.check_integrity()
         assert alloc.num_free == alloc.num_pages
-
-
-class _Through(SegmentCut):
-    """Each attention call run for real with the step's plan, and counted: the piecewise capture's
-    contract (one call per layer, in layer order, through the backend) checked without CUDA."""
-
-    def __init__(self, backend: Any, plan: Any) -> None:
-        self.backend, self.plan, self.layers = backend, plan, 0
-
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer_cache: torch.Tensor,
-        scale: float,
-        rope: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> torch.Tensor:
-        self.layers += 1
-        return self.backend.forward(q, k, v, layer_cache, self.plan, scale, rope)
-
-
-def test_every_attention_call_reaches_the_cut(llm: LLM) -> None:
-    eng, runner = llm.engine, llm.engine.runner
-    ids = [eng.tokenizer.encode(p) for p in PROMPTS[:2]]
-    pages = [eng.blocks.allocator.allocate(-(-len(t) // eng.blocks.page_size)) for t in ids]
-    try:
-        step = StepInput(ids, [list(range(len(t))) for t in ids], [0, 0], pages, [len(ids[0]) - 1])
-        meta = runner.metadata(step)
-        tokens = torch.tensor([t for toks in ids for t in toks])
-        positions = torch.tensor([p for toks in ids for p in range(len(toks))])
-        with torch.inference_mode():
-            want = runner.model(tokens, positions, runner.kv_cache, runner.backend.plan(meta)).clone()
-            cut = _Through(runner.backend, runner.backend.plan(meta))
-            got = runner.model(tokens, positions, runner.kv_cache, cut)
-    finally:
-        for pg in pages:
-            eng.blocks.allocator.free(pg)
-    assert cut.layers == runner.config.num_layers
-    assert torch.equal(got, want)
 
 
 def _reference_slots(step: StepInput, page_size: int) -> list[int]:
