@@ -98,8 +98,10 @@ def test_fit_stages_keeps_hopper_tilings_and_cuts_only_what_does_not_fit() -> No
 
 
 @pytest.mark.parametrize("invariant", [True, False], ids=["invariant", "fast"])
-@pytest.mark.parametrize("tree", [False, True], ids=["causal", "tree"])
-def test_the_attention_compiles(tree: bool, invariant: bool) -> None:
+@pytest.mark.parametrize(
+    "tree,varlen", [(False, False), (True, False), (False, True)], ids=["causal", "tree", "varlen"]
+)
+def test_the_attention_compiles(tree: bool, varlen: bool, invariant: bool) -> None:
     from ngrammar.attention.triton import INVARIANT_SPLIT_TILES, _paged_attention_kernel
 
     types = {
@@ -115,5 +117,6 @@ def test_the_attention_compiles(tree: bool, invariant: bool) -> None:
         GROUP=3, HEAD_DIM=64, BLOCK_M=64, BLOCK_N=64, PAGE_SIZE=16, MIN_TILES=2, SPLIT_OUTPUT=True,
         MERGE_IN_KERNEL=invariant, HAS_TREE=tree, IEEE_DOT=False, PDL=False, INVARIANT=invariant,
         SPLIT_TILES=INVARIANT_SPLIT_TILES if invariant else 0, TREE_POW2=16 if tree and invariant else 1,
+        VARLEN=varlen,
     )  # fmt: skip
     assert compile_for_hopper(_paged_attention_kernel, types, cex, 4)

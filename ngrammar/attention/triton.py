@@ -228,7 +228,9 @@ def _owner_request(q_start_ptr, pid, num_seqs, Q_PER_BLOCK: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# num_seqs is read only by VARLEN launches; unspecialized, so batch sizes of 1 or multiples of 16
+# compile no kernel variants of their own.
+@triton.jit(do_not_specialize=["num_seqs"])
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -693,7 +695,10 @@ class TritonAttentionPlan:
             return torch.zeros(shape, dtype=dtype, device=device)
         held = self.scratch.get(name)
         if held is None or any(h < n for h, n in zip(held.shape, shape, strict=True)):
-            held = self.scratch[name] = torch.zeros(shape, dtype=dtype, device=device)
+            # (grown to the larger of both in every dimension: fast launches pick more splits for
+            # fewer tokens)
+            grown = shape if held is None else tuple(map(max, held.shape, shape))
+            held = self.scratch[name] = torch.zeros(grown, dtype=dtype, device=device)
         return held[tuple(slice(0, n) for n in shape)]
 
 

@@ -12,8 +12,8 @@ context needs (programs past a row's splits exit at once, but they still cost th
 
 Static inputs: one int64 device buffer, mirrored by one pinned host buffer, so a step costs one
 host->device copy: ids, positions, slots ([max_tokens] each), kv_lens, q_lens ([max_seqs] each),
-q_start ([max_seqs + 1]) and last the page table ([max_seqs, max_pages]), so a step's copy stops after
-its own rows.
+q_start ([max_seqs + 1]) and last the step's page tables packed [B, width], which one device copy
+puts into the static [max_seqs, max_pages] table.
 
 Padding: tokens T..Tb-1 belong to no request (every spare request has q_len 0 and starts at T), so no
 query reads them; their K/V writes land on the *dummy page* (a pool page never handed out), and every
@@ -96,6 +96,8 @@ class MixedGraphs:
         t, s = self.max_tokens, self.max_seqs
         sizes = {"ids": t, "positions": t, "slots": t, "kv_lens": s, "q_lens": s, "q_start": s + 1}
         self._table_offset = sum(sizes.values())
+        # the step's page tables, packed [B, width], then scattered into the static table on the
+        # device: a step uploads its own width, not max_pages per row
         total = self._table_offset + s * self.max_pages
         self._host_raw = torch.zeros(total, dtype=torch.int64, pin_memory=True)
         self._dev_raw = torch.zeros(total, dtype=torch.int64, device=device)
@@ -105,13 +107,12 @@ class MixedGraphs:
             self._host[name] = self._host_raw.numpy()[offset : offset + n]
             self._dev[name] = self._dev_raw[offset : offset + n]
             offset += n
-        self._host_table = self._host_raw.numpy()[offset:].reshape(s, self.max_pages)
-        self._dev_table = self._dev_raw[offset:].view(s, self.max_pages)
+        # the invariant: every entry names a pool page (rows past a request's pages are never read)
+        self._dev_table = torch.full((s, self.max_pages), dummy_page, dtype=torch.int64, device=device)
         ps = self.page_size
         # Padding token i writes dummy-page offset i % page_size.
         self._pad_slots = dummy_page * ps + np.arange(t, dtype=np.int64) % ps
         self._host["slots"][:] = self._pad_slots
-        self._host_table[:] = dummy_page
         self._dev_raw.copy_(self._host_raw)
         self._uploaded = torch.cuda.Event()
 
@@ -123,8 +124,8 @@ class MixedGraphs:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for kv in reversed(self.kv_buckets):
-                for tokens in reversed(self.buckets):
+            for tokens in reversed(self.buckets):
+                for kv in reversed(self.kv_buckets):
                     self._entries[(tokens, kv)] = self._capture(tokens, kv)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
@@ -133,19 +134,20 @@ class MixedGraphs:
         return min(tokens, self.max_seqs)
 
     def _capture(self, tokens: int, kv: int) -> _Graph:
-        """Warm up on the buffers as they stand (padding: every request q_len 0 but the first, which
-        holds every token), then capture the same forward."""
-        seqs = self._seqs(tokens)
+        """Warm up on padding (the first request holds as many tokens as the kv bucket and the page
+        table allow, on the dummy page; the rest are spare tokens at position 0), then capture the
+        same forward."""
+        seqs, first = self._seqs(tokens), min(tokens, kv)
         h = self._host
         h["q_lens"][:seqs] = 0
-        h["q_lens"][0] = tokens
+        h["q_lens"][0] = first
         h["kv_lens"][:seqs] = 0
-        h["kv_lens"][0] = tokens
-        h["q_start"][: seqs + 1] = tokens
+        h["kv_lens"][0] = first
+        h["q_start"][: seqs + 1] = first
         h["q_start"][0] = 0
-        h["positions"][:tokens] = np.arange(tokens)
+        h["positions"][:tokens] = 0
         h["slots"][:tokens] = self._pad_slots[:tokens]
-        self._upload(1)
+        self._upload(0)
         meta = self._metadata(tokens, seqs, kv)
         plan = self.backend.plan(meta, kv_len_bound=kv, token_bound=tokens, scratch=self._scratch)
         torch.cuda.synchronize()
@@ -217,9 +219,14 @@ class MixedGraphs:
         np.cumsum(q_lens, out=h["q_start"][1 : b + 1])
         h["q_start"][0] = 0
         h["q_start"][b + 1 : seqs + 1] = t
-        self._host_table[:b, : table.shape[1]] = table
-        self._upload(b)
+        width = table.shape[1]
+        packed = b * width
+        self._host_raw.numpy()[self._table_offset : self._table_offset + packed] = table.reshape(-1)
+        self._upload(packed)
         d = self._dev
+        self._dev_table[:b, :width].copy_(
+            self._dev_raw[self._table_offset : self._table_offset + packed].view(b, width)
+        )
         if input_ids is not None:
             d["ids"][:t].copy_(input_ids)
         if offsets is not None:
@@ -232,8 +239,8 @@ class MixedGraphs:
         """[tokens] int64: the KV slots of the last replay's real tokens (valid until the next)."""
         return self._dev["slots"][:tokens]
 
-    def _upload(self, rows: int) -> None:
-        """One host->device copy: the vectors and the first ``rows`` page-table rows."""
-        n = self._table_offset + rows * self.max_pages
+    def _upload(self, table_entries: int) -> None:
+        """One host->device copy: the vectors and ``table_entries`` packed page-table entries."""
+        n = self._table_offset + table_entries
         self._dev_raw[:n].copy_(self._host_raw[:n], non_blocking=True)
         self._uploaded.record()

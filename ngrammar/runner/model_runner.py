@@ -286,10 +286,10 @@ class ModelRunner:
     def _tensor(self, values: Sequence[int] | np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return to_device(values, dtype, self.device)
 
-    def metadata(self, step: StepInput) -> AttentionMetadata:
+    def metadata(self, step: StepInput, arrays: StepArrays | None = None) -> AttentionMetadata:
         """The step's attention metadata, built with numpy (no Python loop over tokens: a mixed
-        step carries hundreds)."""
-        a = step_arrays(step, self.page_size)
+        step carries hundreds); ``arrays``: the step's ``step_arrays`` when already built."""
+        a = arrays if arrays is not None else step_arrays(step, self.page_size)
         tree = None if step.tree_mask is None else self._tensor(step.tree_mask, torch.bool)
         return AttentionMetadata(
             slot_mapping=self._tensor(a.slots),
@@ -316,12 +316,13 @@ class ModelRunner:
                 self.on_forward()
             self._last_slots = None  # the graph runner's static slots (``last_slots``)
             return self.graphs.forward(step)
+        arrays = None
         if self.mixed is not None and step.tree_mask is None:
-            a = step_arrays(step, self.page_size)
-            max_kv_len = int(a.kv_lens.max()) + step.max_offset
-            if self.mixed.accepts(len(a.slots), step.batch_size, max_kv_len, a.table.shape[1]):
-                return self._mixed_forward(step, a, max_kv_len)
-        meta = self.metadata(step)
+            arrays = step_arrays(step, self.page_size)
+            max_kv_len = int(arrays.kv_lens.max()) + step.max_offset
+            if self.mixed.accepts(len(arrays.slots), step.batch_size, max_kv_len, arrays.table.shape[1]):
+                return self._mixed_forward(step, arrays, max_kv_len)
+        meta = self.metadata(step, arrays)
         self._last_slots = meta.slot_mapping
         if step.input_ids is not None:
             ids = step.input_ids
