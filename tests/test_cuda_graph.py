@@ -274,6 +274,35 @@ def test_static_logits_and_kv_writes_match_eager(static_spec_llm: LLM, width: in
     torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)
 
 
+def test_a_narrower_step_after_a_wider_one_reads_its_own_pages(static_spec_llm: LLM) -> None:
+    """Page tables travel packed at each step's own width: after a step whose tables were wider,
+    the static table's first columns and the slots are the new step's, and its logits are eager's."""
+    runner, graphs = static_spec_llm.engine.runner, _graphs(static_spec_llm)
+    alloc = static_spec_llm.engine.blocks.allocator
+    ids, pages = _prefill(static_spec_llm, PROMPTS[:2])
+    wide = [alloc.allocate(len(pg) + 3) for pg in pages]  # other pages, and more of them
+    try:
+        runner.forward(_step(ids, wide, 1, None))
+        step = _step(ids, pages, 1, None)
+        got = runner.forward(step).clone()
+        width = max(map(len, pages))
+        table = graphs._table[:2, :width].tolist()
+        assert [row[: len(pg)] for row, pg in zip(table, pages)] == pages
+        ps = graphs.page_size
+        assert graphs.last_slots().tolist() == [
+            pg[s // ps] * ps + s % ps for pg, s in zip(pages, step.starts)
+        ]
+        saved, runner.graphs = runner.graphs, None
+        try:
+            want = runner.forward(step)
+        finally:
+            runner.graphs = saved
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    finally:
+        for pg in wide + pages:
+            alloc.free(pg)
+
+
 def test_padding_graph_refills_the_static_buffers(static_spec_llm: LLM) -> None:
     """The benchmark hook stages all-padding rows, so a lone replay never reads another width's layout."""
     graphs = _graphs(static_spec_llm)
@@ -289,7 +318,7 @@ def test_padding_graph_refills_the_static_buffers(static_spec_llm: LLM) -> None:
     host = graphs._host  # ... but the buffers of bucket 4, width 1 now hold only padding
     assert (host.q_lens[:4] == 1).all() and (host.kv_lens[:4] == 1).all()
     assert host.q_start[:5].tolist() == [0, 1, 2, 3, 4]
-    assert (host.page_table[:4, 0] == graphs.dummy_page).all()
+    assert (graphs._table[:4, 0] == graphs.dummy_page).all()  # the static table the graphs read
 
 
 def test_non_uniform_steps_run_eagerly(static_spec_llm: LLM) -> None:

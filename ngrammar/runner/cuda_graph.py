@@ -12,7 +12,8 @@ All per-step inputs live in one byte buffer on the device, mirrored by one (pinn
 step costs one host->device copy and never a device->host read. Regions, sized for the largest
 bucket and width: ids, positions, slot_mapping ([max_tokens] int64), kv_lens, q_lens ([max_bs]),
 q_start ([max_bs + 1]), the flat tree mask (max_bs * W_max^2 bools, viewed as [bucket, W, W]) and
-last the page table ([max_bs, max_pages] int64), so a bucket's copy stops after its own rows.
+last the step's page tables packed [bucket, width] (width: its longest), so a step's copy stops there;
+one device copy then puts them into the static [max_bs, max_pages] table the graphs read.
 Logits land in a shared [max_tokens, V] float32 buffer; a step returns a view of its first B * W
 rows, valid until the next step.
 
@@ -49,6 +50,7 @@ max_kv_len is the step's own maximum, because SDPA's cost grows with it and no g
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -95,6 +97,18 @@ def batch_buckets(max_batch_size: int) -> list[int]:
     return buckets(max_batch_size, STANDARD_BUCKETS, _LARGE_BUCKET_STEP)
 
 
+def page_table(tables: list[list[int]]) -> np.ndarray:
+    """[B, longest] int64: each sequence's pages, zero-padded (entries past a row's length are
+    never read unmasked)."""
+    lens = np.fromiter(map(len, tables), np.int64, len(tables))
+    total = int(lens.sum())
+    table = np.zeros((len(tables), int(lens.max())), dtype=np.int64)
+    rows = np.repeat(np.arange(len(tables)), lens)
+    cols = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
+    table[rows, cols] = np.fromiter(itertools.chain.from_iterable(tables), np.int64, total)
+    return table
+
+
 def graph_capturable(backend: AttentionBackend) -> bool:
     """Whether the backend's plan can be made launch-stable (it takes a ``kv_len_bound``).
 
@@ -123,11 +137,11 @@ class _Layout:
 
     @property
     def nbytes(self) -> int:
-        return self.bytes_for(self.max_bs)
+        return self.bytes_for(self.max_bs, self.max_pages)
 
-    def bytes_for(self, bucket: int) -> int:
-        """Prefix of the buffer that a step of this bucket reads."""
-        return self.page_table_offset + 8 * bucket * self.max_pages
+    def bytes_for(self, bucket: int, table_width: int) -> int:
+        """Prefix of the buffer that a step of this bucket, with page tables packed this wide, reads."""
+        return self.page_table_offset + 8 * bucket * table_width
 
 
 @dataclass(frozen=True)
@@ -141,7 +155,7 @@ class _Regions:
     q_lens: Any  # [max_bs] int64
     q_start: Any  # [max_bs + 1] int64
     tree_mask: Any  # [max_bs * max_width^2] bool, viewed per step as [bucket, W, W]
-    page_table: Any  # [max_bs, max_pages] int64
+    page_table: Any  # [max_bs * max_pages] int64: a step's tables packed [bucket, width]
 
 
 def _carve(raw: Any, layout: _Layout, i64: Any, b8: Any) -> _Regions:
@@ -163,7 +177,7 @@ def _carve(raw: Any, layout: _Layout, i64: Any, b8: Any) -> _Regions:
         q_lens=ints(starts[4], bs),
         q_start=ints(starts[5], bs + 1),
         tree_mask=raw[mo : mo + mask_bytes].view(b8),
-        page_table=ints(po, bs * layout.max_pages).reshape(bs, layout.max_pages),
+        page_table=ints(po, bs * layout.max_pages),
     )
 
 
@@ -247,8 +261,11 @@ class CUDAGraphRunner:
         self._dev_raw = torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=device)
         self._host = _carve(self._host_raw.numpy(), self.layout, np.int64, np.bool_)
         self._dev = _carve(self._dev_raw, self.layout, torch.int64, torch.bool)
-        self._host.page_table[:] = self.dummy_page  # the invariant: every entry names a pool page
         self._dev_raw.copy_(self._host_raw)
+        # The page table the graphs read. The invariant: every entry names a pool page.
+        self._table = torch.full(
+            (self.max_batch_size, self.layout.max_pages), self.dummy_page, dtype=torch.int64, device=device
+        )
         self._logits = torch.empty(
             (self.layout.max_tokens, self.runner.vocab_size), dtype=torch.float32, device=device
         )
@@ -291,7 +308,7 @@ class CUDAGraphRunner:
             self._dev.ids[:b].copy_(step.input_ids)
         if step.offsets is not None:  # chained out of a verify step: its accepted lengths too
             d = self._dev
-            shift_rows(step.offsets, d.positions, d.kv_lens, d.slots, d.page_table, self.page_size)
+            shift_rows(step.offsets, d.positions, d.kv_lens, d.slots, self._table, self.page_size)
         if entry.graph is not None:
             entry.graph.replay()
         else:
@@ -336,8 +353,7 @@ class CUDAGraphRunner:
         if entry is None:
             return None
         self._claim_host()
-        self._stage_padding(0, entry.bucket, width)
-        self._upload(entry.bucket)
+        self._upload_padding(entry.bucket, width)
         return entry.graph
 
     @torch.inference_mode()
@@ -392,8 +408,7 @@ class CUDAGraphRunner:
         """Warm up eagerly on all-padding inputs (compiles kernels, sizes the plan's scratch), then
         capture the same computation into the shared pool."""
         self._claim_host()
-        self._stage_padding(0, entry.bucket, entry.width)
-        self._upload(entry.bucket)
+        self._upload_padding(entry.bucket, entry.width)
         meta = self._metadata(entry.bucket, entry.width, self.kv_len_bound)
         plan = self.runner.backend.plan(meta, kv_len_bound=self.kv_len_bound)  # type: ignore[call-arg]
         self._compute(entry.tokens, meta, plan)
@@ -421,7 +436,7 @@ class CUDAGraphRunner:
         tree = None if width == 1 else d.tree_mask[: tokens * width].view(bucket, width, width)
         return AttentionMetadata(
             slot_mapping=d.slots[:tokens],
-            page_table=d.page_table[:bucket],
+            page_table=self._table[:bucket],
             kv_lens=d.kv_lens[:bucket],
             q_lens=d.q_lens[:bucket],
             q_start=d.q_start[: bucket + 1],
@@ -442,20 +457,18 @@ class CUDAGraphRunner:
         h.ids[:n] = np.asarray(step.tokens, dtype=np.int64).reshape(-1)
         h.positions[:n] = np.asarray(step.positions, dtype=np.int64).reshape(-1)
         h.kv_lens[:b] = starts + width
-        table = h.page_table
-        for i, pages in enumerate(step.page_tables):
-            table[i, : len(pages)] = pages
         ps = self.page_size
-        if width == 1:  # a plain step: one slot per row, cheapest from the host lists
-            h.slots[:n] = [pages[s // ps] * ps + s % ps for pages, s in zip(step.page_tables, step.starts)]
-        else:
-            kv_idx = starts[:, None] + self._arange[:width]  # [B, W] kv index of each new token
-            h.slots[:n] = (table[self._rows[:b], kv_idx // ps] * ps + kv_idx % ps).reshape(-1)
+        real = page_table(step.page_tables)  # [B, longest]
+        table_width = max(real.shape[1], -(-width // ps))
+        table = self._stage_table(b, bucket, table_width)
+        table[:b, : real.shape[1]] = real
+        kv_idx = starts[:, None] + self._arange[:width]  # [B, W] kv index of each new token
+        h.slots[:n] = (table[self._rows[:b], kv_idx // ps] * ps + kv_idx % ps).reshape(-1)
         if width > 1:
             h.tree_mask[: n * width] = np.asarray(step.tree_mask, dtype=np.bool_).reshape(-1)
         if self._padded != (b, bucket, width):  # else rows b..bucket-1 still hold this padding
             self._stage_padding(b, bucket, width)
-        self._upload(bucket)
+        self._upload(bucket, table_width)
         return int(starts.max()) + width + step.max_offset
 
     def _stage_padding(self, first: int, bucket: int, width: int) -> None:
@@ -469,10 +482,22 @@ class CUDAGraphRunner:
         h.kv_lens[first:bucket] = width
         h.q_lens[:bucket] = width
         h.q_start[: bucket + 1] = np.arange(0, (bucket + 1) * width, width, dtype=np.int64)
-        h.page_table[first:bucket, : -(-width // self.page_size)] = self.dummy_page
         if width > 1:
             mask = h.tree_mask[: hi * width].reshape(bucket, width, width)
             mask[first:] = np.tri(width, dtype=np.bool_)
+
+    def _upload_padding(self, bucket: int, width: int) -> None:
+        """Every row of the bucket a dummy sequence, uploaded."""
+        self._stage_padding(0, bucket, width)
+        table_width = -(-width // self.page_size)
+        self._stage_table(0, bucket, table_width)
+        self._upload(bucket, table_width)
+
+    def _stage_table(self, first: int, bucket: int, width: int) -> np.ndarray:
+        """The host's packed [bucket, width] page tables, rows first.. on the dummy page."""
+        table = self._host.page_table[: bucket * width].reshape(bucket, width)
+        table[first:] = self.dummy_page
+        return table
 
     def _claim_host(self) -> None:
         """Wait until the last upload has read the host buffer (normally long done: a step's upload
@@ -481,12 +506,15 @@ class CUDAGraphRunner:
         if self._uploaded is not None:
             self._uploaded.synchronize()
 
-    def _upload(self, bucket: int) -> None:
-        """One host->device copy of the bucket's prefix of the buffer (non-blocking from pinned)."""
-        nbytes = self.layout.bytes_for(bucket)
+    def _upload(self, bucket: int, table_width: int) -> None:
+        """One host->device copy of the step's prefix of the buffer (non-blocking from pinned), then
+        its packed page tables into the static table, on the device."""
+        nbytes = self.layout.bytes_for(bucket, table_width)
         self._dev_raw[:nbytes].copy_(self._host_raw[:nbytes], non_blocking=True)
         if self._uploaded is not None:
             self._uploaded.record()
+        packed = self._dev.page_table[: bucket * table_width].view(bucket, table_width)
+        self._table[:bucket, :table_width].copy_(packed)
 
 
 __all__ = ["CUDAGraphRunner", "STANDARD_BUCKETS", "batch_buckets", "graph_capturable"]

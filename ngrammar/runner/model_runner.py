@@ -30,7 +30,7 @@ from ngrammar.model.ops import default_ops
 from ngrammar.model.parallel import local_model_config
 from ngrammar.model.quant import apply_quantization
 from ngrammar.model.sharding import iter_shard_weights
-from ngrammar.runner.cuda_graph import CUDAGraphRunner
+from ngrammar.runner.cuda_graph import CUDAGraphRunner, page_table
 from ngrammar.runner.mixed_graphs import MixedGraphs
 from ngrammar.runner.transfer import to_device
 
@@ -112,18 +112,6 @@ def resolve_numerics(config_numerics: str, attention_backend: str, device: torch
     if device.type != "cuda" or config_numerics == "fast":
         return False
     return config_numerics == "invariant" or (tp == 1 and attention_backend != "sdpa")
-
-
-def page_table(tables: list[list[int]]) -> np.ndarray:
-    """[B, longest] int64: each sequence's pages, zero-padded (entries past a row's length are
-    never read unmasked)."""
-    lens = np.fromiter(map(len, tables), np.int64, len(tables))
-    total = int(lens.sum())
-    table = np.zeros((len(tables), int(lens.max())), dtype=np.int64)
-    rows = np.repeat(np.arange(len(tables)), lens)
-    cols = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
-    table[rows, cols] = np.fromiter(itertools.chain.from_iterable(tables), np.int64, total)
-    return table
 
 
 @dataclass(frozen=True)
