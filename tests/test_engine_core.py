@@ -26,7 +26,7 @@ pytest.importorskip("zmq")
 
 from ngrammar import LLM, SamplingParams
 from ngrammar.server import create_app
-from ngrammar.server.core import EngineCore
+from ngrammar.server.core import EngineCore, profiled
 from ngrammar.server.core_client import CoreClient
 from ngrammar.server.core_messages import Abort, Add
 from ngrammar.server.warmup import CompileCounter
@@ -204,6 +204,23 @@ def test_a_command_the_core_cannot_read_is_refused_and_the_core_lives_on(offline
     core.handle(Add("ok", "g", ids, SamplingParams(max_tokens=2, temperature=0)))
     while core.busy:
         core.turn()
+
+
+def test_a_core_loop_runs_under_cprofile_only_when_asked(tmp_path: Any) -> None:
+    """``NGRAMMAR_CORE_PROFILE``: the loop's stats land in PREFIX.<index>.prof, also when it fails."""
+    import pstats
+
+    def loop() -> None:
+        sum(range(1000))
+        raise RuntimeError("the loop failed")
+
+    with pytest.raises(RuntimeError):
+        profiled(loop, str(tmp_path / "core"), 3)
+    stats = pstats.Stats(str(tmp_path / "core.3.prof"))
+    assert any(name == "loop" for _, _, name in stats.stats)  # type: ignore[attr-defined]
+    ran: list[int] = []
+    profiled(lambda: ran.append(1), None, 0)
+    assert ran == [1] and sorted(p.name for p in tmp_path.iterdir()) == ["core.3.prof"]
 
 
 def test_reports_to_an_api_process_that_stopped_reading_never_block_the_core(tmp_path: Any) -> None:

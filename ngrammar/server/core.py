@@ -19,6 +19,7 @@ import shutil
 import signal
 import sys
 import traceback
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -363,7 +364,7 @@ def core_main(folder: str, parent: int) -> None:
     for push in reports:
         push.send(encoder.encode(ready))
     try:
-        _serve(core, commands, reports, parent)
+        profiled(lambda: _serve(core, commands, reports, parent), os.environ.get(PROFILE_ENV), spec.index)
     except BaseException as e:  # noqa: BLE001 - the core ends; the server fails its requests
         traceback.print_exc()
         print(f"ngrammar: engine core {spec.index} failed: {type(e).__name__}: {e}", file=sys.stderr)
@@ -372,6 +373,25 @@ def core_main(folder: str, parent: int) -> None:
     finally:
         engine.close()
         ctx.destroy(linger=0)
+
+
+# Diagnostics: a path prefix; each core writes cProfile stats of its loop to PREFIX.<index>.prof as
+# it stops (what a core does per step under a real server, where an offline run cannot show it).
+PROFILE_ENV = "NGRAMMAR_CORE_PROFILE"
+
+
+def profiled(run: Callable[[], None], prefix: str | None, index: int) -> None:
+    """``run()``, under cProfile when ``prefix`` is set (stats written even when it raises)."""
+    if not prefix:
+        run()
+        return
+    import cProfile
+
+    profile = cProfile.Profile()
+    try:
+        profile.runcall(run)
+    finally:
+        profile.dump_stats(f"{prefix}.{index}.prof")
 
 
 def report_socket(ctx: Any, folder: str) -> Any:
