@@ -303,6 +303,14 @@ def test_a_narrower_step_after_a_wider_one_reads_its_own_pages(static_spec_llm: 
             alloc.free(pg)
 
 
+def test_a_page_table_short_of_its_new_tokens_is_refused(static_llm: LLM) -> None:
+    """An upstream bug (a table without the page of a new token) fails loudly, never writes page 0."""
+    runner = static_llm.engine.runner
+    ps = static_llm.engine.blocks.page_size
+    with pytest.raises(ValueError, match="does not cover"):
+        runner.forward(StepInput([[1], [2]], [[3], [ps]], [3, ps], [[5], [6]], [0, 1]))
+
+
 def test_padding_graph_refills_the_static_buffers(static_spec_llm: LLM) -> None:
     """The benchmark hook stages all-padding rows, so a lone replay never reads another width's layout."""
     graphs = _graphs(static_spec_llm)

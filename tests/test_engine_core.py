@@ -221,6 +221,8 @@ def test_a_core_loop_runs_under_cprofile_only_when_asked(tmp_path: Any) -> None:
     ran: list[int] = []
     profiled(lambda: ran.append(1), None, 0)
     assert ran == [1] and sorted(p.name for p in tmp_path.iterdir()) == ["core.3.prof"]
+    profiled(lambda: ran.append(2), str(tmp_path / "missing" / "core"), 0)  # unwritable: a warning
+    assert ran == [1, 2]
 
 
 def test_reports_to_an_api_process_that_stopped_reading_never_block_the_core(tmp_path: Any) -> None:

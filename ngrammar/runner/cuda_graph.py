@@ -454,6 +454,9 @@ class CUDAGraphRunner:
         b, h = step.batch_size, self._host
         n = b * width
         starts = np.asarray(step.starts, dtype=np.int64)
+        last_page = (starts + width - 1) // self.page_size
+        if (last_page >= np.fromiter(map(len, step.page_tables), np.int64, b)).any():
+            raise ValueError("a page table does not cover its step's new tokens")  # (before any write)
         h.ids[:n] = np.asarray(step.tokens, dtype=np.int64).reshape(-1)
         h.positions[:n] = np.asarray(step.positions, dtype=np.int64).reshape(-1)
         h.kv_lens[:b] = starts + width

@@ -381,7 +381,8 @@ PROFILE_ENV = "NGRAMMAR_CORE_PROFILE"
 
 
 def profiled(run: Callable[[], None], prefix: str | None, index: int) -> None:
-    """``run()``, under cProfile when ``prefix`` is set (stats written even when it raises)."""
+    """``run()``, under cProfile when ``prefix`` is set: the calling thread only, stats written
+    when it returns or raises (not when a signal kills the process); a failed write is a warning."""
     if not prefix:
         run()
         return
@@ -391,7 +392,10 @@ def profiled(run: Callable[[], None], prefix: str | None, index: int) -> None:
     try:
         profile.runcall(run)
     finally:
-        profile.dump_stats(f"{prefix}.{index}.prof")
+        try:
+            profile.dump_stats(f"{prefix}.{index}.prof")
+        except OSError as e:
+            print(f"ngrammar: engine core {index}: {PROFILE_ENV} not written: {e}", file=sys.stderr)
 
 
 def report_socket(ctx: Any, folder: str) -> Any:
