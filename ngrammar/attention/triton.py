@@ -676,9 +676,10 @@ class TritonAttentionPlan:
                 part_o = self._buffer((key, "o"), (cfg.num_splits, tokens, num_q_heads, head_dim), device)
                 part_lse = self._buffer((key, "lse"), (cfg.num_splits, tokens, num_q_heads), device)
             if cfg.num_splits > 1 and cfg.merge_in_kernel:
+                rows = num_kv_heads if varlen else meta.batch_size * num_kv_heads  # the grid's 2nd axis
                 counters = self._buffer(
                     (key, "counters"),
-                    (meta.batch_size * num_kv_heads * cfg.num_q_blocks,),
+                    (rows * cfg.num_q_blocks,),
                     device,
                     torch.int32,
                 )
