@@ -219,8 +219,8 @@ class BlockManager:
         """Make ``seq``'s page table cover ``num_tokens`` tokens (raises OutOfPagesError). Every step
         reserves first, so this is also where the pages the last step filled are registered."""
         self.register_full_pages(seq)
-        need = -(-num_tokens // self.page_size) - len(seq.pages)
-        if need > 0:  # (most steps of most sequences need none)
+        need = self.pages_needed(seq, num_tokens)
+        if need:  # (most steps of most sequences need none)
             seq.pages.extend(self.allocator.allocate(need))
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:

@@ -111,8 +111,7 @@ class Sequence:
 
     @property
     def is_prefilling(self) -> bool:
-        n = len(self.token_ids)
-        return self.num_cached < (n if n == self._num_prompt else n - 1)
+        return self.num_cached < self.prefill_target
 
     @property
     def text(self) -> str:
