@@ -70,10 +70,7 @@ class EngineCore:
         # Requests whose grammar compiles on the grammar backend's threads: they join ``_pending``
         # once it is done, so a new grammar never stalls the steps of the requests running.
         self._compiling: dict[str, tuple[Add, Future[Any]]] = {}
-        self._live: dict[str, Request] = {}  # handed to the engine, not finished
-        self._sent: dict[str, list[int]] = {}  # output tokens reported so far, per sequence
-        self._ended: dict[str, list[bool]] = {}  # whether each sequence's finish was reported
-        self._clients: dict[str, int] = {}  # the API server process of each request handed to the engine
+        self._live: dict[str, _Live] = {}  # handed to the engine, not finished
         self._failed: list[tuple[int, RequestFailed]] = []  # (client, refusal)
         # Corpus calls tokenize and index on a worker thread; the loop sends their replies.
         self._corpus_pool = ThreadPoolExecutor(1, thread_name_prefix="draft-corpora")
@@ -197,10 +194,10 @@ class EngineCore:
             return []
         load = self.load()
         deltas = [StepDelta(self.index, [], [], load, seconds if c == 0 else None) for c in range(clients)]
-        for rid in list(self._live):
-            client = self._clients[rid]  # (read first: a finished request is forgotten by its delta)
-            if (d := self._delta(rid)) is not None:
-                deltas[client].requests.append(d)
+        # (per live request per step at every concurrency: kept to a few attribute reads each)
+        for rid, live in list(self._live.items()):
+            if (d := self._delta(rid, live)) is not None:
+                deltas[live.client].requests.append(d)
         for client, failed in self._failed:
             deltas[client].failed.append(failed)
         self._failed = []
@@ -230,23 +227,27 @@ class EngineCore:
         except Exception as e:  # bad input the server's checks missed: this request only
             self._failed.append((add.client, RequestFailed(add.request_id, type(e).__name__, str(e))))
             return
-        self._live[add.request_id] = self.engine.requests[add.request_id]
-        self._clients[add.request_id] = add.client
-        self._sent[add.request_id] = [0] * add.params.n
-        self._ended[add.request_id] = [False] * add.params.n
+        self._live[add.request_id] = _Live(self.engine.requests[add.request_id], add.client)
 
-    def _delta(self, request_id: str) -> RequestDelta | None:
-        req = self._live[request_id]
-        sent, ended = self._sent[request_id], self._ended[request_id]
-        seqs = [
-            d for seq, n, e in zip(req.seqs, sent, ended) if not e and (d := _seq_delta(seq, n)) is not None
-        ]
+    def _delta(self, request_id: str, live: _Live) -> RequestDelta | None:
+        req, reported, ended = live.request, live.reported, live.ended
+        seqs: list[SeqDelta] = []
+        ending = False
+        for i, seq in enumerate(req.seqs):
+            if ended[i]:
+                continue
+            start, end = reported[i], len(seq.token_ids)
+            # (a finish reason is set exactly when a sequence finishes: ``Sequence.finish``)
+            if seq.finish_reason is None:
+                if end != start:
+                    seqs.append(_seq_delta(seq, start, end))
+                    reported[i] = end
+                continue
+            seqs.append(_seq_delta(seq, start, end))
+            reported[i], ended[i], ending = end, True, True
         if not seqs:
             return None
-        for d in seqs:
-            sent[d.index] += len(d.token_ids)
-            ended[d.index] = d.finish_reason is not None
-        if not req.finished:
+        if not (ending and all(ended)):
             return RequestDelta(request_id, seqs)
         self._forget(request_id)
         metrics = req.seqs[0].metrics()
@@ -262,23 +263,35 @@ class EngineCore:
             log.exception("releasing the failed requests failed")
         for request_id in failed:
             self._failed.append(
-                (self._clients[request_id], RequestFailed(request_id, "EngineFailure", message))
+                (self._live[request_id].client, RequestFailed(request_id, "EngineFailure", message))
             )
             self._forget(request_id)
 
     def _forget(self, request_id: str) -> None:
-        del self._live[request_id], self._sent[request_id], self._ended[request_id], self._clients[request_id]
+        del self._live[request_id]
 
 
-def _seq_delta(seq: Sequence, sent: int) -> SeqDelta | None:
-    """The sequence's tokens past the ``sent`` first outputs (and its finish), or None if none."""
-    start = seq.num_prompt_tokens + sent
-    new = seq.token_ids[start:]
-    if not new and seq.finish_reason is None:
-        return None
+class _Live:
+    """A request handed to the engine: its API server process and what its deltas have reported."""
+
+    __slots__ = ("client", "ended", "reported", "request")
+
+    def __init__(self, request: Request, client: int) -> None:
+        self.request = request
+        self.client = client
+        # Per sequence: the end of its ``token_ids`` reported so far (the prompt's end at first),
+        # and whether its finish was reported.
+        self.reported = [seq.num_prompt_tokens for seq in request.seqs]
+        self.ended = [False] * len(request.seqs)
+
+
+def _seq_delta(seq: Sequence, start: int, end: int) -> SeqDelta:
+    """The sequence's tokens ``token_ids[start:end]`` (and its finish, once finished)."""
+    new = seq.token_ids[start:end]
     lps = None
     if seq.logprobs is not None:
-        lps = [(t, lp.logprob, list(lp.top)) for t, lp in zip(new, seq.logprobs[sent:])]
+        first = start - seq.num_prompt_tokens
+        lps = [(t, lp.logprob, list(lp.top)) for t, lp in zip(new, seq.logprobs[first:])]
     if seq.finish_reason is None:
         return SeqDelta(seq.index, new, logprobs=lps)
     return SeqDelta(seq.index, new, seq.finish_reason, seq.error, seq.request_error, lps)
