@@ -60,6 +60,7 @@ import numpy as np
 import torch
 
 from ngrammar.attention.metadata import AttentionBackend, AttentionMetadata, shift_rows
+from ngrammar.runner.transfer import Staging, scatter_table
 
 if TYPE_CHECKING:
     from ngrammar.runner.model_runner import ModelRunner, StepInput
@@ -256,12 +257,9 @@ class CUDAGraphRunner:
     # ------------------------------------------------------------- set-up
     def _init_buffers(self) -> None:
         device = self.runner.device
-        pinned = device.type == "cuda"
-        self._host_raw = torch.zeros(self.layout.nbytes, dtype=torch.uint8, pin_memory=pinned)
-        self._dev_raw = torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=device)
-        self._host = _carve(self._host_raw.numpy(), self.layout, np.int64, np.bool_)
-        self._dev = _carve(self._dev_raw, self.layout, torch.int64, torch.bool)
-        self._dev_raw.copy_(self._host_raw)
+        self._staging = Staging(self.layout.nbytes, torch.uint8, device)
+        self._host = _carve(self._staging.host.numpy(), self.layout, np.int64, np.bool_)
+        self._dev = _carve(self._staging.dev, self.layout, torch.int64, torch.bool)
         # The page table the graphs read. The invariant: every entry names a pool page.
         self._table = torch.full(
             (self.max_batch_size, self.layout.max_pages), self.dummy_page, dtype=torch.int64, device=device
@@ -269,8 +267,6 @@ class CUDAGraphRunner:
         self._logits = torch.empty(
             (self.layout.max_tokens, self.runner.vocab_size), dtype=torch.float32, device=device
         )
-        # Recorded after each upload: the host buffer is refilled only once the last copy has read it.
-        self._uploaded = torch.cuda.Event() if pinned else None
         self._arange = np.arange(self.widths[-1], dtype=np.int64)  # [W_max] token index inside a row
         self._rows = np.arange(self.max_batch_size, dtype=np.int64)[:, None]  # [max_bs, 1] row index
         # (first, bucket, width) of the padding now staged: a step with the same triple skips
@@ -505,19 +501,14 @@ class CUDAGraphRunner:
     def _claim_host(self) -> None:
         """Wait until the last upload has read the host buffer (normally long done: a step's upload
         is queued right after the previous step's sampling, which the host has waited for, or is
-        about to, before it stages again). A host-side event wait, not a stream or device sync."""
-        if self._uploaded is not None:
-            self._uploaded.synchronize()
+        about to, before it stages again)."""
+        self._staging.claim()
 
     def _upload(self, bucket: int, table_width: int) -> None:
         """One host->device copy of the step's prefix of the buffer (non-blocking from pinned), then
         its packed page tables into the static table, on the device."""
-        nbytes = self.layout.bytes_for(bucket, table_width)
-        self._dev_raw[:nbytes].copy_(self._host_raw[:nbytes], non_blocking=True)
-        if self._uploaded is not None:
-            self._uploaded.record()
-        packed = self._dev.page_table[: bucket * table_width].view(bucket, table_width)
-        self._table[:bucket, :table_width].copy_(packed)
+        self._staging.upload(self.layout.bytes_for(bucket, table_width))
+        scatter_table(self._table, self._dev.page_table, bucket, table_width)
 
 
 __all__ = ["CUDAGraphRunner", "STANDARD_BUCKETS", "batch_buckets", "graph_capturable"]

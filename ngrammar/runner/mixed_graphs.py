@@ -33,6 +33,7 @@ import torch
 from ngrammar.attention.metadata import AttentionMetadata, shift_rows
 from ngrammar.model.llama import LlamaForCausalLM
 from ngrammar.runner.cuda_graph import bucket_table, buckets
+from ngrammar.runner.transfer import Staging, scatter_table
 
 # Token buckets: fine steps where small prefills land, every 64 tokens above 128.
 _SMALL_BUCKETS = (16, 32, 64, 96, 128)
@@ -99,13 +100,12 @@ class MixedGraphs:
         # the step's page tables, packed [B, width], then scattered into the static table on the
         # device: a step uploads its own width, not max_pages per row
         total = self._table_offset + s * self.max_pages
-        self._host_raw = torch.zeros(total, dtype=torch.int64, pin_memory=True)
-        self._dev_raw = torch.zeros(total, dtype=torch.int64, device=device)
+        self._staging = Staging(total, torch.int64, device)
         self._host, self._dev = {}, {}
         offset = 0
         for name, n in sizes.items():
-            self._host[name] = self._host_raw.numpy()[offset : offset + n]
-            self._dev[name] = self._dev_raw[offset : offset + n]
+            self._host[name] = self._staging.host.numpy()[offset : offset + n]
+            self._dev[name] = self._staging.dev[offset : offset + n]
             offset += n
         # the invariant: every entry names a pool page (rows past a request's pages are never read)
         self._dev_table = torch.full((s, self.max_pages), dummy_page, dtype=torch.int64, device=device)
@@ -113,8 +113,7 @@ class MixedGraphs:
         # Padding token i writes dummy-page offset i % page_size.
         self._pad_slots = dummy_page * ps + np.arange(t, dtype=np.int64) % ps
         self._host["slots"][:] = self._pad_slots
-        self._dev_raw.copy_(self._host_raw)
-        self._uploaded = torch.cuda.Event()
+        self._staging.upload()
 
     # ------------------------------------------------------------ capture
     @torch.inference_mode()
@@ -147,7 +146,7 @@ class MixedGraphs:
         h["q_start"][0] = 0
         h["positions"][:tokens] = 0
         h["slots"][:tokens] = self._pad_slots[:tokens]
-        self._upload(0)
+        self._staging.upload(self._table_offset)
         meta = self._metadata(tokens, seqs, kv)
         plan = self.backend.plan(meta, kv_len_bound=kv, token_bound=tokens, scratch=self._scratch)
         torch.cuda.synchronize()
@@ -206,7 +205,7 @@ class MixedGraphs:
         seqs = self._seqs(tokens)
         kv = next(k for k in self.kv_buckets if k >= max_kv_len)
         entry = self._entries[(tokens, kv)]
-        self._uploaded.synchronize()  # the last upload has read the host buffer (normally long done)
+        self._staging.claim()  # the last upload has read the host buffer (normally long done)
         h = self._host
         h["ids"][:t] = ids
         h["positions"][:t] = positions
@@ -221,12 +220,10 @@ class MixedGraphs:
         h["q_start"][b + 1 : seqs + 1] = t
         width = table.shape[1]
         packed = b * width
-        self._host_raw.numpy()[self._table_offset : self._table_offset + packed] = table.reshape(-1)
-        self._upload(packed)
+        self._staging.host.numpy()[self._table_offset : self._table_offset + packed] = table.reshape(-1)
+        self._staging.upload(self._table_offset + packed)
+        scatter_table(self._dev_table, self._staging.dev[self._table_offset :], b, width)
         d = self._dev
-        self._dev_table[:b, :width].copy_(
-            self._dev_raw[self._table_offset : self._table_offset + packed].view(b, width)
-        )
         if input_ids is not None:
             d["ids"][:t].copy_(input_ids)
         if offsets is not None:
@@ -238,9 +235,3 @@ class MixedGraphs:
     def last_slots(self, tokens: int) -> torch.Tensor:
         """[tokens] int64: the KV slots of the last replay's real tokens (valid until the next)."""
         return self._dev["slots"][:tokens]
-
-    def _upload(self, table_entries: int) -> None:
-        """One host->device copy: the vectors and ``table_entries`` packed page-table entries."""
-        n = self._table_offset + table_entries
-        self._dev_raw[:n].copy_(self._host_raw[:n], non_blocking=True)
-        self._uploaded.record()
