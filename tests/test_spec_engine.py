@@ -482,6 +482,38 @@ def test_acceptance_is_learned_per_match_length_and_biased_per_request() -> None
     assert not policy.acceptance.seq_bias
 
 
+def test_constrained_batches_learn_acceptance_apart_from_free_text() -> None:
+    # Regression: one model served both, and free text's low acceptance at short matches priced
+    # JSON-schema steps (forced text, forbidden drafts dropped) at a third of what they accepted.
+    policy = AdaptiveDraftPolicy(max_width=8)
+    json = "json_schema"
+    assert policy.expected_drafts("j", 1, 8, json) > 2 * policy.expected_drafts("t", 1, 8)
+    free = policy.expected_drafts("t", 1, 8)
+    for _ in range(6):  # constrained verify steps at match length 1 that accept nothing ...
+        w = policy.choose(["j"], lambda: [1], json)
+        policy.observe(1, w, 0.05, None if w == 1 else {"j": 0}, json)
+    assert policy.expected_drafts("j", 1, 8, json) < policy.params.prior_continue_constrained[1]
+    assert policy.expected_drafts("t", 1, 8) == free  # ... teach the free-text model nothing
+    policy.forget(["j"])
+    assert not policy.constrained.seq_bias
+
+
+def test_a_called_off_verify_step_teaches_acceptance_only_where_it_drained_a_chain() -> None:
+    # Without overlap (a CPU) a call-off costs only the drafting: a plain step runs instead, so the
+    # width was as good as plain there, and the verify steps that do launch price it. Taught as
+    # zero accepted, it priced constrained steps (whose trees are often all forbidden drafts) low.
+    policy = AdaptiveDraftPolicy(max_width=8)
+    policy._lengths["j"] = 1
+    json = "json_schema"
+    before = policy.expected_drafts("j", 1, 8, json)
+    for _ in range(5):
+        policy.observe_vetoed(1, 8, json, ["j"])
+    assert policy.expected_drafts("j", 1, 8, json) == before
+    for _ in range(5):
+        policy.observe_vetoed(1, 8, json, ["j"], drained=True)
+    assert policy.expected_drafts("j", 1, 8, json) < before / 2
+
+
 def test_each_request_keeps_its_own_bias_at_the_same_match_length() -> None:
     policy = AdaptiveDraftPolicy(max_width=8)
     for _ in range(12):  # the timing steps verify at every width
@@ -679,6 +711,27 @@ def test_plain_steps_skip_indexing_where_it_would_cost_a_share_of_the_step() -> 
     spec.generate(prompts, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     assert calls[0] == 1 and calls[1:] and set(calls[1:]) == {2}
     assert upkeep._index_cost < 1.0
+
+
+def test_constrained_plain_steps_draft_no_shadow_trees(spec_llm: LLM) -> None:
+    # Shadow trees are corpus trees; a constrained verify step drafts under its grammar and
+    # accepts far more: their walks would teach the constrained model too little.
+    eng = spec_llm.engine
+    config = eng.config.speculative
+    assert config is not None
+    policy = AdaptiveDraftPolicy(max_width=8)
+    for grammar in (NO_GRAMMAR, NO_GRAMMAR, "json_schema", "json_schema"):
+        policy.observe(1, 1, 0.004, grammar=grammar)  # plain steps timed: shadows get a budget
+    seq = Sequence("shadow-0", 0, list(range(200, 230)), SamplingParams(max_tokens=4), eng.tokenizer, 0, 512)
+    upkeep = CorpusUpkeep(
+        config, NgramCorpus.from_config(config), policy, copy.copy(eng.stats), torch.device("cpu")
+    )
+    shadowed: list[str] = []
+    upkeep._shadow_step = lambda seqs, budget: shadowed.append("step")  # type: ignore[method-assign]
+    upkeep.index_plain_step([seq], 0.0, "json_schema")
+    assert shadowed == []
+    upkeep.index_plain_step([seq], 0.0, NO_GRAMMAR)
+    assert shadowed == ["step"]
 
 
 def test_plain_steps_index_while_the_host_would_wait_for_the_device(spec_llm: LLM) -> None:

@@ -311,7 +311,8 @@ class LLMEngine:
         batch = self.scheduler.schedule(self._decode_width)
         self.stats.prefix_cache_query_tokens = self.blocks.query_tokens
         self.stats.prefix_cache_hit_tokens = self.blocks.hit_tokens
-        if self._policy_drained and batch.decode and batch.width == 1:
+        drained = self._policy_drained
+        if drained and batch.decode and batch.width == 1:
             self.stats.false_drains += 1
         self._policy_drained = False
         tail, self._verify_tail = self._verify_tail, None
@@ -328,7 +329,7 @@ class LLMEngine:
             return "idle", 0, 1
         if batch.width > 1:
             pending = self.speculator.launch_verify(
-                batch.decode, batch.width, self._step_start, self.pipeline, self.chain_verify
+                batch.decode, batch.width, self._step_start, self.pipeline, self.chain_verify, drained
             )
             if pending is not None:  # (narrower than batch.width where the trees were trimmed)
                 if self.pipeline:

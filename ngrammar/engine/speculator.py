@@ -58,6 +58,7 @@ class Speculator(Protocol):
         launched: float,
         prepare: bool = False,
         chain: bool = False,
+        drained: bool = False,
     ) -> PendingVerify | None: ...
 
 
@@ -116,5 +117,6 @@ class NoSpeculation:
         launched: float,
         prepare: bool = False,
         chain: bool = False,
+        drained: bool = False,
     ) -> PendingVerify | None:
         return None

@@ -318,16 +318,18 @@ class NgramSpecWorker:
         launched: float,
         prepare: bool = False,
         chain: bool = False,
+        drained: bool = False,
     ) -> PendingVerify | None:
         """Launch one verify step drafting ``width`` nodes per sequence and start reading its
         result back; None when no draft was left to verify (the caller runs a plain step).
         ``prepare`` (pipelined verify): then draft the next trees for the likely outcome
         (``prepare_next``) while the forward runs, before anything waits for it. ``chain``: keep
-        the device result a plain step chained out of this one starts from (``PendingVerify``)."""
+        the device result a plain step chained out of this one starts from (``PendingVerify``).
+        ``drained``: the overlap chain was drained for this step (a call-off then wasted it)."""
         runner = self.runner
         chosen, t0 = width, time.perf_counter()
         with self._no_sync_region():
-            proposal = self._propose(seqs, width)
+            proposal = self._propose(seqs, width, drained)
             if proposal is None:
                 return None
             tree = proposal.tree
@@ -404,13 +406,12 @@ class NgramSpecWorker:
         at every step)."""
         return self.policy.reason != "time"
 
-    def _propose(self, seqs: list[Sequence], width: int) -> Proposal | None:
+    def _propose(self, seqs: list[Sequence], width: int, drained: bool) -> Proposal | None:
         """This step's trees (``DraftProposer.propose``), trimmed (``_trims``) to the narrowest
         width that holds the nodes worth verifying: padding is there only to fill D, and a
         forbidden draft is masked out of its parent's logits, so neither can be accepted. None: no
-        member kept a draft, so the step would emit one token per member at a verify step's cost:
-        the policy learns that each member accepted nothing (as that step would have taught it) and
-        the caller runs a plain step instead. A constrained batch's grammars settle here, before
+        member kept a draft, and the caller runs a plain step instead: the policy hears of it
+        (``observe_vetoed``; ``drained``: the call-off cost a drained chain). A constrained batch's grammars settle here, before
         the launch; the bitmask rows are still built while the forward runs."""
         grammar = grammar_class(s.params.grammar_kind for s in seqs)
         if grammar != NO_GRAMMAR:
@@ -429,7 +430,7 @@ class NgramSpecWorker:
         self.stats.draft_seconds += time.perf_counter() - t
         if proposal is None:
             self.stats.vetoed_steps += 1
-            self.policy.observe_vetoed(len(seqs), width, grammar, [s.seq_id for s in seqs])
+            self.policy.observe_vetoed(len(seqs), width, grammar, [s.seq_id for s in seqs], drained)
             return None
         self.stats.grammar_pruned_nodes += proposal.pruned
         return proposal

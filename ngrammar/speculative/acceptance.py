@@ -88,14 +88,17 @@ class AcceptanceModel:
     """First-draft rates per (width, match length), continuation rates per match length, tree
     depths per (width, match length) and a bias per sequence; ``expected`` prices a batch."""
 
-    def __init__(self, widths: Sequence[int], params: AdaptiveParams) -> None:
+    def __init__(
+        self, widths: Sequence[int], params: AdaptiveParams, prior: Sequence[float] | None = None
+    ) -> None:
         self.params = params
         self.widths = list(widths)  # the draft widths (> 1), narrowest first
-        prior = params.prior_continue
+        # per match length, before any sample (``params.prior_continue`` by default)
+        self.prior = tuple(params.prior_continue if prior is None else prior)
         self.first: dict[tuple[int, int], Rate] = {
-            (w, n): self._prior(p) for w in self.widths for n, p in enumerate(prior)
+            (w, n): self._prior(p) for w in self.widths for n, p in enumerate(self.prior)
         }
-        self.cont: list[Rate] = [self._prior(p) for p in prior]
+        self.cont: list[Rate] = [self._prior(p) for p in self.prior]
         self.seq_bias: dict[str, SeqBias] = {}
         self._depth: dict[tuple[int, int], Ema] = {}  # (width, match length) -> tree depth
         # Read several times per step, changed only by ``learn`` (which clears them):
@@ -190,7 +193,7 @@ class AcceptanceModel:
             first = self.first
             rates = self._rates[width] = [
                 (first[(width, n)].p if (width, n) in first else p, self.cont[n].p)
-                for n, p in enumerate(self.params.prior_continue)
+                for n, p in enumerate(self.prior)
             ]
         return rates
 
@@ -238,7 +241,7 @@ class AcceptanceModel:
         for n in range(1, MAX_MATCH + 1):
             c = counts[n]
             if c[0] or c[1]:
-                rate = self.first.setdefault((width, n), self._prior(prm.prior_continue[n]))
+                rate = self.first.setdefault((width, n), self._prior(self.prior[n]))
                 rate.update(c[0], c[1], prm.global_decay)
             if c[2] or c[3]:
                 self.cont[n].update(c[2], c[3], prm.global_decay)

@@ -4,7 +4,8 @@
 - ``ThresholdDraftPolicy``: D when some member's context suffix of at least ``min_match`` tokens
   has been seen continued by the n-gram corpus, else plain. No timing, no learning.
 - ``AdaptiveDraftPolicy``: the width with the best expected tokens per second from measured step
-  costs (``step_costs.StepCosts``) and learned acceptance (``acceptance.AcceptanceModel``).
+  costs (``step_costs.StepCosts``) and learned acceptance (``acceptance.AcceptanceModel``; one for
+  free text, one for constrained batches, which accept far more at the same match length).
 
 The adaptive policy speculates only when a width beats plain decoding by ``margin`` (timings are
 noisy). The match lengths (the longest suffix of each context that the corpus has seen followed by
@@ -121,7 +122,9 @@ class DraftPolicy(Protocol):
         restart: float | None = None,
     ) -> None: ...
 
-    def observe_vetoed(self, batch_size: int, width: int, grammar: str, seq_ids: Sequence[str]) -> None: ...
+    def observe_vetoed(
+        self, batch_size: int, width: int, grammar: str, seq_ids: Sequence[str], drained: bool = False
+    ) -> None: ...
 
     def observe_shadow(self, width: int, samples: Sequence[tuple[str, int, int, bool, int]]) -> None: ...
 
@@ -155,7 +158,9 @@ class _TimedPolicy:
         b = bucket_of(batch_size, grammar)
         self.costs.record(b, width, seconds * b[0] / max(batch_size, 1))
 
-    def observe_vetoed(self, batch_size: int, width: int, grammar: str, seq_ids: Sequence[str]) -> None:
+    def observe_vetoed(
+        self, batch_size: int, width: int, grammar: str, seq_ids: Sequence[str], drained: bool = False
+    ) -> None:
         pass  # nothing learned: the next step decides afresh
 
     def observe_shadow(self, width: int, samples: Sequence[tuple[str, int, int, bool, int]]) -> None:
@@ -221,7 +226,11 @@ class AdaptiveDraftPolicy:
         self.params = params or AdaptiveParams()
         self.widths = width_ladder(max_width)
         self.costs = StepCosts(self.widths)
+        # Constrained sequences accept far more at a match length than free text: learned apart.
         self.acceptance = AcceptanceModel(self.widths[1:], self.params)
+        self.constrained = AcceptanceModel(
+            self.widths[1:], self.params, self.params.prior_continue_constrained
+        )
         self.reason = ""
         # For the last exploit or explore decision: seq id -> (match length, accepted drafts expected)
         # at the width chosen (for calibration: ``benchmarks/bench_calibration.py``).
@@ -242,9 +251,13 @@ class AdaptiveDraftPolicy:
     def step_cost(self, bucket: Bucket, width: int) -> float | None:
         return self.costs.cost(bucket, width)
 
-    def expected_drafts(self, seq_id: str, match_length: int, width: int) -> float:
+    def model(self, grammar: str) -> AcceptanceModel:
+        """The acceptance model of a batch of this grammar class."""
+        return self.acceptance if grammar == NO_GRAMMAR else self.constrained
+
+    def expected_drafts(self, seq_id: str, match_length: int, width: int, grammar: str = NO_GRAMMAR) -> float:
         """Accepted drafts expected from one verify step of ``seq_id`` at this match length and width."""
-        return self.acceptance.expected_drafts(seq_id, match_length, width)
+        return self.model(grammar).expected_drafts(seq_id, match_length, width)
 
     def choose(
         self,
@@ -283,10 +296,11 @@ class AdaptiveDraftPolicy:
         b = bucket_of(len(seq_ids), grammar)
         now = self._steps.get(b, 0)
         costs = self.costs.bucket_costs(b)
+        model = self.model(grammar)
         for w in widths:  # plain first, then each width with no cost known or borrowable, twice
             if costs[w] is None:
                 if w > 1:
-                    self._probe(seq_ids, match_lengths, ahead)
+                    self._probe(seq_ids, match_lengths, ahead, model)
                 return w, "time"
         plain = costs[1]
         assert plain is not None  # every width has a cost from here on
@@ -313,13 +327,13 @@ class AdaptiveDraftPolicy:
             self._explore_at[b] = now + self._explore_gap(b, widths[-1])
             exploring = False
         if not exploring:
-            first, p = self.acceptance.best_rates(seq_ids)
+            first, p = model.best_rates(seq_ids)
             if par is None and not any(
                 _rate(costs[w], w, run_length2(first, p, w - 1)) > bar for w in widths[1:]
             ):
                 return 1, "hopeless"  # no width could win even at the best match length: skip the probe
         probed = time.perf_counter()
-        lengths, expected = self._probe(seq_ids, match_lengths, ahead)
+        lengths, expected = self._probe(seq_ids, match_lengths, ahead, model)
         if expected is None:  # every tree would be padding: nothing to gain, nothing to explore
             self._probe_at[b] = now + self._probe_gap(b, len(seq_ids), plain, probed)
             return 1, "no match"
@@ -375,14 +389,20 @@ class AdaptiveDraftPolicy:
         return max(self.params.explore_every, math.ceil((ratio - 1.0) / self.params.explore_overhead))
 
     def _probe(
-        self, seq_ids: Sequence[str], match_lengths: MatchLengths, ahead: bool = False
+        self,
+        seq_ids: Sequence[str],
+        match_lengths: MatchLengths,
+        ahead: bool = False,
+        model: AcceptanceModel | None = None,
     ) -> tuple[Sequence[int], dict[int, list[float]] | None]:
         """The batch's match lengths, and the drafts each member is expected to accept per width
         (None when no member has a match, and never ``ahead``, where a length-0 member may reach
-        length 1); updates each member's outlook unless ``ahead``."""
+        length 1), by ``model`` (the unconstrained one by default); updates each member's outlook
+        unless ``ahead``."""
         lengths = match_lengths()
         self._lengths.update(zip(seq_ids, lengths))
-        expected = self.acceptance.expected(seq_ids, lengths, ahead=ahead) if ahead or any(lengths) else None
+        model = self.acceptance if model is None else model
+        expected = model.expected(seq_ids, lengths, ahead=ahead) if ahead or any(lengths) else None
         if ahead:
             return lengths, expected
         widest = None if expected is None else expected[self.max_width]
@@ -452,7 +472,7 @@ class AdaptiveDraftPolicy:
         if width == 1 or not drafts:
             return
         lengths = self._lengths
-        self.acceptance.learn(
+        self.model(grammar).learn(
             width,
             [
                 (
@@ -467,15 +487,21 @@ class AdaptiveDraftPolicy:
         )
         self._defer_retry(b, now + 1, width)
 
-    def observe_vetoed(self, batch_size: int, width: int, grammar: str, seq_ids: Sequence[str]) -> None:
+    def observe_vetoed(
+        self, batch_size: int, width: int, grammar: str, seq_ids: Sequence[str], drained: bool = False
+    ) -> None:
         """A verify step of ``width`` nodes was called off before its launch: the members' trees held
         no draft to verify, only padding or drafts their grammars forbid
-        (``NgramSpecWorker._propose``), so each would have accepted nothing. That teaches
-        acceptance as the step would have (a plain step runs instead and is timed as one), and a
-        width that was re-tried waits for its next re-try."""
-        self.acceptance.learn(
-            width, [(seq_id, self._lengths.get(seq_id, 0), 0, False, None) for seq_id in seq_ids]
-        )
+        (``NgramSpecWorker._propose``), and a plain step ran instead. Where the call-off cost
+        nothing but the drafting (``drained`` False: no overlap chain was drained for it), choosing
+        the width was as good as plain: nothing is learned, and the verify steps that did launch
+        price it alone (a width wins when it beats plain on the steps it verifies). Where a chain
+        was drained for it, each member is taught to have accepted nothing, as the verify step
+        would have. Either way a width that was re-tried waits for its next re-try."""
+        if drained:
+            self.model(grammar).learn(
+                width, [(seq_id, self._lengths.get(seq_id, 0), 0, False, None) for seq_id in seq_ids]
+            )
         b = bucket_of(batch_size, grammar)
         self._defer_retry(b, self._steps.get(b, 0) + 1, width)
 
@@ -486,8 +512,8 @@ class AdaptiveDraftPolicy:
 
     def observe_shadow(self, width: int, samples: Sequence[tuple[str, int, int, bool, int]]) -> None:
         """Walks of shadow trees of ``width`` nodes drafted during plain steps (``ShadowDrafts``),
-        each (seq id, match length, accepted drafts, censored, tree depth): they teach acceptance
-        as a verify step's would, and while they keep coming, re-trying a losing width to keep
+        each (seq id, match length, accepted drafts, censored, tree depth) of unconstrained batches
+        (``CorpusUpkeep._shadow_step``): they teach acceptance as a verify step's would, and while they keep coming, re-trying a losing width to keep
         the estimates from getting stuck is not needed (``_decide``)."""
         if not samples:
             return
@@ -533,6 +559,7 @@ class AdaptiveDraftPolicy:
             self._lengths.pop(seq_id, None)
             self._outlook.pop(seq_id, None)
         self.acceptance.forget(seq_ids)
+        self.constrained.forget(seq_ids)
 
 
 POLICIES = ("adaptive", "threshold", "fixed")

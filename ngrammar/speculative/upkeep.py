@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from ngrammar.speculative.corpus import NgramCorpus
 from ngrammar.speculative.shadow import ShadowDrafts
+from ngrammar.speculative.step_costs import NO_GRAMMAR
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -140,7 +141,10 @@ class CorpusUpkeep:
             self._plain_skips += 1
             if self._plain_skips % PLAIN_INDEX_RETRY == 0:
                 self.index_outputs([seqs[(self._plain_skips // PLAIN_INDEX_RETRY) % len(seqs)]])
-        if plain is not None:  # shadows share the idle time with indexing, or have their own small share
+        # Shadows share the idle time with indexing, or have their own small share; none in a
+        # constrained batch: they are corpus trees, and its verify steps draft under the grammar
+        # (forced text, forbidden drafts dropped), which accepts far more (``policy.model``).
+        if plain is not None and grammar == NO_GRAMMAR:
             self._shadow_step(seqs, max(SHADOW_SHARE * plain, idle - (time.perf_counter() - t)))
         self._plain_host_seconds = time.perf_counter() - t
         self._plain_host_step = self.stats.steps
