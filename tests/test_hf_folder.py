@@ -238,11 +238,23 @@ def test_an_interrupted_gguf_conversion_is_redone_whole(
     processes converting at once could rename each other's file away."""
     from ngrammar.model.loader import embedded_model_path
 
-    monkeypatch.setenv("NGRAMMAR_CACHE_DIR", str(tmp_path / "cache"))
-    folder = resolve_checkpoint(embedded_model_path()).tokenizer_dir
-    (folder / "complete").unlink()
+    # The state a conversion killed while writing tokenizer.json leaves, made from the session
+    # cache's conversion rather than by converting first: its files without the "complete" mark,
+    # the tokenizer cut short. The weights are linked (the conversion replaces them by a rename).
+    done = resolve_checkpoint(embedded_model_path()).tokenizer_dir
+    folder = tmp_path / "cache" / done.name
+    folder.mkdir(parents=True)
+    for f in done.iterdir():
+        if not f.is_file() or f.name in ("complete", "tokenizer.json"):
+            continue
+        if f.suffix == ".safetensors":
+            (folder / f.name).symlink_to(f)
+        else:
+            shutil.copy(f, folder / f.name)
     tokenizer = folder / "tokenizer.json"
-    tokenizer.write_text(tokenizer.read_text()[:1000])
+    tokenizer.write_text((done / "tokenizer.json").read_text()[:1000])
+    monkeypatch.setenv("NGRAMMAR_CACHE_DIR", str(tmp_path / "cache"))
     ckpt = resolve_checkpoint(embedded_model_path())
     json.loads(tokenizer.read_text())
     assert ckpt.tokenizer_dir == folder and not [f.name for f in folder.iterdir() if ".tmp-" in f.name]
+    assert not (folder / "model.safetensors").is_symlink()  # the weights were written again too

@@ -327,15 +327,10 @@ def response_text(endpoint: str, body: dict[str, Any]) -> str:
 
 
 def offline_texts(llm: LLM, work: list[tuple[str, dict[str, Any], Any, SamplingParams]]) -> list[str]:
-    """The offline API's texts for the workload: chats and plain prompts as one batch each."""
-    chats = [i for i, w in enumerate(work) if isinstance(w[2], list)]
-    plain = [i for i, w in enumerate(work) if not isinstance(w[2], list)]
-    texts: dict[int, str] = {}
-    outs = llm.chat([work[i][2] for i in chats], [work[i][3] for i in chats])
-    texts.update((i, o.text) for i, o in zip(chats, outs))
-    outs = llm.generate([work[i][2] for i in plain], [work[i][3] for i in plain])
-    texts.update((i, o.text) for i, o in zip(plain, outs))
-    return [texts[i] for i in range(len(work))]
+    """The offline API's texts for the workload, in one batch: chats as the ids ``LLM.chat`` renders
+    them to (``LLMEngine.tokenize``), plain prompts as text."""
+    prompts = [llm.engine.tokenize(w[2]) if isinstance(w[2], list) else w[2] for w in work]
+    return [o.text for o in llm.generate(prompts, [w[3] for w in work])]
 
 
 def test_concurrent_mixed_requests_match_offline(http: httpx.Client, offline: LLM) -> None:

@@ -332,7 +332,7 @@ def test_docs_are_behind_the_key_and_the_key_precedes_the_body(engine: LLMEngine
 
 
 def test_health_reports_a_step_that_does_not_finish(engine: LLMEngine) -> None:
-    prompt = "The quick brown fox jumps over the lazy dog. " * 150  # ~1,500 tokens: a long prefill
+    prompt = "The quick brown fox jumps over the lazy dog. " * 30  # ~300 tokens: a prefill of ~1 s
     with serving(engine, stall_timeout_s=0.05) as client:
         result: list[httpx.Response] = []
         thread = threading.Thread(
@@ -413,40 +413,62 @@ def test_grammar_bombs_are_answered_in_bounded_time_and_memory(
 # ------------------------------------------------------------ shutdown
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_signal_drains_the_server_and_it_exits_within_15_s(tmp_path: Path, sig: signal.Signals) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{s.getsockname()[1]}"
-    cmd = [sys.executable, "-m", "ngrammar.cli", "serve", "--port", url.rsplit(":", 1)[1], "--device", "cpu"]
-    cmd += ["--dtype", "float32", "--kv-cache-tokens", "4096"]
-    log = (tmp_path / "serve.log").open("w")
+SIGNALS = [signal.SIGTERM, signal.SIGINT]
+
+
+@pytest.fixture(scope="module")
+def signal_servers(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[signal.Signals, tuple[subprocess.Popen[bytes], str, Path]]]:
+    """One ``ngrammar serve`` process per signal, all started at once (each test stops its own):
+    (process, URL, log file)."""
     root = Path(__file__).resolve().parent.parent
-    proc = subprocess.Popen(
-        cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, stdout=log, stderr=log
-    )
+    servers: dict[signal.Signals, tuple[subprocess.Popen[bytes], str, Path]] = {}
+    logs = []
     try:
-        deadline = time.monotonic() + 900
-        while not _healthy(url):
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
-            time.sleep(0.5)
-        long = {"prompt": "Count to a thousand:", "max_tokens": 3000, "temperature": 0}
-        replies: list[int | str] = []
-        client = threading.Thread(target=lambda: replies.append(_post_status(url, long)), daemon=True)
-        client.start()
-        while httpx.get(url + "/server_info", timeout=10).json()["num_inflight"] == 0:
-            assert client.is_alive()
-            time.sleep(0.05)
-        proc.send_signal(sig)
-        proc.wait(15)  # raises if the server is still up
-        client.join(15)
-        assert replies and not client.is_alive()  # the request in flight was answered or cut off
-        assert proc.returncode != -signal.SIGALRM, "the drain did not finish: the exit alarm ended it"
+        for sig in SIGNALS:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = str(s.getsockname()[1])
+            cmd = [sys.executable, "-m", "ngrammar.cli", "serve", "--port", port, "--device", "cpu"]
+            cmd += ["--dtype", "float32", "--kv-cache-tokens", "4096"]
+            path = tmp_path_factory.mktemp(sig.name) / "serve.log"
+            logs.append(log := path.open("w"))
+            proc = subprocess.Popen(
+                cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, stdout=log, stderr=log
+            )
+            servers[sig] = (proc, f"http://127.0.0.1:{port}", path)
+        yield servers
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
+        for proc, _, _ in servers.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for log in logs:
+            log.close()
+
+
+@pytest.mark.parametrize("sig", SIGNALS, ids=["SIGTERM", "SIGINT"])
+def test_a_signal_drains_the_server_and_it_exits_within_15_s(
+    signal_servers: dict[signal.Signals, tuple[subprocess.Popen[bytes], str, Path]], sig: signal.Signals
+) -> None:
+    proc, url, log = signal_servers[sig]
+    deadline = time.monotonic() + 900
+    while not _healthy(url):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.5)
+    long = {"prompt": "Count to a thousand:", "max_tokens": 3000, "temperature": 0}
+    replies: list[int | str] = []
+    client = threading.Thread(target=lambda: replies.append(_post_status(url, long)), daemon=True)
+    client.start()
+    while httpx.get(url + "/server_info", timeout=10).json()["num_inflight"] == 0:
+        assert client.is_alive()
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    proc.wait(15)  # raises if the server is still up
+    client.join(15)
+    assert replies and not client.is_alive()  # the request in flight was answered or cut off
+    assert proc.returncode != -signal.SIGALRM, "the drain did not finish: the exit alarm ended it"
 
 
 def _healthy(url: str) -> bool:
@@ -466,6 +488,15 @@ def _post_status(url: str, body: dict[str, Any]) -> int | str:
 # ---------------------------------------------------- HTTP-level limits
 
 
+def _whole_reply(reply: bytes) -> bool:
+    head, sep, body = reply.partition(b"\r\n\r\n")
+    for line in head.lower().split(b"\r\n")[1:] if sep else ():
+        name, _, value = line.partition(b":")
+        if name.strip() == b"content-length":
+            return len(body) >= int(value)
+    return False
+
+
 class _Uvicorn:
     def __init__(self, engine: LLMEngine, config: ServerConfig) -> None:
         with socket.socket() as s:
@@ -483,12 +514,13 @@ class _Uvicorn:
             time.sleep(0.05)
 
     def exchange(self, data: bytes, wait_s: float = 30) -> tuple[int, dict[str, Any]]:
-        """Send raw bytes; (status, JSON body) of the reply the server sends on its own."""
+        """Send raw bytes; (status, JSON body) of the reply the server sends on its own. Read until
+        the body's content-length is in (a connection kept alive is not waited out) or the close."""
         with socket.create_connection(("127.0.0.1", self.port)) as s:
             s.settimeout(wait_s)
             s.sendall(data)
             reply = b""
-            while chunk := s.recv(65536):
+            while not _whole_reply(reply) and (chunk := s.recv(65536)):
                 reply += chunk
         head, _, body = reply.partition(b"\r\n\r\n")
         assert b"content-type: application/json" in head.lower(), head
