@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -414,16 +415,26 @@ def test_grammar_bombs_are_answered_in_bounded_time_and_memory(
 
 
 SIGNALS = [signal.SIGTERM, signal.SIGINT]
+EXIT_WITHIN_S = 15
+
+
+@dataclass
+class Drained:
+    """What one ``ngrammar serve`` did when its signal came with a long request in flight."""
+
+    log: str
+    exited_in_time: bool  # within EXIT_WITHIN_S of the signal
+    returncode: int | None
+    replies: list[int | str]  # the request in flight: its status, or the client's error
+    client_done: bool
 
 
 @pytest.fixture(scope="module")
-def signal_servers(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[dict[signal.Signals, tuple[subprocess.Popen[bytes], str, Path]]]:
-    """One ``ngrammar serve`` process per signal, all started at once (each test stops its own):
-    (process, URL, log file)."""
+def drained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[signal.Signals, Drained]]:
+    """One ``ngrammar serve`` process per signal, started at once and each sent its own signal
+    while a 3,000-token request is in flight, so the starts and the drains overlap."""
     root = Path(__file__).resolve().parent.parent
-    servers: dict[signal.Signals, tuple[subprocess.Popen[bytes], str, Path]] = {}
+    procs: dict[signal.Signals, tuple[subprocess.Popen[bytes], str, Path]] = {}
     logs = []
     try:
         for sig in SIGNALS:
@@ -437,10 +448,38 @@ def signal_servers(
             proc = subprocess.Popen(
                 cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, stdout=log, stderr=log
             )
-            servers[sig] = (proc, f"http://127.0.0.1:{port}", path)
-        yield servers
+            procs[sig] = (proc, f"http://127.0.0.1:{port}", path)
+        deadline = time.monotonic() + 900
+        for proc, url, path in procs.values():
+            while not _healthy(url):
+                assert proc.poll() is None and time.monotonic() < deadline, path.read_text()
+                time.sleep(0.5)
+        long = {"prompt": "Count to a thousand:", "max_tokens": 3000, "temperature": 0}
+        clients: dict[signal.Signals, tuple[threading.Thread, list[int | str], float]] = {}
+        for sig, (proc, url, _) in procs.items():
+            replies: list[int | str] = []
+            client = threading.Thread(
+                target=lambda url=url, replies=replies: replies.append(_post_status(url, long)), daemon=True
+            )
+            client.start()
+            while httpx.get(url + "/server_info", timeout=10).json()["num_inflight"] == 0:
+                assert client.is_alive()
+                time.sleep(0.05)
+            proc.send_signal(sig)
+            clients[sig] = (client, replies, time.monotonic())
+        runs = {}
+        for sig, (proc, _, path) in procs.items():
+            client, replies, signalled = clients[sig]
+            try:
+                proc.wait(max(0.0, signalled + EXIT_WITHIN_S - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            exited = proc.poll() is not None
+            client.join(EXIT_WITHIN_S)
+            runs[sig] = Drained(path.read_text(), exited, proc.returncode, replies, not client.is_alive())
+        yield runs
     finally:
-        for proc, _, _ in servers.values():
+        for proc, _, _ in procs.values():
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
@@ -450,25 +489,12 @@ def signal_servers(
 
 @pytest.mark.parametrize("sig", SIGNALS, ids=["SIGTERM", "SIGINT"])
 def test_a_signal_drains_the_server_and_it_exits_within_15_s(
-    signal_servers: dict[signal.Signals, tuple[subprocess.Popen[bytes], str, Path]], sig: signal.Signals
+    drained: dict[signal.Signals, Drained], sig: signal.Signals
 ) -> None:
-    proc, url, log = signal_servers[sig]
-    deadline = time.monotonic() + 900
-    while not _healthy(url):
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-        time.sleep(0.5)
-    long = {"prompt": "Count to a thousand:", "max_tokens": 3000, "temperature": 0}
-    replies: list[int | str] = []
-    client = threading.Thread(target=lambda: replies.append(_post_status(url, long)), daemon=True)
-    client.start()
-    while httpx.get(url + "/server_info", timeout=10).json()["num_inflight"] == 0:
-        assert client.is_alive()
-        time.sleep(0.05)
-    proc.send_signal(sig)
-    proc.wait(15)  # raises if the server is still up
-    client.join(15)
-    assert replies and not client.is_alive()  # the request in flight was answered or cut off
-    assert proc.returncode != -signal.SIGALRM, "the drain did not finish: the exit alarm ended it"
+    run = drained[sig]
+    assert run.exited_in_time, run.log  # the server was still up 15 s after its signal
+    assert run.replies and run.client_done  # the request in flight was answered or cut off
+    assert run.returncode != -signal.SIGALRM, "the drain did not finish: the exit alarm ended it"
 
 
 def _healthy(url: str) -> bool:
