@@ -288,19 +288,27 @@ def test_preemption_under_a_tiny_pool() -> None:
     assert small.engine.blocks.allocator.num_free == small.engine.blocks.allocator.num_pages
 
 
+NEWEST_PROMPTS = ["The meaning of life is", "My favourite recipe for dinner is"]  # ~45 tokens each in all
+NEWEST_PARAMS = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def newest_reference(llm: LLM) -> list[list[int]]:
+    """The session engine's outputs (a pool with room for both) for NEWEST_PROMPTS."""
+    return [o.token_ids for o in llm.generate(NEWEST_PROMPTS, NEWEST_PARAMS)]
+
+
 @pytest.mark.parametrize("speculative", [None, "ngram"])
 def test_the_newest_request_waits_rather_than_fails_when_older_ones_hold_the_pool(
-    llm: LLM, speculative: str | None
+    newest_reference: list[list[int]], speculative: str | None
 ) -> None:
     """Regression: when the sequence that could not grow was itself the newest running one, it
     failed ("the KV cache is too small") although it fits the pool alone; it is preempted now and
     recomputed once the older one has finished."""
-    prompts = ["The meaning of life is", "My favourite recipe for dinner is"]  # ~45 tokens each in all
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     small = LLM(device="cpu", dtype="float32", kv_cache_tokens=64, page_size=16, speculative=speculative)
-    outs = small.generate(prompts, params)
+    outs = small.generate(NEWEST_PROMPTS, NEWEST_PARAMS)
     assert [o.finish_reason for o in outs] == ["length", "length"]
-    assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate(prompts, params)]
+    assert [o.token_ids for o in outs] == newest_reference
     alloc = small.engine.blocks.allocator
     alloc.check_integrity()
     assert alloc.num_free == alloc.num_pages

@@ -550,6 +550,7 @@ def test_prompts_waiting_to_share_a_mixed_step_change_no_token(llm: LLM) -> None
     params = [
         SamplingParams(max_tokens=5 + 2 * i, temperature=0, ignore_eos=True) for i in range(len(prompts))
     ]
+    want = [o.token_ids for o in _arrivals(llm, prompts, params, 3)]
     mixed = {}
     for wait in (0, 4):
         waiting = LLM(
@@ -560,7 +561,7 @@ def test_prompts_waiting_to_share_a_mixed_step_change_no_token(llm: LLM) -> None
             prefill_wait_steps=wait,
         )
         got = _arrivals(waiting, prompts, params, concurrency=3)
-        assert [o.token_ids for o in got] == [o.token_ids for o in _arrivals(llm, prompts, params, 3)]
+        assert [o.token_ids for o in got] == want
         mixed[wait] = waiting.engine.stats.mixed_steps
         waiting.close()
     assert 0 < mixed[4] < mixed[0]
