@@ -36,15 +36,28 @@ def _spec_figures(outs: list[Any]) -> list[tuple[Any, ...]]:
     ]
 
 
-@pytest.mark.parametrize("pipeline", [False, True])
-def test_replay_reproduces_the_recording_and_its_accept_lengths(tiny: Path, pipeline: bool) -> None:
-    params = [SamplingParams(max_tokens=40, temperature=0), SamplingParams(max_tokens=24, temperature=0)]
-    params.append(params[0])
+_LONG = SamplingParams(max_tokens=40, temperature=0)
+RECORD_PARAMS = [_LONG, SamplingParams(max_tokens=24, temperature=0), _LONG]
+
+
+@pytest.fixture(scope="module")
+def recording() -> tuple[list[Any], int]:
+    """The embedded model's NGRAM outputs for PROMPTS from a fresh engine (what each case replays),
+    and that model's hidden size."""
     real = LLM(**SPEC, num_draft_tokens=8)
-    recorded = real.generate(PROMPTS, params)
+    outs = real.generate(PROMPTS, RECORD_PARAMS)
     assert real.engine.stats.verify_emitted > real.engine.stats.verify_steps  # drafts were accepted
+    return outs, real.engine.model_config.hidden_size
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_replay_reproduces_the_recording_and_its_accept_lengths(
+    tiny: Path, recording: tuple[list[Any], int], pipeline: bool
+) -> None:
+    params = RECORD_PARAMS
+    recorded, real_hidden_size = recording
     replay = LLM(str(tiny), **SPEC, num_draft_tokens=8, pipeline_verify=pipeline)
-    assert replay.engine.model_config.hidden_size != real.engine.model_config.hidden_size
+    assert replay.engine.model_config.hidden_size != real_hidden_size
     replay.engine.set_replay(
         ReplayTarget.from_outputs(
             [(o.prompt_token_ids, o.outputs[0].token_ids) for o in recorded],
