@@ -47,26 +47,23 @@ def engine_llm(request, llm: LLM, spec_llm: LLM) -> LLM:  # type: ignore[no-unty
 
 def test_regex_outputs_match(engine_llm: LLM) -> None:
     convs = [_chat(q) for _, q in REGEXES]
-    greedy = engine_llm.chat(
-        convs, [SamplingParams(max_tokens=64, temperature=0, regex=r) for r, _ in REGEXES]
-    )
-    sampled = engine_llm.chat(
-        convs, [SamplingParams(max_tokens=64, temperature=0.5, n=3, seed=3, regex=r) for r, _ in REGEXES]
-    )
-    for (pattern, _), g, s in zip(REGEXES, greedy, sampled):
+    greedy = [SamplingParams(max_tokens=64, temperature=0, regex=r) for r, _ in REGEXES]
+    sampled = [SamplingParams(max_tokens=64, temperature=0.5, n=3, seed=3, regex=r) for r, _ in REGEXES]
+    outs = engine_llm.chat(convs + convs, greedy + sampled)  # one batch: greedy and sampled members
+    for (pattern, _), g, s in zip(REGEXES, outs[: len(REGEXES)], outs[len(REGEXES) :]):
         for c in g.outputs + s.outputs:
             assert c.text.strip() and re.match(pattern, c.text.strip()), (pattern, c.text)
             assert c.finish_reason == "stop"
 
 
 def test_json_schema_outputs_validate(engine_llm: LLM) -> None:
-    greedy = engine_llm.chat(
-        CITY_PROMPT, SamplingParams(max_tokens=64, temperature=0, json_schema=CITY_SCHEMA)
-    )[0]
-    sampled = engine_llm.chat(
-        CITY_PROMPT,
-        SamplingParams(max_tokens=64, temperature=0.5, n=3, seed=1, json_schema=json.dumps(CITY_SCHEMA)),
-    )[0]
+    greedy, sampled = engine_llm.chat(  # one batch: the schema as a dict and as its JSON text
+        [CITY_PROMPT, CITY_PROMPT],
+        [
+            SamplingParams(max_tokens=64, temperature=0, json_schema=CITY_SCHEMA),
+            SamplingParams(max_tokens=64, temperature=0.5, n=3, seed=1, json_schema=json.dumps(CITY_SCHEMA)),
+        ],
+    )
     for c in greedy.outputs + sampled.outputs:
         obj = json.loads(c.text)
         jsonschema.validate(obj, CITY_SCHEMA)
