@@ -13,7 +13,7 @@ setup: $(STAMP) $(KERNELS)
 
 # Python's own CFLAGS less -g: the debug info took a third of the build (43 s -> 29 s on a clean clone).
 $(KERNELS): $(STAMP) ngrammar/csrc/cpu_kernels.cpp ngrammar/csrc/quant_kernels.cpp ngrammar/csrc/build.py
-	CFLAGS="$$($(BIN)/python -c 'import sysconfig; print(" ".join(f for f in sysconfig.get_config_var("CFLAGS").split() if f != "-g"))')" \
+	CFLAGS="$$($(BIN)/python -c 'import sysconfig; print(" ".join(f for f in (sysconfig.get_config_var("CFLAGS") or "").split() if f != "-g"))')" \
 		$(BIN)/python ngrammar/csrc/build.py -q
 	touch $(KERNELS)
 
