@@ -411,8 +411,9 @@ class NgramSpecWorker:
         width that holds the nodes worth verifying: padding is there only to fill D, and a
         forbidden draft is masked out of its parent's logits, so neither can be accepted. None: no
         member kept a draft, and the caller runs a plain step instead: the policy hears of it
-        (``observe_vetoed``; ``drained``: the call-off cost a drained chain). A constrained batch's grammars settle here, before
-        the launch; the bitmask rows are still built while the forward runs."""
+        (``observe_vetoed``; ``drained``: the call-off cost a drained chain). A constrained batch's
+        grammars settle here, before the launch; the bitmask rows are still built while the forward
+        runs."""
         grammar = grammar_class(s.params.grammar_kind for s in seqs)
         if grammar != NO_GRAMMAR:
             t = time.perf_counter()

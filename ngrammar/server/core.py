@@ -238,13 +238,13 @@ class EngineCore:
                 continue
             start, end = reported[i], len(seq.token_ids)
             # (a finish reason is set exactly when a sequence finishes: ``Sequence.finish``)
-            if seq.finish_reason is None:
-                if end != start:
-                    seqs.append(_seq_delta(seq, start, end))
-                    reported[i] = end
+            done = seq.finish_reason is not None
+            if end == start and not done:
                 continue
             seqs.append(_seq_delta(seq, start, end))
-            reported[i], ended[i], ending = end, True, True
+            reported[i] = end
+            if done:
+                ended[i] = ending = True
         if not seqs:
             return None
         if not (ending and all(ended)):

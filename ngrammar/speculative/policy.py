@@ -513,8 +513,9 @@ class AdaptiveDraftPolicy:
     def observe_shadow(self, width: int, samples: Sequence[tuple[str, int, int, bool, int]]) -> None:
         """Walks of shadow trees of ``width`` nodes drafted during plain steps (``ShadowDrafts``),
         each (seq id, match length, accepted drafts, censored, tree depth) of unconstrained batches
-        (``CorpusUpkeep._shadow_step``): they teach acceptance as a verify step's would, and while they keep coming, re-trying a losing width to keep
-        the estimates from getting stuck is not needed (``_decide``)."""
+        (``CorpusUpkeep._shadow_step``): they teach acceptance as a verify step's would, and while
+        they keep coming, re-trying a losing width to keep the estimates from getting stuck is not
+        needed (``_decide``)."""
         if not samples:
             return
         widest = width == self.widths[-1]
