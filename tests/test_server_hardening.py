@@ -539,17 +539,22 @@ class _Uvicorn:
             assert time.monotonic() < deadline and self.thread.is_alive()
             time.sleep(0.05)
 
-    def exchange(self, data: bytes, wait_s: float = 30) -> tuple[int, dict[str, Any]]:
+    def exchange(self, data: bytes, wait_s: float = 30, closes: bool = False) -> tuple[int, dict[str, Any]]:
         """Send raw bytes; (status, JSON body) of the reply the server sends on its own. Read until
-        the body's content-length is in (a connection kept alive is not waited out) or the close."""
+        the body's content-length is in (a connection kept alive is not waited out) or the close;
+        with ``closes``, also assert that the server says so and closes well before keep-alive ends."""
         with socket.create_connection(("127.0.0.1", self.port)) as s:
             s.settimeout(wait_s)
             s.sendall(data)
             reply = b""
             while not _whole_reply(reply) and (chunk := s.recv(65536)):
                 reply += chunk
+            if closes:
+                s.settimeout(1.0)  # the keep-alive timeout is 5 s: a 1 s wait tells the two apart
+                assert s.recv(1) == b"", "the server kept the connection open"
         head, _, body = reply.partition(b"\r\n\r\n")
         assert b"content-type: application/json" in head.lower(), head
+        assert not closes or b"connection: close" in head.lower(), head
         return int(head.split()[1]), json.loads(body)
 
     def stop(self) -> None:
@@ -558,14 +563,19 @@ class _Uvicorn:
 
 
 def test_http_timeouts_connection_cap_and_malformed_requests_get_json(engine: LLMEngine) -> None:
-    config = ServerConfig(header_timeout_s=0.5, read_timeout_s=0.5, max_connections=3)
+    config = ServerConfig(header_timeout_s=0.5, read_timeout_s=0.5, max_connections=3, max_body_mb=1)
     server = _Uvicorn(engine, config)
     try:
         status, body = server.exchange(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow")
         assert status == 408 and "headers" in body["error"]["message"]
         stalled = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"
-        status, body = server.exchange(stalled)
+        # The unread rest of a timed-out body must not be read as the connection's next request.
+        status, body = server.exchange(stalled, closes=True)
         assert status == 408 and "body" in body["error"]["message"]
+        chunk = b"x" * ((1 << 20) + 1)  # no Content-Length: the limit is met while the body streams
+        grown = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        status, body = server.exchange(grown + b"%x\r\n" % len(chunk) + chunk + b"\r\n", closes=True)
+        assert status == 413 and "limit" in body["error"]["message"]
         status, body = server.exchange(b"GARBAGE\r\n\r\n")
         assert status == 400 and body["error"]["type"] == "invalid_request_error"
         held = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(3)]

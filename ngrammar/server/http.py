@@ -96,14 +96,18 @@ class Guard:
                 await _send_error(send, 413, message + f"{self.max_body} bytes", "invalid_request_error")
                 return
         started = False
+        body = _BoundedBody(receive, self.max_body, self.read_timeout_s)
 
         async def noting(message: Message) -> None:
             nonlocal started
-            started = started or message["type"] == "http.response.start"
+            if message["type"] == "http.response.start":
+                started = True
+                if body.cut:  # the body's unread rest must not be parsed as this connection's next request
+                    message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
             await send(message)
 
         try:
-            await self.app(scope, self._bounded(receive), noting)
+            await self.app(scope, body, noting)
         except asyncio.CancelledError:
             # uvicorn cancels what still runs when the shutdown drain ends: answer in OpenAI's shape
             # (503, retry) rather than its plain-text 500 and a logged traceback.
@@ -117,28 +121,36 @@ class Guard:
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
         return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.api_key.encode())
 
-    def _bounded(self, receive: Receive) -> Receive:
-        """``receive`` with the body limit and the read timeout, both until the body has ended
-        (later calls wait for a disconnect, which may take as long as the response does)."""
-        received = 0
-        ended = False
 
-        async def bounded() -> Message:
-            nonlocal received, ended
-            if ended:
-                return await receive()
-            try:
-                message = await asyncio.wait_for(receive(), self.read_timeout_s)
-            except TimeoutError:
-                raise BodyTimeout(self.read_timeout_s) from None
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_body:
-                    raise BodyTooLarge(self.max_body)
-                ended = not message.get("more_body", False)
-            return message
+class _BoundedBody:
+    """``receive`` with the body limit and the read timeout, both until the body has ended (later
+    calls wait for a disconnect, which may take as long as the response does). ``cut`` says a limit
+    ended the body early: the response then closes the connection (h11 does so on ``connection:
+    close``)."""
 
-        return bounded
+    def __init__(self, receive: Receive, max_body: int, read_timeout_s: float) -> None:
+        self.receive = receive
+        self.max_body = max_body
+        self.read_timeout_s = read_timeout_s
+        self.received = 0
+        self.ended = False
+        self.cut = False
+
+    async def __call__(self) -> Message:
+        if self.ended:
+            return await self.receive()
+        try:
+            message = await asyncio.wait_for(self.receive(), self.read_timeout_s)
+        except TimeoutError:
+            self.cut = True
+            raise BodyTimeout(self.read_timeout_s) from None
+        if message["type"] == "http.request":
+            self.received += len(message.get("body", b""))
+            if self.received > self.max_body:
+                self.cut = True
+                raise BodyTooLarge(self.max_body)
+            self.ended = not message.get("more_body", False)
+        return message
 
 
 async def _send_error(send: Send, status: int, message: str, type_: str, code: str | None = None) -> None:
