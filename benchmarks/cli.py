@@ -180,12 +180,14 @@ def run_benchmark(args: argparse.Namespace) -> int:
 
             plain, spec = _llm(args, False), _llm(args, True)
             result = {
-                f"b{b}": run_structured_benchmark(plain, spec, b, args.max_tokens or 64)
+                f"b{b}": run_structured_benchmark(
+                    plain, spec, b, args.max_tokens or 64, repeats=args.repeats or 3
+                )
                 for b in _sizes(args, (1, 8))
             }
             if args.batch_job:
                 result["batch_job"] = run_structured_benchmark(
-                    plain, spec, 0, args.max_tokens or 64, args.batch_job
+                    plain, spec, 0, args.max_tokens or 64, args.batch_job, args.repeats or 3
                 )
         else:
             plain, spec = _llm(args, False), _llm(args, True)

@@ -48,12 +48,12 @@ def meta_for(kv_lens: list[int], q_lens: list[int], tree: bool = False, seed: in
     )
 
 
-def run(meta: AttentionMetadata, dtype: torch.dtype, reference: bool) -> torch.Tensor:
+def run(meta: AttentionMetadata, dtype: torch.dtype, reference: bool, head_dim: int = 16) -> torch.Tensor:
     g = torch.Generator().manual_seed(1)
     t = int(meta.slot_mapping.shape[0])
     pages = int(meta.page_table.max()) + 1
-    q, k, v = (torch.randn(t, h, 16, generator=g).to(dtype) for h in (6, 2, 2))
-    cache = torch.randn(2, pages, PS, 2, 16, generator=g).to(dtype)
+    q, k, v = (torch.randn(t, h, head_dim, generator=g).to(dtype) for h in (6, 2, 2))
+    cache = torch.randn(2, pages, PS, 2, head_dim, generator=g).to(dtype)
     backend = TorchSDPABackend()
     plan = sdpa_plan(meta) if reference else backend.plan(meta)
     assert isinstance(plan, RowPlan) != reference
@@ -70,13 +70,25 @@ CASES = [
 
 
 @pytest.mark.parametrize("kv_lens,q_lens,tree", CASES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# head dim 16: the generic loops; 64 (float32): keys 16 at a time, outputs 64 at a time in registers;
+# 72 and 80: those with a tail of dims (72: not a whole lane group, so keys one at a time)
+@pytest.mark.parametrize(
+    "dtype,head_dim",
+    [
+        (torch.float32, 16),
+        (torch.bfloat16, 16),
+        (torch.float32, 64),
+        (torch.float32, 72),
+        (torch.float32, 80),
+    ],
+)
 def test_row_kernel_matches_the_masked_reference(
-    kv_lens: list[int], q_lens: list[int], tree: bool, dtype: torch.dtype
+    kv_lens: list[int], q_lens: list[int], tree: bool, dtype: torch.dtype, head_dim: int
 ) -> None:
     meta = meta_for(kv_lens, q_lens, tree)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(run(meta, dtype, False), run(meta, dtype, True), rtol=tol, atol=tol)
+    got, want = run(meta, dtype, False, head_dim), run(meta, dtype, True, head_dim)
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("kv_lens,q_lens,tree", CASES)

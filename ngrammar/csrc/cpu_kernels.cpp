@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -52,6 +53,25 @@ inline float dot_lanes(const float* a, const T* b, int64_t n) {
   float s = 0.f;
   for (int j = 0; j < kLanes; ++j) s += acc[j];
   return s;
+}
+
+// dot_lanes of q against 16 keys (n a multiple of 16): each key's lanes as dot_lanes has them, then
+// summed in lane order for the 16 keys together (a lone key's 16 in-order adds wait on each other).
+template <typename T>
+inline void dot_lanes_keys(const float* a, const T* keys, const int64_t* slots, int64_t stride, int64_t n,
+                           float* out) {
+  float acc[kLanes][kLanes];  // [key][lane]
+  for (int c = 0; c < kLanes; ++c) {
+    const T* b = keys + slots[c] * stride;
+    float lanes[kLanes] = {0.f};
+    for (int64_t k = 0; k < n; k += kLanes)
+      for (int j = 0; j < kLanes; ++j) lanes[j] += a[k + j] * static_cast<float>(b[k + j]);
+    for (int j = 0; j < kLanes; ++j) acc[j][c] = lanes[j];
+  }
+  float s[kLanes] = {0.f};
+  for (int j = 0; j < kLanes; ++j)
+    for (int c = 0; c < kLanes; ++c) s[c] += acc[j][c];
+  for (int c = 0; c < kLanes; ++c) out[c] = s[c];
 }
 
 // The 16 lanes as kParts native vectors (one zmm on AVX-512, two ymm on AVX2, four xmm otherwise):
@@ -136,8 +156,12 @@ void attend_row(const float* q, const T* keys, const T* values, const int64_t* s
                                      int64_t count, int64_t stride, int64_t d, float scale, float* scores,
                                      float* out) {
   float top = -std::numeric_limits<float>::infinity();
-  for (int64_t l = 0; l < count; ++l) {
-    scores[l] = dot_lanes(q, keys + slots[l] * stride, d) * scale;
+  int64_t l = 0;
+  if (d % kLanes == 0)
+    for (; l + kLanes <= count; l += kLanes) dot_lanes_keys(q, keys, slots + l, stride, d, scores + l);
+  for (; l < count; ++l) scores[l] = dot_lanes(q, keys + slots[l] * stride, d);
+  for (l = 0; l < count; ++l) {
+    scores[l] *= scale;
     top = scores[l] > top ? scores[l] : top;
   }
   float total = 0.f;
@@ -145,11 +169,26 @@ void attend_row(const float* q, const T* keys, const T* values, const int64_t* s
     scores[l] = std::exp(scores[l] - top);
     total += scores[l];
   }
-  for (int64_t i = 0; i < d; ++i) out[i] = 0.f;
-  for (int64_t l = 0; l < count; ++l) {
+  int64_t i0 = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    // 64 outputs at a time in registers (each still sums its keys in sequence order): accumulating
+    // in ``out`` put a store and a reload between every two keys.
+    constexpr int kChunk = 64, kVecs = kChunk / kWidth;
+    for (; i0 + kChunk <= d; i0 += kChunk) {
+      vec acc[kVecs] = {};
+      for (int64_t l = 0; l < count; ++l) {
+        const float* v = values + slots[l] * stride + i0;
+        const vec p = vec{} + scores[l];
+        for (int c = 0; c < kVecs; ++c) acc[c] += p * load_vec(v + c * kWidth);
+      }
+      __builtin_memcpy(out + i0, acc, sizeof(acc));
+    }
+  }
+  for (int64_t i = i0; i < d; ++i) out[i] = 0.f;
+  for (int64_t l = 0; l < count && i0 < d; ++l) {
     const T* v = values + slots[l] * stride;
     const float p = scores[l];
-    for (int64_t i = 0; i < d; ++i) out[i] += p * static_cast<float>(v[i]);
+    for (int64_t i = i0; i < d; ++i) out[i] += p * static_cast<float>(v[i]);
   }
   for (int64_t i = 0; i < d; ++i) out[i] /= total;
 }
@@ -195,27 +234,36 @@ void paged_attention_impl(const torch::Tensor& q, const torch::Tensor& cache, co
   const bool* mp = tree ? mask.data_ptr<bool>() : nullptr;
   const int64_t max_pages = table.size(1), group = hq / hkv, stride = hkv * d;
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, t * hkv, 1, [&](int64_t begin, int64_t end) {
+  for (int64_t row = 0; row < t; ++row)
+    TORCH_CHECK(kvp[reqp[row]] <= max_pages * ps, "paged_attention: kv index past the page table");
+  // One task per (row, query head), so a one-row step spreads its heads over the threads; a task's
+  // visible slots come page by page (no division per key). Which thread runs a task never changes
+  // its numbers.
+  at::parallel_for(0, t * hq, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> slots;
     std::vector<float> scores, qf(d), of(d);
+    int64_t listed = -1;  // the row whose visible slots ``slots`` holds
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t row = task / hkv, kh = task % hkv, b = reqp[row], i = idxp[row];
-      const int64_t prefix = kvp[b] - qlp[b];
-      slots.clear();
-      for (int64_t l = 0; l < kvp[b]; ++l) {
-        const int64_t j = l - prefix;
-        if (j >= 0 && (tree ? !mp[(b * qm + i) * qm + j] : j > i)) continue;
-        TORCH_CHECK(l / ps < max_pages, "paged_attention: kv index past the page table");
-        slots.push_back(tp[b * max_pages + l / ps] * ps + l % ps);
+      const int64_t row = task / hq, h = task % hq, kh = h / group, b = reqp[row], i = idxp[row];
+      if (row != listed) {
+        const int64_t prefix = kvp[b] - qlp[b];
+        const bool* visible = tree ? mp + (b * qm + i) * qm : nullptr;
+        slots.clear();
+        for (int64_t l0 = 0; l0 < kvp[b]; l0 += ps) {
+          const int64_t base = tp[b * max_pages + l0 / ps] * ps - l0, l1 = std::min(l0 + ps, kvp[b]);
+          for (int64_t l = l0; l < l1; ++l) {
+            const int64_t j = l - prefix;
+            if (j >= 0 && (tree ? !visible[j] : j > i)) continue;
+            slots.push_back(base + l);
+          }
+        }
+        scores.resize(slots.size());
+        listed = row;
       }
-      scores.resize(slots.size());
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t h = kh * group + g;
-        for (int64_t e = 0; e < d; ++e) qf[e] = static_cast<float>(qp[(row * hq + h) * d + e]);
-        attend_row<T>(qf.data(), keys + kh * d, values + kh * d, slots.data(), static_cast<int64_t>(slots.size()),
-                      stride, d, scale, scores.data(), of.data());
-        for (int64_t e = 0; e < d; ++e) op[(row * hq + h) * d + e] = static_cast<T>(of[e]);
-      }
+      for (int64_t e = 0; e < d; ++e) qf[e] = static_cast<float>(qp[(row * hq + h) * d + e]);
+      attend_row<T>(qf.data(), keys + kh * d, values + kh * d, slots.data(), static_cast<int64_t>(slots.size()),
+                    stride, d, scale, scores.data(), of.data());
+      for (int64_t e = 0; e < d; ++e) op[(row * hq + h) * d + e] = static_cast<T>(of[e]);
     }
   });
 }

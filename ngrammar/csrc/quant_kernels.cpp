@@ -448,12 +448,13 @@ torch::Tensor silu_mul_block_linear(const torch::Tensor& x, const torch::Tensor&
   auto h = torch::empty({m, k}, xc.options());
   const float* xp = xc.data_ptr<float>();
   float* hp = h.data_ptr<float>();
-  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t e = 0; e < k; ++e) {
-        const float g = xp[r * 2 * k + e];
-        hp[r * k + e] = (g / (1.f + std::exp(-g))) * xp[r * 2 * k + k + e];
-      }
+  // Over elements, not rows: a verify step's few rows are thousands of exp calls.
+  at::parallel_for(0, m * k, 1024, [&](int64_t e0, int64_t e1) {
+    for (int64_t i = e0; i < e1; ++i) {
+      const int64_t r = i / k, e = i % k;
+      const float g = xp[r * 2 * k + e];
+      hp[i] = (g / (1.f + std::exp(-g))) * xp[r * 2 * k + k + e];
+    }
   });
   return run_block_linear(hp, m, k, packed, format, -1);
 }
