@@ -192,11 +192,10 @@ def order_prompts(n: int) -> list[Any]:
     return out
 
 
-def _structured_run(llm: LLM, prompts: list[Any], params: SamplingParams, repeats: int) -> dict[str, Any]:
-    """``repeats`` runs of ``_structured_once``; the one of median tok/s (a batch-1 run is a fraction
-    of a second on a CPU: one run's tok/s moves by several percent)."""
-    runs = sorted((_structured_once(llm, prompts, params) for _ in range(repeats)), key=lambda r: r["tok_s"])
-    return runs[len(runs) // 2]
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median tok/s (a batch-1 run is a fraction of a second on a CPU: one run's tok/s
+    moves by several percent)."""
+    return sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
 
 
 def _structured_once(llm: LLM, prompts: list[Any], params: SamplingParams) -> dict[str, Any]:
@@ -229,8 +228,9 @@ def run_structured_benchmark(
     """Structured-output workloads: JSON extraction, open prompts with a schema and, with
     ``batch_job`` > 0, that many same-schema order extractions in one batch. Per workload: plain +
     grammar, NGRAM + grammar as before the draft proposer (n-gram drafts, pruned), with
-    grammar-forced drafts, and with field memory too (the median of ``repeats`` runs each: greedy,
-    so the tokens per step are deterministic given the policy's widths)."""
+    grammar-forced drafts, and with field memory too (``repeats`` rounds of every variant in turn,
+    each variant's median run: greedy, so the tokens per step are deterministic given the policy's
+    widths)."""
     worker = spec.engine.ngram
     assert worker is not None
     proposer = worker.proposer
@@ -247,11 +247,15 @@ def run_structured_benchmark(
         params = SamplingParams(max_tokens=max_tokens, temperature=0, json_schema=schema)
         for llm in (plain, spec):  # the schema's compile and the first shapes: paid here, not timed
             run_chat(llm, prompts, params)
-        runs = {"plain+grammar": _structured_run(plain, prompts, params, repeats)}
-        for label, grammar_drafts, with_memory in DRAFT_VARIANTS:
-            proposer.grammar_drafts, proposer.memory = grammar_drafts, memory if with_memory else None
-            runs[label] = _structured_run(spec, prompts, params, repeats)
+        samples: dict[str, list[dict[str, Any]]] = {"plain+grammar": []}
+        samples |= {label: [] for label, _, _ in DRAFT_VARIANTS}
+        for _ in range(repeats):  # the variants in turn, so a slower minute of the box hits them all
+            samples["plain+grammar"].append(_structured_once(plain, prompts, params))
+            for label, grammar_drafts, with_memory in DRAFT_VARIANTS:
+                proposer.grammar_drafts, proposer.memory = grammar_drafts, memory if with_memory else None
+                samples[label].append(_structured_once(spec, prompts, params))
         proposer.grammar_drafts, proposer.memory = True, memory
+        runs = {label: _median_run(r) for label, r in samples.items()}
         base, today = runs["plain+grammar"], runs["ngram+grammar"]
         for label, r in runs.items():
             rows.append(
