@@ -572,6 +572,9 @@ def test_http_timeouts_connection_cap_and_malformed_requests_get_json(engine: LL
         # The unread rest of a timed-out body must not be read as the connection's next request.
         status, body = server.exchange(stalled, closes=True)
         assert status == 408 and "body" in body["error"]["message"]
+        announced = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2000000\r\n\r\n{"
+        status, body = server.exchange(announced, closes=True)  # refused before the body is read
+        assert status == 413 and "limit" in body["error"]["message"]
         chunk = b"x" * ((1 << 20) + 1)  # no Content-Length: the limit is met while the body streams
         grown = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
         status, body = server.exchange(grown + b"%x\r\n" % len(chunk) + chunk + b"\r\n", closes=True)

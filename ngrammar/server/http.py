@@ -91,9 +91,11 @@ class Guard:
                     send, 400, "the Content-Length header is not a number", "invalid_request_error"
                 )
                 return
-            if too_large:
+            if too_large:  # closed after the answer: the client need not send the body it announced
                 message = f"the request body ({int(length)} bytes) is larger than the server's limit of "
-                await _send_error(send, 413, message + f"{self.max_body} bytes", "invalid_request_error")
+                await _send_error(
+                    send, 413, message + f"{self.max_body} bytes", "invalid_request_error", close=True
+                )
                 return
         started = False
         body = _BoundedBody(receive, self.max_body, self.read_timeout_s)
@@ -153,9 +155,13 @@ class _BoundedBody:
         return message
 
 
-async def _send_error(send: Send, status: int, message: str, type_: str, code: str | None = None) -> None:
+async def _send_error(
+    send: Send, status: int, message: str, type_: str, code: str | None = None, close: bool = False
+) -> None:
     body = error_body(message, type_, code)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
