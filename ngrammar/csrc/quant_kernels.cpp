@@ -449,11 +449,11 @@ torch::Tensor silu_mul_block_linear(const torch::Tensor& x, const torch::Tensor&
   const float* xp = xc.data_ptr<float>();
   float* hp = h.data_ptr<float>();
   // Over elements, not rows: a verify step's few rows are thousands of exp calls.
-  at::parallel_for(0, m * k, 1024, [&](int64_t e0, int64_t e1) {
-    for (int64_t i = e0; i < e1; ++i) {
-      const int64_t r = i / k, e = i % k;
+  at::parallel_for(0, m * k, 1024, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0, r = i0 / k, e = i0 % k; i < i1; ++i) {
       const float g = xp[r * 2 * k + e];
       hp[i] = (g / (1.f + std::exp(-g))) * xp[r * 2 * k + k + e];
+      if (++e == k) e = 0, ++r;
     }
   });
   return run_block_linear(hp, m, k, packed, format, -1);
