@@ -81,7 +81,8 @@ def test_jsonl_rows_are_checked_and_take_every_sampling_field(
     capsys: pytest.CaptureFixture[str], tmp_path
 ) -> None:  # type: ignore[no-untyped-def]
     """Regressions: fields beyond eight were dropped silently (n, ignore_eos, json_object...), a
-    typo passed, a row that was not an object failed with a Python error, --chat was ignored."""
+    typo passed, a row that was not an object failed with a Python error, --chat was ignored, a bad
+    prompt or grammar did not name its line."""
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     flags = ["--output", str(dst), "--temperature", "0", "--device", "cpu", "--kv-cache-tokens", "4096"]
     for bad, message in [
@@ -90,6 +91,9 @@ def test_jsonl_rows_are_checked_and_take_every_sampling_field(
         ({"prompt": "Hi", "temperature": -1}, "temperature"),
         ({"messages": "Hi"}, "must be a list"),
         ({"prompt": "Hi", "regex": 5}, "strings"),
+        ({"prompt": "Hi", "regex": "("}, "invalid regex"),
+        ({"prompt": ""}, "prompt is empty"),
+        ({"messages": [{"role": "user"}]}, "role and content"),
     ]:
         src.write_text("\n" + json.dumps(bad) + "\n")
         assert main(["generate", "--input", str(src), *flags]) == 2
