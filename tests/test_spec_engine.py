@@ -17,7 +17,7 @@ from ngrammar.engine.sequence import Sequence
 from ngrammar.engine.stats import EngineStats
 from ngrammar.speculative.corpus import NgramCorpus
 from ngrammar.speculative.policy import REASONS, AdaptiveDraftPolicy, bucket_of
-from ngrammar.speculative.step_costs import NO_GRAMMAR, grammar_class
+from ngrammar.speculative.step_costs import NO_GRAMMAR, StepCosts, grammar_class
 from ngrammar.speculative.upkeep import CorpusUpkeep
 
 GROUNDED = [
@@ -464,6 +464,25 @@ def test_a_new_batch_bucket_borrows_the_verify_cost_ratio_of_a_timed_one() -> No
     sixteen = [f"t{i}" for i in range(16)]
     grown = _run_policy(policy, sixteen, spec_time=0.3, spec_accept=1.0, steps=6, match_length=0)
     assert grown.count(1) == 2 and sorted(grown[2:]) == [4, 4, 8, 8]
+
+
+def test_a_width_timed_while_the_host_was_busy_is_not_priced_out_for_good() -> None:
+    # Regression: a 4-node verify timed twice during a stall (1.1 s against 25 ms for 8 nodes) kept
+    # that cost, so 4 was never chosen again and never re-timed.
+    costs = StepCosts([1, 4, 8])
+    bucket = bucket_of(1, "json_schema")
+    for width, seconds in ((1, 0.010), (1, 0.012), (4, 1.1), (4, 1.4), (8, 0.025), (8, 0.024)):
+        costs.record(bucket, width, seconds)
+    assert costs.bucket_costs(bucket) == {1: 0.010, 4: 0.024, 8: 0.024}
+    for _ in range(3):  # chosen again, its own steps decide once they outnumber the stalled ones
+        costs.record(bucket, 4, 0.016)
+    assert costs.cost(bucket, 4) == 0.016
+    costs.record(bucket, 8, 0.5)  # one slow step moves a lower median only to the next sample
+    assert costs.bucket_costs(bucket) == {1: 0.010, 4: 0.016, 8: 0.025}
+    policy = AdaptiveDraftPolicy(max_width=8)
+    for width, seconds in ((1, 0.010), (1, 0.010), (4, 1.1), (4, 1.1), (8, 0.02), (8, 0.02)):
+        policy.costs.record(bucket_of(1), width, seconds)
+    assert policy.step_cost(bucket_of(1), 4) == 0.02
 
 
 def test_acceptance_is_learned_per_match_length_and_biased_per_request() -> None:

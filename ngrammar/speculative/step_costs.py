@@ -6,7 +6,8 @@ host) must not decide for many steps. Times are normalized to the bucket's size 
 about linearly with the batch inside a bucket). An untimed width borrows the verify / plain ratio
 of the nearest larger bucket timed at both, else the ratio of the start-up profile (each CUDA
 graph's device time, ``set_profile``) applied to the bucket's measured plain cost; once a width
-is timed in a bucket its own steps decide, and keep re-deciding as they change.
+is timed in a bucket its own steps decide, and keep re-deciding as they change, capped by what any
+wider width costs (``_monotone``).
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ class StepCosts:
         """width -> ``cost`` for every width a policy may pick (cached until the next record)."""
         costs = self._costs.get(bucket)
         if costs is None:
-            costs = self._costs[bucket] = {w: self._estimate(bucket, w) for w in self.widths}
+            costs = self._costs[bucket] = _monotone({w: self._estimate(bucket, w) for w in self.widths})
         return costs
 
     def _estimate(self, bucket: Bucket, width: int) -> float | None:
@@ -141,6 +142,19 @@ class StepCosts:
         if bucket[1] != NO_GRAMMAR:
             return None
         return _scaled(plain, self._profile.get((bucket[0], width)), self._profile.get((bucket[0], 1)))
+
+
+def _monotone(costs: dict[int, float | None]) -> dict[int, float | None]:
+    """Each width's cost capped at the least cost of any wider one (plain included): a step of fewer
+    nodes costs no more. Samples taken while the host was busy would otherwise price a width out for
+    good, as a width not chosen is never timed again. Untimed widths stay None (to be timed)."""
+    bound: float | None = None
+    for w in sorted(costs, reverse=True):
+        c = costs[w]
+        if c is not None:
+            bound = c if bound is None else min(bound, c)
+            costs[w] = bound
+    return costs
 
 
 def _scaled(plain: float, verify: float | None, base: float | None) -> float | None:
