@@ -150,6 +150,9 @@ def test_stop_token_ids_and_logprobs(llm: LLM) -> None:
         "Count: 1, 2, 3,", SamplingParams(max_tokens=6, temperature=0, stop_token_ids=[target])
     )[0]
     assert out.token_ids == base.token_ids[: j + 1] and out.finish_reason == "stop"
+    # The stop token's text is not the output's (vLLM's default); a stop string's is cut too.
+    before = llm.generate("Count: 1, 2, 3,", SamplingParams(max_tokens=j, temperature=0, ignore_eos=True))[0]
+    assert out.text == before.text
 
 
 def test_chat_template(llm: LLM) -> None:

@@ -121,6 +121,11 @@ CASES: list[tuple[str, dict[str, Any], SamplingParams]] = [
         {"max_tokens": 8, "n": 2, "logprobs": 2},
         SamplingParams(max_tokens=8, temperature=0, n=2, logprobs=2),
     ),
+    (  # 37 is "5": the stop token's text is left out, streamed or not
+        "Count: 1, 2, 3,",
+        {"max_tokens": 8, "stop_token_ids": [37]},
+        SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[37]),
+    ),
 ]
 
 

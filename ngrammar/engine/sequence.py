@@ -197,6 +197,9 @@ class Sequence:
 
     def _check_stop(self, token: int) -> bool:
         if token in self._eos or token in self._stop_ids:
+            if token in self._stop_ids:  # its text is not part of the output (as in vLLM); its id is
+                self._detok.step(self.token_ids[:-1])
+                self._cut_text = self._detok.text
             return self.finish("stop")
         if self.params.stop:
             delta = self._detok.step(self.token_ids)

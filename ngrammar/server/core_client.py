@@ -84,18 +84,21 @@ class CoreStartError(RuntimeError):
 class _SeqText:
     """One completion's text, rebuilt from its token ids as the engine's ``Sequence`` builds it."""
 
-    def __init__(self, tokenizer: Tokenizer, context: list[int], stop: tuple[str, ...]) -> None:
+    def __init__(self, tokenizer: Tokenizer, context: list[int], params: SamplingParams) -> None:
         self.ids = list(context)  # the prompt's last tokens, then the output
         self.detok = IncrementalDetokenizer.after_prompt(tokenizer, len(context))
-        self.stop = stop
-        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.stop = params.stop
+        self.stop_ids = frozenset(params.stop_token_ids)
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
 
     def add(self, tokens: list[int], finish_reason: str | None) -> str:
         """The text safe to show after ``tokens``: a possible stop string's start is held back
-        while running, and a stop string that finished the sequence is cut with what follows."""
+        while running, a stop string that finished the sequence is cut with what follows, and a
+        stop token id's text is left out (``Sequence._check_stop``)."""
         if tokens:
             self.ids.extend(tokens)
-            self.detok.step(self.ids)
+            stop_id = finish_reason == "stop" and self.ids[-1] in self.stop_ids
+            self.detok.step(self.ids[:-1] if stop_id else self.ids)
         text = self.detok.text
         if finish_reason is None:
             return text[: max(len(text) - self.holdback, 0)] if self.holdback else text
@@ -121,7 +124,7 @@ class _Assembly:
             {"prompt_tokens": len(prompt_ids)},
         )
         context = prompt_ids[-PROMPT_CONTEXT_TOKENS:]
-        self.texts = [_SeqText(tokenizer, context, params.stop) for _ in range(params.n)]
+        self.texts = [_SeqText(tokenizer, context, params) for _ in range(params.n)]
         self.weight = params.n
 
     def apply(self, delta: RequestDelta) -> int:
