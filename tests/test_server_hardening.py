@@ -458,11 +458,19 @@ def drained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[signal.Si
         clients: dict[signal.Signals, tuple[threading.Thread, list[int | str], float]] = {}
         for sig, (proc, url, _) in procs.items():
             replies: list[int | str] = []
-            client = threading.Thread(
-                target=lambda url=url, replies=replies: replies.append(_post_status(url, long)), daemon=True
-            )
+            streaming = threading.Event()  # SIGINT's request streams: signalled after its first event
+            if sig == signal.SIGINT:
+                body = {**long, "stream": True}
+                target = lambda url=url, replies=replies: replies.append(_stream_end(url, body, streaming))  # noqa: E731
+            else:
+                streaming.set()
+                target = lambda url=url, replies=replies: replies.append(_post_status(url, long))  # noqa: E731
+            client = threading.Thread(target=target, daemon=True)
             client.start()
-            while httpx.get(url + "/server_info", timeout=10).json()["num_inflight"] == 0:
+            while (
+                httpx.get(url + "/server_info", timeout=10).json()["num_inflight"] == 0
+                or not streaming.is_set()
+            ):
                 assert client.is_alive()
                 time.sleep(0.05)
             proc.send_signal(sig)
@@ -495,6 +503,35 @@ def test_a_signal_drains_the_server_and_it_exits_within_15_s(
     assert run.exited_in_time, run.log  # the server was still up 15 s after its signal
     assert run.replies and run.client_done  # the request in flight was answered or cut off
     assert run.returncode != -signal.SIGALRM, "the drain did not finish: the exit alarm ended it"
+
+
+def test_a_stream_cut_by_the_drain_ends_with_an_error_event_and_done(
+    drained: dict[signal.Signals, Drained],
+) -> None:
+    # Regression (bug hunt): the stream stopped mid-chunk (curl: partial transfer) and the server
+    # logged "Exception in ASGI application".
+    run = drained[signal.SIGINT]
+    assert run.replies and isinstance(run.replies[0], str), run.replies
+    lines = run.replies[0].split("\n")  # the data lines, or the client's error name
+    assert lines[-1] == "data: [DONE]", lines[-2:]
+    assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == "shutting_down"
+    assert "Exception in ASGI application" not in run.log, run.log
+
+
+def _stream_end(url: str, body: dict[str, Any], first: threading.Event) -> str:
+    """The stream's data lines, or the client's error; ``first`` is set at its first event."""
+    events: list[str] = []
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    first.set()
+    except httpx.HTTPError as e:
+        return type(e).__name__
+    finally:
+        first.set()
+    return "\n".join(events)
 
 
 def _healthy(url: str) -> bool:

@@ -98,24 +98,35 @@ class Guard:
                 )
                 return
         started = False
+        streaming = False  # an event stream whose body has not ended
         body = _BoundedBody(receive, self.max_body, self.read_timeout_s)
 
         async def noting(message: Message) -> None:
-            nonlocal started
+            nonlocal started, streaming
             if message["type"] == "http.response.start":
                 started = True
+                streaming = _is_event_stream(message)
                 if body.cut:  # the body's unread rest must not be parsed as this connection's next request
                     message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            elif not message.get("more_body", False):
+                streaming = False
             await send(message)
 
         try:
             await self.app(scope, body, noting)
         except asyncio.CancelledError:
             # uvicorn cancels what still runs when the shutdown drain ends: answer in OpenAI's shape
-            # (503, retry) rather than its plain-text 500 and a logged traceback.
+            # (503, retry; a stream's last event an error, then [DONE]) rather than its plain-text 500
+            # or a cut stream, and a logged traceback.
+            message = "the server is shutting down; retry the request"
+            if streaming:
+                event = b"data: " + error_body(message, "service_unavailable", "shutting_down") + b"\n\n"
+                await send(
+                    {"type": "http.response.body", "body": event + b"data: [DONE]\n\n", "more_body": False}
+                )
+                return
             if started:
                 raise
-            message = "the server is shutting down; retry the request"
             await _send_error(send, 503, message, "service_unavailable", "shutting_down")
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
@@ -153,6 +164,13 @@ class _BoundedBody:
                 raise BodyTooLarge(self.max_body)
             self.ended = not message.get("more_body", False)
         return message
+
+
+def _is_event_stream(start: Message) -> bool:
+    return any(
+        k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+        for k, v in start.get("headers", [])
+    )
 
 
 async def _send_error(
