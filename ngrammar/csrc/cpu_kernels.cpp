@@ -41,36 +41,37 @@ constexpr int kLanes = 16;
 
 
 
-// sum_k a[k] * b[k] over n elements: lane j accumulates k = j (mod 16), then the lanes in order.
+// The lanes of sum_k a[k] * b[k] over n elements: lane j accumulates k = j (mod 16).
 template <typename T>
-inline float dot_lanes(const float* a, const T* b, int64_t n) {
-  float acc[kLanes] = {0.f};
+inline void dot_lanes_into(const float* a, const T* b, int64_t n, float* acc) {
+  for (int j = 0; j < kLanes; ++j) acc[j] = 0.f;
   int64_t k = 0;
   for (; k + kLanes <= n; k += kLanes) {
     for (int j = 0; j < kLanes; ++j) acc[j] += a[k + j] * static_cast<float>(b[k + j]);
   }
   for (int j = 0; k + j < n; ++j) acc[j] += a[k + j] * static_cast<float>(b[k + j]);
+}
+
+// sum_k a[k] * b[k]: its lanes (dot_lanes_into), then the lanes in order.
+template <typename T>
+inline float dot_lanes(const float* a, const T* b, int64_t n) {
+  float acc[kLanes];
+  dot_lanes_into(a, b, n, acc);
   float s = 0.f;
   for (int j = 0; j < kLanes; ++j) s += acc[j];
   return s;
 }
 
-// dot_lanes of q against 16 keys (n a multiple of 16): each key's lanes as dot_lanes has them, then
-// summed in lane order for the 16 keys together (a lone key's 16 in-order adds wait on each other).
+// dot_lanes of q against 16 keys: each key's lanes, then their in-order sums for the 16 keys
+// together (a lone key's 16 in-order adds wait on each other).
 template <typename T>
 inline void dot_lanes_keys(const float* a, const T* keys, const int64_t* slots, int64_t stride, int64_t n,
                            float* out) {
   float acc[kLanes][kLanes];  // [key][lane]
-  for (int c = 0; c < kLanes; ++c) {
-    const T* b = keys + slots[c] * stride;
-    float lanes[kLanes] = {0.f};
-    for (int64_t k = 0; k < n; k += kLanes)
-      for (int j = 0; j < kLanes; ++j) lanes[j] += a[k + j] * static_cast<float>(b[k + j]);
-    for (int j = 0; j < kLanes; ++j) acc[j][c] = lanes[j];
-  }
+  for (int c = 0; c < kLanes; ++c) dot_lanes_into(a, keys + slots[c] * stride, n, acc[c]);
   float s[kLanes] = {0.f};
   for (int j = 0; j < kLanes; ++j)
-    for (int c = 0; c < kLanes; ++c) s[c] += acc[j][c];
+    for (int c = 0; c < kLanes; ++c) s[c] += acc[c][j];
   for (int c = 0; c < kLanes; ++c) out[c] = s[c];
 }
 
@@ -157,8 +158,7 @@ void attend_row(const float* q, const T* keys, const T* values, const int64_t* s
                                      float* out) {
   float top = -std::numeric_limits<float>::infinity();
   int64_t l = 0;
-  if (d % kLanes == 0)
-    for (; l + kLanes <= count; l += kLanes) dot_lanes_keys(q, keys, slots + l, stride, d, scores + l);
+  for (; l + kLanes <= count; l += kLanes) dot_lanes_keys(q, keys, slots + l, stride, d, scores + l);
   for (; l < count; ++l) scores[l] = dot_lanes(q, keys + slots[l] * stride, d);
   for (l = 0; l < count; ++l) {
     scores[l] *= scale;
