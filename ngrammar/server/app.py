@@ -40,7 +40,7 @@ from ngrammar.server.engine_loop import (
     RequestGroup,
 )
 from ngrammar.server.errors import APIError, as_api_error, install_error_handlers
-from ngrammar.server.http import DrainingServer, Guard, uvicorn_kwargs
+from ngrammar.server.http import SSE_DONE, DrainingServer, Guard, sse, uvicorn_kwargs
 from ngrammar.server.metrics import CONTENT_TYPE, ServerMetrics
 from ngrammar.server.prepare import grammar_spec, prepare
 from ngrammar.server.protocol import (
@@ -53,7 +53,6 @@ from ngrammar.server.protocol import (
     sent_field,
 )
 from ngrammar.server.rendering import (
-    SSE_DONE,
     ChatStream,
     CompletionStream,
     GenerateStream,
@@ -63,7 +62,6 @@ from ngrammar.server.rendering import (
     generate_response,
     indexed_choices,
     raise_completion_error,
-    sse,
     to_json,
 )
 

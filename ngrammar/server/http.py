@@ -39,6 +39,14 @@ DRAIN_S = 5  # in-flight requests get this long to finish after SIGTERM / SIGINT
 EXIT_DEADLINE_S = 12  # then the process ends by this, drained or not
 
 
+def sse(payload: bytes) -> bytes:
+    """One server-sent event."""
+    return b"data: " + payload + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
 def error_body(message: str, type_: str, code: str | None = None) -> bytes:
     """OpenAI's error shape, ASCII-escaped (a lone surrogate in a message cannot break it)."""
     return json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
@@ -120,10 +128,8 @@ class Guard:
             # or a cut stream, and a logged traceback.
             message = "the server is shutting down; retry the request"
             if streaming:
-                event = b"data: " + error_body(message, "service_unavailable", "shutting_down") + b"\n\n"
-                await send(
-                    {"type": "http.response.body", "body": event + b"data: [DONE]\n\n", "more_body": False}
-                )
+                event = sse(error_body(message, "service_unavailable", "shutting_down"))
+                await send({"type": "http.response.body", "body": event + SSE_DONE, "more_body": False})
                 return
             if started:
                 raise

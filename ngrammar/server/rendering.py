@@ -138,11 +138,6 @@ def to_json(model: BaseModel, exclude: set[str] | None = None) -> str:
     return model.model_dump_json(exclude=exclude)
 
 
-def sse(payload: bytes) -> bytes:
-    return b"data: " + payload + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
 _encode = msgspec.json.Encoder().encode
 
 
