@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import numbers
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import fields
 from typing import Any
 
@@ -11,7 +12,7 @@ from ngrammar.config import SPECULATIVE_ARGS, EngineConfig, SpeculativeConfig
 from ngrammar.engine.engine import LLMEngine
 from ngrammar.model.tokenizer import Message
 from ngrammar.outputs import RequestOutput
-from ngrammar.sampling_params import SamplingParams
+from ngrammar.sampling_params import InvalidRequestError, SamplingParams
 
 Prompt = str | list[int]
 
@@ -65,10 +66,13 @@ class LLM:
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
         if isinstance(prompts, str) or (
-            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
+            isinstance(prompts, (list, tuple))
+            and prompts
+            and isinstance(prompts[0], numbers.Integral)
+            and not isinstance(prompts[0], bool)
         ):
             prompts = [prompts]  # type: ignore[list-item, assignment]
-        return self._run(list(prompts), params, use_tqdm)  # type: ignore[arg-type]
+        return self._run(_as_list(prompts, "prompts"), params, use_tqdm)
 
     def chat(
         self,
@@ -76,9 +80,18 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
-        if conversations and isinstance(conversations[0], dict):
+        if not isinstance(conversations, str) and conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item, assignment]
-        return self._run(list(conversations), params, use_tqdm)  # type: ignore[arg-type]
+        convs = _as_list(conversations, "conversations")
+        for i, conv in enumerate(convs):
+            # A string (or token ids) is no conversation: it was generated as a plain prompt, one
+            # character at a time for chat("hi"), without the chat template.
+            if not isinstance(conv, (list, tuple)) or not all(isinstance(m, dict) for m in conv):
+                raise InvalidRequestError(
+                    f"conversation {i}: a conversation is a list of message dicts "
+                    f"({{'role': ..., 'content': ...}}), got {conv!r:.80}; use generate() for plain prompts"
+                )
+        return self._run(convs, params, use_tqdm)
 
     def _run(
         self,
@@ -86,11 +99,17 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool | None,
     ) -> list[RequestOutput]:
-        plist: list[SamplingParams] = (
-            list(params)  # type: ignore[arg-type]
-            if isinstance(params, (list, tuple))
-            else [params or SamplingParams()] * len(prompts)  # type: ignore[list-item]
-        )
+        if params is None or isinstance(params, SamplingParams):
+            plist = [params or SamplingParams()] * len(prompts)
+        else:
+            # (A dict or a generator was an AttributeError from deep inside the engine.)
+            iterable = isinstance(params, Iterable) and not isinstance(params, (str, bytes, dict))
+            plist = list(params) if iterable else [params]  # type: ignore[list-item]
+            for p in plist:
+                if not isinstance(p, SamplingParams):
+                    raise TypeError(
+                        f"params must be a SamplingParams or a list of them, got {type(p).__name__}"
+                    )
         self.engine.check_open()
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
@@ -132,3 +151,10 @@ class LLM:
         from tqdm import tqdm
 
         return iter(tqdm(it, total=total, desc="requests", unit="req"))
+
+
+def _as_list(items: Any, what: str) -> list[Any]:
+    """``items`` as a list, or a TypeError naming the argument (not "'int' object is not iterable")."""
+    if isinstance(items, (str, bytes, dict)) or not isinstance(items, Iterable):
+        raise TypeError(f"{what} must be a list, got {type(items).__name__}")
+    return list(items)

@@ -483,3 +483,37 @@ def test_a_bad_tokenizer_fails_before_any_weight_is_read(monkeypatch: pytest.Mon
     with pytest.raises(ValueError, match="bad tokenizer"):
         builder.build_parts(EngineConfig(device="cpu", kv_cache_tokens=256))
     assert built == []
+
+
+def test_offline_inputs_of_the_wrong_shape_are_refused_by_name(llm: LLM) -> None:
+    """Regressions (bug hunt): llm.chat("hi") generated two plain prompts, "h" and "i", and
+    llm.chat(["hi"]) one without the chat template; token ids 1.7, "12" and True were silently
+    int()-ed into other tokens; params as a dict or a generator, and a prompt that was None or a
+    dict, failed with an AttributeError / TypeError from deep inside."""
+    import numpy as np
+
+    params = SamplingParams(max_tokens=2, temperature=0)
+    for bad in ("hi", ["hi"], [["hi"]], [1, 2, 3]):
+        with pytest.raises((InvalidRequestError, TypeError), match="conversation"):
+            llm.chat(bad, params)  # type: ignore[arg-type]
+    for ids in ([1.7, 2.0], ["12", "13"], [True, False]):
+        with pytest.raises(InvalidRequestError, match="token ids must be integers"):
+            llm.generate([ids], params)  # type: ignore[list-item]
+    for prompt in ([None], [{"role": "user", "content": "hi"}]):
+        with pytest.raises(InvalidRequestError, match="a prompt is text"):
+            llm.generate(prompt, params)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="prompts must be a list"):
+        llm.generate(None, params)  # type: ignore[arg-type]
+    for bad_params in ({"max_tokens": 2}, [{"max_tokens": 2}]):
+        with pytest.raises(TypeError, match="params must be a SamplingParams"):
+            llm.generate(["Hi"], bad_params)  # type: ignore[arg-type]
+    assert llm.engine.requests == {}
+    # What is valid still runs: numpy / tensor ids, a generator of params, a tuple conversation.
+    ref = llm.generate([[1, 2]], params)[0].token_ids
+    assert llm.generate([np.int64(1), np.int64(2)], params)[0].token_ids == ref  # type: ignore[list-item]
+    assert llm.generate([np.array([1, 2])], params)[0].token_ids == ref  # type: ignore[list-item]
+    assert llm.generate([torch.tensor([1, 2])], params)[0].token_ids == ref  # type: ignore[list-item]
+    outs = llm.generate(["Hi", "Yo"], (p for p in [params, params]))
+    assert [len(o.token_ids) for o in outs] == [2, 2]
+    msg = {"role": "user", "content": "Hi"}
+    assert llm.chat((msg,), params)[0].token_ids == llm.chat([[msg]], params)[0].token_ids

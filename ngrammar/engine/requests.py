@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -24,15 +26,31 @@ def tokenize_prompt(
         if not prompt:
             raise InvalidRequestError("prompt is empty")
         return tokenizer.encode_prompt(prompt)
-    if prompt and all(isinstance(m, dict) for m in prompt):
-        for m in prompt:  # (a message the template cannot render failed inside jinja)
-            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):  # type: ignore[union-attr]
+    if isinstance(prompt, (bytes, dict)) or not isinstance(prompt, Iterable):
+        raise InvalidRequestError(
+            f"a prompt is text, a list of token ids or a list of chat messages, got {type(prompt).__name__}"
+        )
+    items: list[Any] = list(prompt)  # (a numpy array or a tensor of ids has no single truth value)
+    if items and all(isinstance(m, dict) for m in items):
+        for m in items:  # (a message the template cannot render failed inside jinja)
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise InvalidRequestError(f"a chat message needs a string role and content, got {m!r}")
-        return tokenizer.apply_chat_template(prompt)  # type: ignore[arg-type]
-    ids = [int(t) for t in prompt]  # type: ignore[arg-type]
+        return tokenizer.apply_chat_template(items)
+    ids = [_token_id(t) for t in items]
     if any(not 0 <= t < vocab_size for t in ids):
         raise InvalidRequestError("prompt token ids must be in [0, vocab_size)")
     return ids
+
+
+def _token_id(value: Any) -> int:
+    """A prompt token id: an integer (numpy's or a 0-d tensor's too), never a float, bool or text,
+    which ``int()`` would silently turn into another token."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise InvalidRequestError(f"prompt token ids must be integers, got {value!r}")
 
 
 def validate_prompt(prompt_ids: list[int], max_model_len: int, kv_capacity_tokens: int) -> None:
