@@ -665,6 +665,36 @@ def test_prefix_cache_hits_reach_usage_server_info_and_metrics(
     )
 
 
+def test_a_refused_draft_corpus_is_a_handled_400(live: LiveServer) -> None:
+    """Regression (bug hunt): a DraftCorpusError (a bad name, a name taken, no document long
+    enough) reached the catch-all handler outside the middleware: the client got its 400, but the
+    server logged it as an unhandled error with two tracebacks and /metrics counted a 500 (and an
+    in-process TestClient, which re-raises server errors, raised it)."""
+    client = TestClient(create_app(live.state.engine))
+    corpora = live.state.engine.ngram.proposer.corpora
+    try:
+        assert (
+            client.post("/v1/draft_corpora", json={"name": "taken", "documents": ["a b c d"]}).status_code
+            == 200
+        )
+        for body in (
+            {"name": "a/b", "documents": ["a b c d"]},
+            {"name": "taken", "documents": ["a b c d"]},
+            {"name": "short", "documents": ["a"]},
+        ):
+            assert "draft corpus" in assert_error(client.post("/v1/draft_corpora", json=body), 400)["message"]
+        counts = {
+            s.labels["status"]: s.value
+            for family in text_string_to_metric_families(client.get("/metrics").text)
+            for s in family.samples
+            if s.name == "ngrammar_http_requests_total" and s.labels.get("endpoint") == "/v1/draft_corpora"
+        }
+        assert counts == {"200": 1.0, "400": 3.0}
+    finally:
+        for name in corpora.names():
+            corpora.remove(name)
+
+
 def test_draft_corpus_endpoints_read_files_only_inside_the_configured_folder(
     live: LiveServer, tmp_path: Any
 ) -> None:
