@@ -37,13 +37,10 @@ ENGINE_PHASES: tuple[tuple[str, str, str], ...] = (
     ("  observe", "ngrammar.engine.engine.LLMEngine", "_observe"),
     ("  sample", "ngrammar.engine.engine.LLMEngine", "_sample"),
     ("    to_host_async", "ngrammar.runner.model_runner.ModelRunner", "to_host_async"),
-    ("    grammar rows", "ngrammar.engine.grammar_rows.GrammarRows", "start_plain"),
+    ("    grammar rows", "ngrammar.engine.grammar_rows.GrammarRows", "apply_plain"),
     ("      settle grammars", "ngrammar.engine.grammar_rows.GrammarRows", "settle"),
-    ("      fill rows (pool)", "ngrammar.grammar.fill_pool.GrammarFillPool", "start_rows"),
-    # a constrained step's masking: in its sampling, or first thing in the next step when its
-    # rows filled on a worker meanwhile (``PendingDecode.complete``)
-    ("  grammar rows wait + mask", "ngrammar.engine.grammar_rows.GrammarRows", "finish_plain"),
-    ("    apply bitmask", "ngrammar.grammar", "apply_bitmask"),
+    ("      fill rows (pool)", "ngrammar.grammar.fill_pool.GrammarFillPool", "fill_rows"),
+    ("      apply bitmask", "ngrammar.grammar", "apply_bitmask"),
     ("  index plain step", "ngrammar.engine.verify_step.NgramSpecWorker", "index_plain_step"),
     ("  choose width", "ngrammar.engine.verify_step.NgramSpecWorker", "choose_width"),
     ("  schedule", "ngrammar.engine.scheduler.Scheduler", "schedule"),
