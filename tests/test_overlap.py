@@ -233,7 +233,6 @@ def test_grammar_under_overlap_equals_the_step_by_step_engine(llm: LLM, overlap_
     eng = overlap_llm.engine
     rows = eng.grammar_rows
     switch = sys.getswitchinterval()
-    defer_below, rows.pool.defer_below = rows.pool.defer_below, 0  # two rows: on the worker anyway
     with device_events(eng.runner) as events:
         start, finish, step = rows.start_plain, rows.finish_plain, eng.step
         rows.start_plain = lambda *a: (events.append("fill"), start(*a))[1]  # type: ignore[method-assign]
@@ -243,7 +242,6 @@ def test_grammar_under_overlap_equals_the_step_by_step_engine(llm: LLM, overlap_
             got = overlap_llm.chat([prompt, prompt], params)
         finally:
             del rows.start_plain, rows.finish_plain, eng.step
-            rows.pool.defer_below = defer_below
     assert _summary(got) == _summary(llm.chat([prompt, prompt], params))
     assert got[0].outputs[0].finish_reason == "stop"
     launches = [e for e in events if e in ("forward", "fill", "mask")]

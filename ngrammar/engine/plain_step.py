@@ -129,8 +129,8 @@ def sample_plain(
     defer: bool = False,
 ) -> PendingDecode:
     """Grammar-mask and sample one token per sequence on the device (logits [B, V]); start reading
-    them back. ``defer``: where the grammar rows are filling on a worker, leave the masking and
-    sampling queued (``PendingDecode.complete``), so the caller's host work overlaps the fill."""
+    them back. ``defer``: where grammar rows are filling, leave the masking and sampling queued
+    (``PendingDecode.complete``), so the caller's host work overlaps the fill."""
     if replay is not None:  # row i is sequence i's last token, at position num_cached - 1
         replay.apply(logits, [replay.targets(s.prompt_token_ids, [s.num_cached - 1])[0] for s in seqs])
     rows = grammar_rows.start_plain(seqs)
@@ -153,7 +153,7 @@ def sample_plain(
         return tokens, runner.to_host_async(tokens, *lp)
 
     flight = PendingDecode(seqs, launched, _sampling=sampling, _rows=rows)
-    if not defer or rows is None or not rows.fill.on_worker:
+    if not defer or rows is None:
         flight.complete()
     return flight
 

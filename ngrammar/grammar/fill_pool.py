@@ -39,9 +39,6 @@ if TYPE_CHECKING:
 # (a traversal of D nodes per member) keep the earlier threshold, unmeasured since. Both are A/B'd
 # with NGRAMMAR_FILL_SERIAL_BELOW (and NGRAMMAR_FILL_THREADS), which override the defaults.
 ROWS_SERIAL_BELOW = 512
-# ``start_rows`` fills on a worker only from this many rows to fill: a fill of a few µs per row
-# beside a hand-off of tens of µs (a wake-up, the GIL) does not pay below it.
-DEFER_BELOW = 8
 SERIAL_BELOW = 192
 MAX_FILL_THREADS = 8  # more threads than this only split a batch into chunks too small to pay
 
@@ -127,11 +124,6 @@ class RowsFill:
         self._future = future
         self._outcome: FillOutcome | None = None
 
-    @property
-    def on_worker(self) -> bool:
-        """Whether the fill was left running on a worker (and not waited for yet)."""
-        return self._future is not None
-
     def wait(self) -> FillOutcome:
         """Block until the rows are filled; the outcome (idempotent)."""
         if self._outcome is None:
@@ -160,7 +152,6 @@ class GrammarFillPool:
         # (trees, plain rows): one value given applies to both
         self.serial_below = SERIAL_BELOW if serial_below is None else serial_below
         self.rows_serial_below = ROWS_SERIAL_BELOW if serial_below is None else serial_below
-        self.defer_below = DEFER_BELOW if serial_below is None else serial_below
         self._local = threading.local()  # each thread's own one-thread BatchGrammarMatcher
         self._pool = (
             ThreadPoolExecutor(self.threads, thread_name_prefix="grammar-fill") if self.threads > 0 else None
@@ -191,10 +182,10 @@ class GrammarFillPool:
         """``fill_rows`` with its batched fill left running on one worker: the caller settles and
         copies start rows now, and ``RowsFill.wait`` gives the outcome once the fill is done. The
         caller's thread goes on with other host work meanwhile (xgrammar fills without the GIL);
-        until ``wait``, nothing may touch these matchers or the bitmask. Without workers, or below
-        ``defer_below`` rows to fill, the fill runs here and now."""
+        until ``wait``, nothing may touch these matchers or the bitmask. Without workers the fill
+        runs here and now."""
         prepared = self._prepare_rows(matchers, rows, bitmask)
-        if len(prepared.fill) < max(self.defer_below, 1) or self._pool is None:
+        if not prepared.fill or self._pool is None:
             if prepared.fill:
                 prepared.fill_chunk(0, len(prepared.fill))
             return RowsFill(prepared, None)
