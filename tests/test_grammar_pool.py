@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import random
-import sys
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -15,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ngrammar.grammar import GrammarBackend, GrammarMatcher, GrammarSpec, allocate_bitmask, build_tree_bitmask
-from ngrammar.grammar.fill_pool import FillOutcome, GrammarFillPool, fill_threads
+from ngrammar.grammar.fill_pool import GrammarFillPool, fill_threads
 from ngrammar.model.tokenizer import Tokenizer
 from tests.tree_oracles import links_from_parents
 
@@ -60,22 +58,6 @@ def pool(request: pytest.FixtureRequest) -> Iterator[GrammarFillPool]:
     p.close()
 
 
-@pytest.fixture(scope="module", params=["fill_rows", "start_rows"])
-def fill(request: pytest.FixtureRequest, pool: GrammarFillPool) -> Callable[..., FillOutcome]:
-    """The rows filled at once, or left filling on a worker and waited for (the engine's overlap
-    path); the interpreter's switch interval is as before once waited for."""
-    if request.param == "fill_rows":
-        return pool.fill_rows
-
-    def started(*args: Any) -> FillOutcome:
-        before = sys.getswitchinterval()
-        outcome = pool.start_rows(*args).wait()
-        assert sys.getswitchinterval() == before
-        return outcome
-
-    return started
-
-
 class Request:
     """One request walked twice: ``pooled`` as the engine does (deferred tokens, pool fills) and
     ``serial``, a bare xgrammar matcher filled row by row (the reference)."""
@@ -103,7 +85,7 @@ def _allowed(row: np.ndarray) -> np.ndarray:
 def test_pool_rows_equal_serial_rows(
     backend: GrammarBackend,
     compiled: list[xgr.CompiledGrammar],
-    fill: Callable[..., FillOutcome],
+    pool: GrammarFillPool,
     arrivals: list[tuple[int, int]],
     seed: int,
     spare: int,
@@ -122,7 +104,7 @@ def test_pool_rows_equal_serial_rows(
         rows = rng.sample(range(len(live) + spare), len(live))
         bitmask = allocate_bitmask(len(live) + spare, VOCAB)
         bitmask.fill_(7)
-        outcome = fill([r.pooled for r in live], rows, bitmask)
+        outcome = pool.fill_rows([r.pooled for r in live], rows, bitmask)
         assert not outcome.rejected and not outcome.dead
         words = bitmask.numpy()
         for r, row in zip(live, rows):
@@ -135,9 +117,7 @@ def test_pool_rows_equal_serial_rows(
         live = [r for r in live if not r.pooled.is_terminated()]
 
 
-def test_pool_reports_rejected_tokens_and_dead_ends(
-    backend: GrammarBackend, fill: Callable[..., FillOutcome]
-) -> None:
+def test_pool_reports_rejected_tokens_and_dead_ends(backend: GrammarBackend, pool: GrammarFillPool) -> None:
     """A refused deferred token and a dead end are reported for their own row only."""
     dead_end = backend.compile(GrammarSpec("regex", r"a[^\s\S]"))
     digits = backend.compile(GrammarSpec("regex", r"\d{3}"))
@@ -148,7 +128,7 @@ def test_pool_reports_rejected_tokens_and_dead_ends(
     matchers[1].accept_masked(a_token)  # "a": nothing may follow
     matchers[2].accept_masked(EOS)  # not allowed before three digits
     bitmask = allocate_bitmask(4, VOCAB)
-    outcome = fill(matchers, [0, 1, 2, 3], bitmask)
+    outcome = pool.fill_rows(matchers, [0, 1, 2, 3], bitmask)
     assert outcome.rejected == [(2, EOS)]
     assert outcome.dead == [1]
     assert (bitmask[2] == -1).all()  # the refused request's row allows everything

@@ -7,7 +7,6 @@ reorders nothing against the engine that commits every step before the next laun
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any
 
@@ -226,35 +225,24 @@ def test_grammar_under_overlap_equals_the_step_by_step_engine(llm: LLM, overlap_
     """The next step's grammar row needs the token in flight: it is committed before sampling.
     Each step's forward is launched before its rows are settled and filled (on a GPU the host's
     grammar work runs while the device computes), and a chained step's rows after the read of
-    the step before. The rows fill on a worker across the step's return (the caller's host work
-    overlaps the fill), and the mask and sampling are queued before the next forward."""
+    the step before."""
     prompt = [{"role": "user", "content": "Paris has 2161000 people. Give name and population as JSON."}]
     params = SamplingParams(max_tokens=48, temperature=0, json_schema=SCHEMA)
-    eng = overlap_llm.engine
-    rows = eng.grammar_rows
-    switch = sys.getswitchinterval()
-    with device_events(eng.runner) as events:
-        start, finish, step = rows.start_plain, rows.finish_plain, eng.step
-        rows.start_plain = lambda *a: (events.append("fill"), start(*a))[1]  # type: ignore[method-assign]
-        rows.finish_plain = lambda *a: (events.append("mask"), finish(*a))[1]  # type: ignore[method-assign]
-        eng.step = lambda: (step(), events.append("|"))[0]  # type: ignore[method-assign]
+    rows = overlap_llm.engine.grammar_rows
+    with device_events(overlap_llm.engine.runner) as events:
+        fill = rows.apply_plain
+        rows.apply_plain = lambda *a: (events.append("fill"), fill(*a))[1]  # type: ignore[method-assign]
         try:
             got = overlap_llm.chat([prompt, prompt], params)
         finally:
-            del rows.start_plain, rows.finish_plain, eng.step
+            del rows.apply_plain
     assert _summary(got) == _summary(llm.chat([prompt, prompt], params))
     assert got[0].outputs[0].finish_reason == "stop"
-    launches = [e for e in events if e in ("forward", "fill", "mask")]
-    whole = 3 * (len(launches) // 3)
-    # one fill per forward, after it, and its mask before the next forward (the last may be
-    # dropped unsampled: every member finished)
-    assert launches[:whole] == ["forward", "fill", "mask"] * (whole // 3)
-    assert launches[whole:] == ["forward", "fill", "mask"][: len(launches) - whole]
-    trace = "".join({"forward": "F", "read": "r", "fill": "m", "mask": "M", "|": "|"}[e] for e in events)
-    # chained: forward, the read of the step before, then the rows, left filling past the step's end
-    tokens = len(got[0].outputs[0].token_ids)
-    assert trace.count("Frm|M") >= tokens - 3, trace
-    assert sys.getswitchinterval() == switch  # cut only while a fill ran on a worker
+    launches = [e for e in events if e != "read"]
+    assert launches == ["forward", "fill"] * (len(launches) // 2)  # one fill per forward, after it
+    trace = "".join({"forward": "F", "read": "r", "fill": "m"}[e] for e in events)
+    # chained: forward, the read of the step before, then the rows
+    assert trace.count("Frm") >= len(got[0].outputs[0].token_ids) - 3
 
 
 def test_ngram_with_overlap_is_lossless() -> None:

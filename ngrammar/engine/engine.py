@@ -146,8 +146,6 @@ class LLMEngine:
         Nothing can be added or stepped afterwards."""
         if self.closed:
             return
-        if isinstance(self._in_flight, PendingDecode):
-            self._in_flight.cancel()
         self.abort_and_release(list(self.requests))
         self.closed = True
         self.runner.close()
@@ -257,8 +255,6 @@ class LLMEngine:
         """Run one scheduled forward; returns outputs of requests that progressed or finished."""
         self.check_open()
         start = self._step_start = time.perf_counter()
-        if isinstance(self._in_flight, PendingDecode):
-            self._in_flight.complete()  # its grammar rows filled since the last step returned
         self.scheduler.tick()
         host, shadow = self._host_seconds(), self.stats.shadow_seconds
         chained = (isinstance(self._in_flight, PendingDecode) and self._chain_decode()) or (
@@ -488,11 +484,8 @@ class LLMEngine:
 
     def _sample_and_index(self, seqs: list[Sequence], logits: torch.Tensor) -> PendingDecode:
         """Queue a plain step's sampling, then index the batch's committed tokens into the corpus:
-        on a GPU that host work runs while the device computes. With overlap, a constrained batch's
-        masking and sampling wait for the next step (``PendingDecode.complete``, first thing there):
-        its grammar rows fill on a worker meanwhile, beside this step's indexing and outputs and
-        the caller's work between steps."""
-        flight = self._sample(seqs, logits, defer=self.overlap)
+        on a GPU that host work runs while the device computes."""
+        flight = self._sample(seqs, logits)
         self.speculator.index_plain_step(seqs, self.read_wait)
         return flight
 
@@ -596,12 +589,9 @@ class LLMEngine:
         else:
             self._last_commit = time.perf_counter()
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, defer: bool = False) -> PendingDecode:
-        """Grammar-mask and sample one token per sequence on the device; start reading them back
-        (``defer``: see ``sample_plain``)."""
-        return sample_plain(
-            seqs, logits, self.grammar_rows, self.runner, self.replay, self._step_start, defer
-        )
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> PendingDecode:
+        """Grammar-mask and sample one token per sequence on the device; start reading them back."""
+        return sample_plain(seqs, logits, self.grammar_rows, self.runner, self.replay, self._step_start)
 
     def _commit(self, flight: PendingDecode) -> int:
         """Wait for the sampled tokens and append one per sequence that is still running; returns
@@ -626,8 +616,6 @@ class LLMEngine:
         would time the idle gap as its step. One with a live member stays (its commit skips the
         finished ones)."""
         if self._in_flight is not None and all(s.is_finished for s in self._in_flight.seqs):
-            if isinstance(self._in_flight, PendingDecode):
-                self._in_flight.cancel()  # nothing of it is sampled: only its fill is waited for
             self._in_flight = None
 
     def _collect_outputs(self) -> list[RequestOutput]:

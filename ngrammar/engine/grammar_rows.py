@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ngrammar.engine.sequence import Sequence
 from ngrammar.engine.stats import EngineStats
-from ngrammar.grammar.fill_pool import GrammarFillPool, RowsFill
+from ngrammar.grammar.fill_pool import GrammarFillPool
 from ngrammar.speculative.tree import DraftTree, derive_tree_links
 
 
@@ -66,15 +65,6 @@ class BitmaskBuffers:
         return torch.empty((rows, self.width), dtype=torch.int32, device=device, pin_memory=pin)
 
 
-@dataclass
-class PlainRows:
-    """A plain step's grammar rows on their way (``GrammarRows.start_plain``)."""
-
-    seqs: list[Sequence]
-    rows: list[int]  # the indices of the sequences with a live grammar
-    fill: RowsFill
-
-
 class GrammarRows:
     def __init__(self, vocab_size: int, device: torch.device, stats: EngineStats) -> None:
         from ngrammar.grammar import bitmask_width
@@ -109,34 +99,17 @@ class GrammarRows:
 
         Settling and filling run on the pool. An empty row is a grammar's dead end: that sequence
         finishes now, and the token drawn for it anyway is dropped at commit."""
-        pending = self.start_plain(seqs)
-        if pending is not None:
-            self.finish_plain(pending, logits)
-
-    def start_plain(self, seqs: Seq[Sequence]) -> PlainRows | None:
-        """``apply_plain``'s first half: settle the grammars and leave their rows filling on a
-        worker (``GrammarFillPool.start_rows``); None when no sequence has a live grammar. Until
-        ``finish_plain``, nothing may touch these sequences' matchers."""
         rows = [i for i, s in enumerate(seqs) if s.grammar is not None and not s.is_finished]
         if not rows:
-            return None
+            return
+        from ngrammar.grammar import apply_bitmask
+
         t = time.perf_counter()
         bitmask = self.buffers.host(len(seqs))
         if len(rows) < len(seqs):  # rows without a live grammar allow everything
             bitmask.numpy()[np.setdiff1d(np.arange(len(seqs)), rows)] = -1
         matchers = [g for i in rows if (g := seqs[i].grammar) is not None]
-        fill = self.pool.start_rows(matchers, rows, bitmask)
-        self.stats.grammar_seconds += time.perf_counter() - t
-        return PlainRows(list(seqs), rows, fill)
-
-    def finish_plain(self, pending: PlainRows, logits: torch.Tensor) -> None:
-        """``apply_plain``'s second half: wait for the rows, finish the sequences whose grammar
-        refused a token or reached a dead end, and mask ``logits`` [B, V] on its device."""
-        from ngrammar.grammar import apply_bitmask
-
-        t = time.perf_counter()
-        seqs, rows = pending.seqs, pending.rows
-        outcome = pending.fill.wait()
+        outcome = self.pool.fill_rows(matchers, rows, bitmask)
         for k, token in outcome.rejected:
             seqs[rows[k]].grammar_rejected(token)
         for k in outcome.dead:

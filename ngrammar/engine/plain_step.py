@@ -3,14 +3,13 @@ path that plain tokens and verified runs share."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
 
 from ngrammar.engine.block_manager import BlockManager
-from ngrammar.engine.grammar_rows import GrammarRows, PlainRows
+from ngrammar.engine.grammar_rows import GrammarRows
 from ngrammar.engine.logprobs import logprob_tensors
 from ngrammar.engine.sequence import Sequence
 from ngrammar.outputs import TokenLogprob
@@ -22,14 +21,11 @@ from ngrammar.speculative.replay import ReplayTarget
 
 @dataclass
 class PendingDecode:
-    """A plain decode step sampled on the device whose tokens are not committed yet.
-
-    Its sampling may still be queued (``sample_plain`` with ``defer``): the grammar rows fill on a
-    worker while the engine's thread goes on, and ``complete`` (or reading ``tokens`` or ``read``)
-    masks and samples. It must complete before the next forward is launched: the logits it samples
-    from are valid until then."""
+    """A plain decode step sampled on the device whose tokens are not committed yet."""
 
     seqs: list[Sequence]
+    tokens: torch.Tensor  # [B] int64 on the device: each sequence's sampled token
+    read: PendingRead  # the tokens (and logprob tensors) on their way to the host
     launched: float  # perf_counter() at the start of the engine step that launched it
     # The first plain step after a verify step (overlap): the verify engine step's host time after
     # its commit, which the device sat idle through (``LLMEngine._run_decode``); None otherwise.
@@ -37,33 +33,6 @@ class PendingDecode:
     # Sampled by a prefill or mixed step: its first ``decode_rows`` rows decode (the rest are first
     # tokens of prompts); not a plain step's time for the draft policy. None: a plain step.
     decode_rows: int | None = None
-    _sampled: tuple[torch.Tensor, PendingRead] | None = None
-    _sampling: Callable[[], tuple[torch.Tensor, PendingRead]] | None = None
-    _rows: PlainRows | None = None  # the grammar rows the queued sampling waits for
-
-    @property
-    def tokens(self) -> torch.Tensor:
-        """[B] int64 on the device: each sequence's sampled token."""
-        return self.complete()[0]
-
-    @property
-    def read(self) -> PendingRead:
-        """The tokens (and logprob tensors) on their way to the host."""
-        return self.complete()[1]
-
-    def complete(self) -> tuple[torch.Tensor, PendingRead]:
-        """Queue the sampling if it is not yet (idempotent): the tokens and their read."""
-        if self._sampled is None:
-            sampling, self._sampling, self._rows = self._sampling, None, None
-            assert sampling is not None
-            self._sampled = sampling()
-        return self._sampled
-
-    def cancel(self) -> None:
-        """Never sample: wait for the grammar rows' fill only (an engine closing)."""
-        if self._rows is not None:
-            self._rows.fill.wait()
-        self._sampling = self._rows = None
 
 
 def decode_input(seqs: list[Sequence], input_ids: torch.Tensor | None) -> StepInput:
@@ -126,36 +95,25 @@ def sample_plain(
     runner: ModelRunner,
     replay: ReplayTarget | None,
     launched: float,
-    defer: bool = False,
 ) -> PendingDecode:
     """Grammar-mask and sample one token per sequence on the device (logits [B, V]); start reading
-    them back. ``defer``: where grammar rows are filling, leave the masking and sampling queued
-    (``PendingDecode.complete``), so the caller's host work overlaps the fill."""
+    them back."""
     if replay is not None:  # row i is sequence i's last token, at position num_cached - 1
         replay.apply(logits, [replay.targets(s.prompt_token_ids, [s.num_cached - 1])[0] for s in seqs])
-    rows = grammar_rows.start_plain(seqs)
-
-    def sampling() -> tuple[torch.Tensor, PendingRead]:
-        if rows is not None:
-            grammar_rows.finish_plain(rows, logits)
-        if all(s.params.greedy for s in seqs):
-            tokens = logits.argmax(dim=-1)  # no per-row parameters to copy in
-        else:
-            params = [s.params for s in seqs]
-            st = SamplingTensors.build(
-                params, [s.seed for s in seqs], [len(s.token_ids) for s in seqs], logits.device
-            )
-            tokens = sample(logits, st)
-        lp: list[torch.Tensor] = []
-        if any(s.params.logprobs is not None for s in seqs):
-            index = torch.arange(len(seqs), device=logits.device)[:, None]
-            lp = logprob_tensors(seqs, logits, index, tokens[:, None])
-        return tokens, runner.to_host_async(tokens, *lp)
-
-    flight = PendingDecode(seqs, launched, _sampling=sampling, _rows=rows)
-    if not defer or rows is None:
-        flight.complete()
-    return flight
+    grammar_rows.apply_plain(seqs, logits)
+    if all(s.params.greedy for s in seqs):
+        tokens = logits.argmax(dim=-1)  # no per-row parameters to copy in
+    else:
+        params = [s.params for s in seqs]
+        st = SamplingTensors.build(
+            params, [s.seed for s in seqs], [len(s.token_ids) for s in seqs], logits.device
+        )
+        tokens = sample(logits, st)
+    lp: list[torch.Tensor] = []
+    if any(s.params.logprobs is not None for s in seqs):
+        rows = torch.arange(len(seqs), device=logits.device)[:, None]
+        lp = logprob_tensors(seqs, logits, rows, tokens[:, None])
+    return PendingDecode(seqs, tokens, runner.to_host_async(tokens, *lp), launched)
 
 
 def commit_runs(

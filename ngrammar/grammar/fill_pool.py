@@ -15,7 +15,6 @@ disjoint rows of the bitmask.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -59,84 +58,6 @@ class FillOutcome:
     dead: list[int] = field(default_factory=list)  # rows no token may follow: the grammar's dead end
 
 
-class _QuickSwitch:
-    """While some fill runs on a worker, the interpreter's switch interval is cut to ``interval``:
-    a waiting thread takes the GIL only once the holder releases it or the interval runs out, and
-    the default 5 ms would let the worker start its fill only when the engine's thread waits for it
-    (no overlap at all). Counted, so that engines sharing a process restore the interval once the
-    last of them is done."""
-
-    def __init__(self, interval: float = 1e-4) -> None:
-        self.interval = interval
-        self._lock = threading.Lock()
-        self._active = 0
-        self._saved = 0.0
-
-    def enter(self) -> None:
-        with self._lock:
-            if self._active == 0:
-                self._saved = sys.getswitchinterval()
-                sys.setswitchinterval(min(self.interval, self._saved))
-            self._active += 1
-
-    def exit(self) -> None:
-        with self._lock:
-            self._active -= 1
-            if self._active == 0:
-                sys.setswitchinterval(self._saved)
-
-
-_QUICK_SWITCH = _QuickSwitch()
-
-
-class _RowsWork:
-    """One plain step's rows: settled on the caller's thread, some left to one batched fill."""
-
-    def __init__(self, bitmask: torch.Tensor, batch_matcher: Callable[[], xgr.BatchGrammarMatcher]) -> None:
-        self.bitmask = bitmask
-        self.words = bitmask.numpy()
-        self._batch_matcher = batch_matcher
-        self.rejected: list[tuple[int, int]] = []  # (index, token its grammar refused)
-        self.settled: list[int] = []  # the matchers that settled, and their rows
-        self.filled: list[int] = []
-        self.fill: list[xgr.GrammarMatcher] = []  # the matchers to fill, and their rows
-        self.fill_rows: list[int] = []
-
-    def fill_chunk(self, lo: int, hi: int) -> None:
-        self._batch_matcher().batch_fill_next_token_bitmask(
-            self.fill[lo:hi], self.bitmask, self.fill_rows[lo:hi]
-        )
-
-    def outcome(self) -> FillOutcome:
-        """Rejections, and the rows left empty: dead ends (after the fill)."""
-        out = FillOutcome(rejected=self.rejected)
-        if self.filled:
-            empty = np.flatnonzero(~self.words[self.filled].any(axis=1)).tolist()
-            out.dead = [self.settled[k] for k in empty]
-        return out
-
-
-class RowsFill:
-    """A plain step's rows being filled (``GrammarFillPool.start_rows``)."""
-
-    def __init__(self, work: _RowsWork, future: Future[None] | None) -> None:
-        self._work = work
-        self._future = future
-        self._outcome: FillOutcome | None = None
-
-    def wait(self) -> FillOutcome:
-        """Block until the rows are filled; the outcome (idempotent)."""
-        if self._outcome is None:
-            future, self._future = self._future, None
-            if future is not None:
-                try:
-                    future.result()
-                finally:
-                    _QUICK_SWITCH.exit()
-            self._outcome = self._work.outcome()
-        return self._outcome
-
-
 class GrammarFillPool:
     """``threads`` workers (``fill_threads()`` by default) plus the caller's thread."""
 
@@ -173,54 +94,38 @@ class GrammarFillPool:
         worker makes that one call and nothing else: every xgrammar call releases the GIL and must
         take it back, and workers settling their own matchers (a call per token) queued for it
         behind each other and the caller (LOG.md, issue 41)."""
-        prepared = self._prepare_rows(matchers, rows, bitmask)
-        if prepared.fill:
-            self._map(len(prepared.fill), prepared.fill_chunk, self.rows_serial_below)
-        return prepared.outcome()
-
-    def start_rows(self, matchers: Seq[GrammarMatcher], rows: Seq[int], bitmask: torch.Tensor) -> RowsFill:
-        """``fill_rows`` with its batched fill left running on one worker: the caller settles and
-        copies start rows now, and ``RowsFill.wait`` gives the outcome once the fill is done. The
-        caller's thread goes on with other host work meanwhile (xgrammar fills without the GIL);
-        until ``wait``, nothing may touch these matchers or the bitmask. Without workers the fill
-        runs here and now."""
-        prepared = self._prepare_rows(matchers, rows, bitmask)
-        if not prepared.fill or self._pool is None:
-            if prepared.fill:
-                prepared.fill_chunk(0, len(prepared.fill))
-            return RowsFill(prepared, None)
-        inference = torch.is_inference_mode_enabled()
-
-        def fill() -> None:
-            with torch.inference_mode(inference):
-                prepared.fill_chunk(0, len(prepared.fill))
-
-        _QUICK_SWITCH.enter()  # released by RowsFill.wait
-        return RowsFill(prepared, self._pool.submit(fill))
-
-    def _prepare_rows(
-        self, matchers: Seq[GrammarMatcher], rows: Seq[int], bitmask: torch.Tensor
-    ) -> _RowsWork:
-        """Settle every matcher and copy the start rows, on the caller's thread; what is left to
-        fill (``_RowsWork.fill``) is the batched xgrammar call's."""
-        work = _RowsWork(bitmask, self._batch_matcher)
-        words = work.words
+        words = bitmask.numpy()
+        out = FillOutcome()
+        settled: list[int] = []  # the matchers that settled, and their rows
+        filled: list[int] = []
+        fill: list[xgr.GrammarMatcher] = []  # the matchers to fill, and their rows
+        fill_rows: list[int] = []
         for i, matcher in enumerate(matchers):
             row = int(rows[i])
             rejected = matcher.settle()
             if rejected is not None:
-                work.rejected.append((i, rejected))
+                out.rejected.append((i, rejected))
                 words[row] = -1
                 continue
-            work.settled.append(i)
-            work.filled.append(row)
+            settled.append(i)
+            filled.append(row)
             start = matcher.start_row()
             if start is not None:
                 words[row] = start
             else:
-                work.fill.append(matcher.xgrammar_matcher)
-                work.fill_rows.append(row)
-        return work
+                fill.append(matcher.xgrammar_matcher)
+                fill_rows.append(row)
+        if fill:
+            self._map(
+                len(fill),
+                lambda lo, hi: self._batch_matcher().batch_fill_next_token_bitmask(
+                    fill[lo:hi], bitmask, fill_rows[lo:hi]
+                ),
+                self.rows_serial_below,
+            )
+        if filled:
+            out.dead = [settled[k] for k in np.flatnonzero(~words[filled].any(axis=1)).tolist()]
+        return out
 
     def fill_trees(
         self,
