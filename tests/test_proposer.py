@@ -461,6 +461,14 @@ def test_external_corpora_errors_and_removal(forced_llm: LLM, tmp_path: Path) ->
         corpora.max_tokens = old
     with pytest.raises(DraftCorpusError, match="name"):
         corpora.add("no spaces", documents=["a b c"])
+    # Regression (bug hunt): names of dots only are path segments clients rewrite ("..": up a
+    # level), and a long bad name is quoted cut short.
+    for dots in (".", "..", "..."):
+        with pytest.raises(DraftCorpusError, match="not only dots"):
+            corpora.add(dots, documents=["a b c"])
+    with pytest.raises(DraftCorpusError) as long_name:
+        corpora.add("x y" * 1000, documents=["a b c"])
+    assert len(str(long_name.value)) < 200
     with pytest.raises(InvalidRequestError, match="unknown draft corpus 'nope'"):
         forced_llm.generate("Hi", SamplingParams(max_tokens=2, draft_corpora=["nope"]))
     # Drafting from a named corpus, then removing it while its request runs.

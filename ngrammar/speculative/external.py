@@ -168,12 +168,26 @@ class DraftCorpora:
 
 def _name_of(path: str) -> str:
     stem = Path(path).stem
-    return "".join(ch if ch in NAME_CHARS else "_" for ch in stem) or "corpus"
+    name = "".join(ch if ch in NAME_CHARS else "_" for ch in stem)
+    return name if name.strip(".") else "corpus"
 
 
 def _check_name(name: Any) -> None:
-    if not isinstance(name, str) or not name or len(name) > 64 or not set(name) <= NAME_CHARS:
-        raise DraftCorpusError(f"a draft corpus name is 1-64 letters, digits, '_', '-' or '.', got {name!r}")
+    """A name is a URL path segment (``DELETE /v1/draft_corpora/{name}``): one made only of dots
+    would be rewritten by clients (``..`` climbs a level), so it is refused. The error quotes at
+    most 80 characters of what was given."""
+    if (
+        not isinstance(name, str)
+        or not name
+        or len(name) > 64
+        or not set(name) <= NAME_CHARS
+        or not name.strip(".")
+    ):
+        shown = repr(name)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        raise DraftCorpusError(
+            f"a draft corpus name is 1-64 letters, digits, '_', '-' or '.', not only dots; got {shown}"
+        )
 
 
 def _documents(documents: Any) -> list[str]:
