@@ -414,6 +414,9 @@ def test_invalid_inputs_get_openai_errors(http: httpx.Client) -> None:
         ("/v1/completions", {"prompt": "x", "max_tokens": 4, "top_k": 2**70}, 400, None),
         ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 4, "seed": 2**64}}, 400, None),
         ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 4, "typo": 1}}, 400, None),
+        # Regression (bug hunt): an empty batch of texts answered 200 [] (``prompt: []`` is a 400).
+        ("/generate", {"text": []}, 400, None),
+        ("/generate", {"input_ids": []}, 400, None),
         ("/v1/chat/completions", {"model": "gpt-4o", "messages": msgs}, 404, "model"),
         # Regression: a grammar matching nothing masked every token and failed in the engine (500).
         ("/v1/completions", {"prompt": "x", "max_tokens": 4, "regex": "[^\\s\\S]"}, 400, None),

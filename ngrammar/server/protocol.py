@@ -456,8 +456,10 @@ class GenerateRequest(_RequestModel):
         return bool(self.input_ids) and isinstance(self.input_ids[0], list)  # type: ignore[index]
 
     def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts; an empty batch is one empty prompt (a 400, as ``prompt: []`` on
+        /v1/completions), not an empty answer."""
         if self.text is not None:
-            return list(self.text) if isinstance(self.text, list) else [self.text]
+            return (list(self.text) or [""]) if isinstance(self.text, list) else [self.text]
         ids = self.input_ids or []
         return list(ids) if self.is_batch else [ids]  # type: ignore[list-item, arg-type]
 
