@@ -414,6 +414,13 @@ def test_invalid_inputs_get_openai_errors(http: httpx.Client) -> None:
         ("/v1/completions", {"prompt": "x", "max_tokens": 4, "top_k": 2**70}, 400, None),
         ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 4, "seed": 2**64}}, 400, None),
         ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 4, "typo": 1}}, 400, None),
+        # Regression (bug hunt): a text part without its text was told only text parts are supported.
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            400,
+            None,
+        ),
         # Regression (bug hunt): an empty batch of texts answered 200 [] (``prompt: []`` is a 400).
         ("/generate", {"text": []}, 400, None),
         ("/generate", {"input_ids": []}, 400, None),
@@ -434,6 +441,10 @@ def test_invalid_inputs_get_openai_errors(http: httpx.Client) -> None:
         if param is not None:
             assert error["param"] == param, (path, body, error)
     assert "prompt is" in assert_error(http.post("/v1/completions", json=cases[4][1]), 400)["message"]
+    textless = {"messages": [{"role": "user", "content": [{"type": "text"}]}]}
+    assert "needs its text" in assert_error(http.post("/v1/chat/completions", json=textless), 400)["message"]
+    image = {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
+    assert "image_url" in assert_error(http.post("/v1/chat/completions", json=image), 400)["message"]
     malformed = http.post(
         "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
     )

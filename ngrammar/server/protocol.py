@@ -254,8 +254,11 @@ class ChatMessage(_StrictModel):
         """The {"role", "content"} dict chat templates expect; only text parts are understood."""
         if self.content is None or isinstance(self.content, str):
             return {"role": self.role, "content": self.content or ""}
-        if any(p.type != "text" or p.text is None for p in self.content):
-            raise InvalidRequestError("only text content parts are supported")
+        for p in self.content:
+            if p.type != "text":
+                raise InvalidRequestError(f"only text content parts are supported, got type {p.type[:40]!r}")
+            if p.text is None:
+                raise InvalidRequestError("a text content part needs its text")
         return {"role": self.role, "content": "".join(p.text or "" for p in self.content)}
 
 
