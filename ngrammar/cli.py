@@ -177,15 +177,8 @@ def _generate_batch(
             plist.append(dataclasses.replace(params, **overrides))
         except (TypeError, ValueError) as e:
             raise ValueError(f"{args.input}:{n}: {e}") from e
-    engine = llm.engine
-    for (n, _, prompt), p in zip(rows, plist):
-        # The checks LLM._run repeats, here so that a bad prompt or grammar names its line.
-        try:
-            engine.validate(engine.tokenize(prompt), p)
-            engine.compile_grammar(p)  # cached: _run does not compile it again
-        except ValueError as e:
-            raise ValueError(f"{args.input}:{n}: {e}") from e
-    outs = llm._run([prompt for _, _, prompt in rows], plist, None)
+    labels = [f"{args.input}:{n}" for n, _, _ in rows]  # a bad prompt or grammar names its line
+    outs = llm._run([prompt for _, _, prompt in rows], plist, None, labels)
     sink = open(args.output, "w") if args.output else sys.stdout
     failed = 0
     try:

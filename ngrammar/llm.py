@@ -5,6 +5,7 @@ from __future__ import annotations
 import numbers
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import fields
 from typing import Any
 
@@ -98,7 +99,10 @@ class LLM:
         prompts: list[Any],
         params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool | None,
+        labels: Sequence[str] | None = None,
     ) -> list[RequestOutput]:
+        """``labels``: where each prompt came from (the CLI's ``file:line``), put before the message
+        of the ValueError its checks raise."""
         if params is None or isinstance(params, SamplingParams):
             plist = [params or SamplingParams()] * len(prompts)
         else:
@@ -113,7 +117,7 @@ class LLM:
         self.engine.check_open()
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
-        ids = self._add_all(prompts, plist)
+        ids = self._add_all(prompts, plist, labels)
         results: dict[str, RequestOutput] = {}
         try:
             for out in self._progress(self._drain(set(ids)), len(ids), use_tqdm):
@@ -125,16 +129,20 @@ class LLM:
             raise
         return [results[i] for i in ids]
 
-    def _add_all(self, prompts: list[Any], plist: list[SamplingParams]) -> list[str]:
+    def _add_all(
+        self, prompts: list[Any], plist: list[SamplingParams], labels: Sequence[str] | None = None
+    ) -> list[str]:
         """Validate every request before queueing any, so one bad input runs nothing."""
         eng = self.engine
         prepared = []
-        for prompt, p in zip(prompts, plist):
-            ids = eng.tokenize(prompt)
-            eng.validate(ids, p)
+        for i, (prompt, p) in enumerate(zip(prompts, plist)):
+            with _labelled(labels, i):
+                ids = eng.tokenize(prompt)
+                eng.validate(ids, p)
             prepared.append((ids, p))
-        for _, p in prepared:
-            eng.compile_grammar(p)  # compile (cached) up front: a bad grammar fails before any work
+        for i, (_, p) in enumerate(prepared):
+            with _labelled(labels, i):
+                eng.compile_grammar(p)  # compile (cached) up front: a bad grammar fails before any work
         return [eng.add_request(ids, p, stream=False) for ids, p in prepared]
 
     def _drain(self, pending: set[str]) -> Iterator[RequestOutput]:
@@ -151,6 +159,17 @@ class LLM:
         from tqdm import tqdm
 
         return iter(tqdm(it, total=total, desc="requests", unit="req"))
+
+
+@contextmanager
+def _labelled(labels: Sequence[str] | None, i: int) -> Iterator[None]:
+    """A ValueError raised inside, prefixed with ``labels[i]`` (unchanged without labels)."""
+    try:
+        yield
+    except ValueError as e:
+        if labels is None:
+            raise
+        raise ValueError(f"{labels[i]}: {e}") from e
 
 
 def _as_list(items: Any, what: str) -> list[Any]:

@@ -259,7 +259,7 @@ class ChatMessage(_StrictModel):
                 raise InvalidRequestError(f"only text content parts are supported, got type {p.type[:40]!r}")
             if p.text is None:
                 raise InvalidRequestError("a text content part needs its text")
-        return {"role": self.role, "content": "".join(p.text or "" for p in self.content)}
+        return {"role": self.role, "content": "".join(p.text for p in self.content if p.text is not None)}
 
 
 class ChatCompletionRequest(_OpenAIRequest):
