@@ -174,8 +174,13 @@ ORDERS = [
     ("juice", 6, "litre", "normal"),
     ("screws", 2, "box", "high"),
 ]
-# (label, grammar_drafts, field memory on)
-DRAFT_VARIANTS = [("ngram+grammar", False, False), ("+forced", True, False), ("+forced+memory", True, True)]
+# (label, grammar_drafts, field memory on, prompt-text lookup on)
+DRAFT_VARIANTS = [
+    ("ngram+grammar", False, False, False),
+    ("+forced", True, False, False),
+    ("+forced+memory", True, True, False),
+    ("+forced+memory+text", True, True, True),
+]
 
 
 def open_schema_prompts(n: int) -> list[Any]:
@@ -248,13 +253,14 @@ def run_structured_benchmark(
         for llm in (plain, spec):  # the schema's compile and the first shapes: paid here, not timed
             run_chat(llm, prompts, params)
         samples: dict[str, list[dict[str, Any]]] = {"plain+grammar": []}
-        samples |= {label: [] for label, _, _ in DRAFT_VARIANTS}
+        samples |= {label: [] for label, *_ in DRAFT_VARIANTS}
         for _ in range(repeats):  # the variants in turn, so a slower minute of the box hits them all
             samples["plain+grammar"].append(_structured_once(plain, prompts, params))
-            for label, grammar_drafts, with_memory in DRAFT_VARIANTS:
+            for label, grammar_drafts, with_memory, text in DRAFT_VARIANTS:
                 proposer.grammar_drafts, proposer.memory = grammar_drafts, memory if with_memory else None
+                proposer.text_lookup = text
                 samples[label].append(_structured_once(spec, prompts, params))
-        proposer.grammar_drafts, proposer.memory = True, memory
+        proposer.grammar_drafts, proposer.memory, proposer.text_lookup = True, memory, True
         runs = {label: _median_run(r) for label, r in samples.items()}
         base, today = runs["plain+grammar"], runs["ngram+grammar"]
         for label, r in runs.items():

@@ -55,8 +55,9 @@ class SpeculativeConfig:
     index_prompt: bool = _opt(True, "prompts feed the corpus at admission (prompt copying)")
     grammar_drafts: bool = _opt(
         True,
-        "under a grammar, draft the text it forces (hedged tokenizations), refill the drafts it forbids "
-        "and extend branches (speculative/proposer.py); off: n-gram drafts only, pruned",
+        "under a grammar, draft the text it forces (hedged tokenizations) and the prompt's text where "
+        "token windows cannot match, refill the drafts it forbids and extend branches "
+        "(speculative/proposer.py); off: n-gram drafts only, pruned",
     )
     field_memory: int = _opt(4096, "JSON values remembered per (schema, path) for drafting, in all (0: off)")
     draft_corpus: tuple[str, ...] = _opt((), "text or JSONL files indexed as named external draft corpora")

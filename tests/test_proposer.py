@@ -24,7 +24,8 @@ from ngrammar.speculative.external import DraftCorpusError
 from ngrammar.speculative.field_memory import FieldMemory, JsonPath
 from ngrammar.speculative.forced import ForcedText, forced_text
 from ngrammar.speculative.policy import AdaptiveDraftPolicy, FixedWidthPolicy, ThresholdDraftPolicy
-from ngrammar.speculative.proposer import DraftProposer
+from ngrammar.speculative.proposer import TEXT_MATCH, DraftProposer
+from ngrammar.speculative.text_lookup import CONTINUATION_BYTES, MAX_BYTES, MIN_BYTES, TAIL_TOKENS, TextLookup
 from tests.grammar_oracles import fork
 
 # ----------------------------------------------------------------------------- random schemas
@@ -90,6 +91,10 @@ class _Seq:
     seq_id: str = "s"
     is_finished: bool = False
     prompt_len: int = 1
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.prompt_len]
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -282,6 +287,75 @@ def test_field_memory_offers_values_seen_at_the_same_path(tokenizer: Tokenizer, 
     assert memory.values(other) == []  # another schema: nothing
 
 
+# ----------------------------------------------------------------------------- prompt text
+def _byte_text() -> ForcedText:
+    """One token per byte value: a token's bytes are its id's byte."""
+    return ForcedText(lambda text: list(text.encode()), [bytes([i]) for i in range(256)], special=[])
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(prompt=st.binary(min_size=1, max_size=80), output=st.binary(min_size=0, max_size=40))
+def test_text_lookup_finds_the_longest_suffix_with_text_after_it(prompt: bytes, output: bytes) -> None:
+    """Against a brute-force scan: the longest suffix (MIN_BYTES..MAX_BYTES) of the last
+    TAIL_TOKENS tokens' bytes found in the prompt with a byte after it, and the prompt's bytes after
+    its first occurrence; small alphabets so that matches are common."""
+    prompt, output = bytes(b % 4 + 97 for b in prompt), bytes(b % 4 + 97 for b in output)
+    seq = _Seq(list(prompt + output), None, prompt_len=len(prompt))
+    lookup = TextLookup(_byte_text())
+    tail = (prompt + output)[-TAIL_TOKENS:][-MAX_BYTES:]
+    found = [n for n in range(MIN_BYTES, len(tail) + 1) if tail[-n:] in prompt[:-1]]
+    size = max(found, default=0)
+    assert lookup.match(seq) == size
+    expected = b""
+    if size:
+        end = prompt[:-1].find(tail[-size:]) + size
+        expected = prompt[end : end + CONTINUATION_BYTES]
+    assert bytes(lookup.continuation(seq, 64)) == expected
+    assert len(lookup.continuation(seq, 2)) == min(2, len(expected))
+    lookup.forget([seq.seq_id])
+    assert not lookup._prompts and not lookup._matches
+
+
+_PEOPLE = "Alice is 34 years old. Bob Smith is 27 years old and lives in Berlin."
+_PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "city": {"type": "string"}},
+    "required": ["name", "city"],
+    "additionalProperties": False,
+}
+
+
+def test_a_value_spelled_apart_from_the_prompt_is_drafted_from_its_text(
+    backend: GrammarBackend, tokenizer: Tokenizer, forced: ForcedText
+) -> None:
+    """The prompt has `` Bob`` `` Smith``; the JSON value opens ``"`` + ``Bob``, after which no token
+    window of the prompt matches. The prompt's text does: `` Smith`` is drafted (and the policy is
+    told of a match), and only with the lookup on."""
+    prompt = tokenizer.encode(_PEOPLE)
+    output = tokenizer.encode('{"name": "Bob')
+    assert tokenizer.encode(" Bob")[0] in prompt and tokenizer.encode("Bob")[0] == output[-1]
+    m = _matcher(backend, _PERSON)
+    assert all(m.accept_token(t) for t in output)
+    corpus = NgramCorpus()
+    corpus.index_prompt("s", prompt)
+    seq = _Seq(prompt + output, m, SamplingParams(json_schema=_PERSON), prompt_len=len(prompt))
+    assert corpus.match_length(seq.token_ids, 4) == 0
+    on = DraftProposer(corpus, forced=lambda: forced)
+    off = DraftProposer(corpus, forced=lambda: forced)
+    off.text_lookup = False
+    assert on.match_length(seq, 4) == TEXT_MATCH and off.match_length(seq, 4) < TEXT_MATCH
+    smith = tokenizer.encode(" Smith")
+    for proposer, drafted in ((on, True), (off, False)):
+        proposal = proposer.propose([seq], 8, trim=False, widths=[1, 4, 8])
+        assert proposal is not None
+        paths = _paths(proposal.tree.tokens.tolist(), proposal.tree.parents()[0].tolist())
+        assert (smith in paths) is drafted
+        assert m.jump_forward() == ""  # the matcher is back where it was (inside the string)
+    assert on.source_nodes["text"] >= 1
+    on.on_finish([seq])
+    assert on._text is not None and not on._text._prompts  # the prompt's bytes go with the sequence
+
+
 # ----------------------------------------------------------------------------- engine
 @pytest.fixture(scope="module")
 def corpus_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -321,6 +395,22 @@ def test_forced_drafts_keep_greedy_outputs_on_random_schemas(
     assert batched == plain
     assert alone == plain[:4]
     assert proposer.source_nodes["forced"] > before
+
+
+def test_prompt_text_drafts_keep_greedy_extraction_outputs(llm: LLM, forced_llm: LLM) -> None:
+    """Values copied from the prompt (names, cities) under a schema: NGRAM with the prompt-text
+    drafts gives plain decoding's tokens, batched and alone, and the drafts were used."""
+    from benchmarks.bench_grammar import RECORD_SCHEMA, extraction_prompts
+
+    prompts = extraction_prompts(3)
+    params = SamplingParams(max_tokens=48, temperature=0, json_schema=RECORD_SCHEMA)
+    plain = [o.outputs[0].token_ids for o in llm.chat(prompts, params)]
+    proposer = forced_llm.engine.ngram.proposer  # type: ignore[union-attr]
+    before = proposer.source_nodes.get("text", 0)
+    batched = [o.outputs[0].token_ids for o in forced_llm.chat(prompts, params)]
+    alone = forced_llm.chat(prompts[:1], params)[0].outputs[0].token_ids
+    assert batched == plain and alone == plain[0]
+    assert proposer.source_nodes["text"] > before
 
 
 def test_forced_drafts_keep_greedy_outputs_on_the_sglang_regexes_alone(llm: LLM, forced_llm: LLM) -> None:

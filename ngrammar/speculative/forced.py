@@ -56,6 +56,11 @@ class ForcedText:
     def decode(self, tokens: Sequence[int]) -> bytes:
         return b"".join(self.vocab[t] for t in tokens)
 
+    def tokenize(self, text: str) -> tuple[int, ...]:
+        """The tokenizer's encoding of ``text``, uncached (text that rarely repeats: the cache of
+        ``canonical`` keeps the forced strings that do)."""
+        return tuple(int(t) for t in self._encode(text)) if text else ()
+
     def canonical(self, text: str) -> tuple[int, ...]:
         """The tokenizer's encoding of ``text`` (empty for empty text)."""
         if not text:

@@ -8,6 +8,9 @@ shared, never duplicated):
    overhangs, as siblings of its last token);
 2. **field memory** (``FieldMemory``): values earlier requests with the same grammar wrote at the
    same JSON path;
+2b. **the prompt's text** (``TextLookup``) where the corpus matches fewer than ``TEXT_MATCH``
+   tokens: the bytes after the output's last bytes in the prompt, tokenized afresh (a value copied
+   from the prompt spelled with other tokens than the prompt's: ``"Ber`` + ``lin``);
 3. **the n-gram corpus** (``NgramCorpus.drafts``), drafted wider than the budget under a grammar
    so the drafts the grammar forbids leave room for the next-best ones (refill);
 4. **external corpora** the request drafts from (``DraftCorpora``);
@@ -37,6 +40,7 @@ import numpy as np
 
 from ngrammar.speculative.corpus import NgramCorpus
 from ngrammar.speculative.forced import clip
+from ngrammar.speculative.text_lookup import TextLookup
 from ngrammar.speculative.tree import PAD_TOKEN, DraftTree, carry_to_kept
 
 if TYPE_CHECKING:
@@ -56,6 +60,9 @@ EXTENSION_ROUNDS = 2  # leaves extended per tree (forced text, then the corpus f
 # The match length a sequence whose grammar forces text at its root reports to the draft policy
 # (at least): forced drafts are accepted about as often as drafts from a 3-token corpus match.
 FORCED_MATCH = 3
+# Below this corpus match a constrained sequence drafts from its prompt's text too, first, and
+# reports this match length where that text matches (``TextLookup.match``).
+TEXT_MATCH = 2
 _EXTENSION_KEY = ("__proposer_extension__",)  # the corpus match cursor the extensions share
 
 
@@ -215,6 +222,8 @@ class DraftProposer:
         self._forced: ForcedText | None = None
         self.memory = memory
         self.corpora = corpora
+        self.text_lookup = True  # (under ``grammar_drafts``; benchmarks switch it to show its share)
+        self._text: TextLookup | None = None
         # Nodes each source put in the trees verified so far (a source's node shared with an earlier
         # source counts for the earlier one): what the sources contribute, for stats and benchmarks.
         self.source_nodes: dict[str, int] = {}
@@ -226,6 +235,14 @@ class DraftProposer:
             if self.memory is not None:
                 self.memory.vocab = self._forced.vocab
         return self._forced
+
+    def _text_lookup(self, seq: Seq) -> TextLookup | None:
+        """The prompt-text source for a constrained sequence whose grammar drafts are on."""
+        if not (self.text_lookup and self.grammar_drafts and seq.grammar is not None):
+            return None
+        if self._text is None and self.forced is not None:
+            self._text = TextLookup(self.forced)
+        return self._text
 
     # ------------------------------------------------------------------ the policy's signal
     def match_length(self, seq: Seq, max_len: int) -> int:
@@ -244,6 +261,10 @@ class DraftProposer:
             and seq.grammar.jump_forward()
         ):
             n = min(FORCED_MATCH, max_len)
+        if n < min(TEXT_MATCH, max_len) and not seq.is_finished:
+            lookup = self._text_lookup(seq)
+            if lookup is not None and lookup.match(seq):
+                n = min(TEXT_MATCH, max_len)
         return n
 
     # ------------------------------------------------------------------ drafting
@@ -324,6 +345,15 @@ class DraftProposer:
             for value in self.memory.values(seq):
                 builder.add_path(0, value, counted=True)
             self._count("memory", builder, n)
+        lookup = self._text_lookup(seq) if constrained else None
+        if (
+            lookup is not None
+            and not builder.full
+            and self.corpus.match_length(seq.token_ids, TEXT_MATCH) < TEXT_MATCH
+        ):
+            n = len(builder.tokens)
+            builder.add_path(0, lookup.continuation(seq, builder.room // 2 + 1))
+            self._count("text", builder, n)
         n = len(builder.tokens)
         wide = builder.budget + 1
         if constrained:
@@ -438,6 +468,8 @@ class DraftProposer:
         if self.memory is not None:
             for seq in seqs:
                 self.memory.forget(seq)
+        if self._text is not None:
+            self._text.forget(ids)
 
 
 def trim_drafted(seqs: Sequence[Seq], tree: DraftTree, check_depth: int | None) -> tuple[np.ndarray, int]:
