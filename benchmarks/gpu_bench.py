@@ -766,6 +766,9 @@ def bench_replay(
     # The same NGRAM engine chaining a plain step out of a verify step (``chain_verify``, off by
     # default): what chaining out gains, in the same run.
     chained = LLM(**small, speculative="ngram", num_draft_tokens=16, chain_verify=True)
+    # ... and one chaining a verify step out of a plain step in flight too (``chain_into_verify``,
+    # off by default): what launching without a drain either way gains.
+    both = LLM(**small, speculative="ngram", num_draft_tokens=16, chain_verify=True, chain_into_verify=True)
     eos = plain.engine.model_config.eos_token_ids
     res: dict[str, Any] = {
         "max_tokens": max_tokens,
@@ -781,6 +784,12 @@ def bench_replay(
         ab["chained_out_share"] = (stats.chained_out_of_verify - out_of_verify) / max(
             stats.spec_steps - steps, 1
         )
+        stats = both.engine.stats
+        steps, into_verify = stats.spec_steps, stats.chained_into_verify
+        res[f"smollm2_chain_both/b{bs}/{cat}"] = ab = _pairs(plain, both, batch, params, repeats)[0]
+        ab["chained_into_share"] = (stats.chained_into_verify - into_verify) / max(
+            stats.spec_steps - steps, 1
+        )
         for out in recorded:  # plain's greedy outputs: what the replay runs reproduce
             records[tuple(out.prompt_token_ids)] = list(out.prompt_token_ids) + out.token_ids
     target = ReplayTarget(records, eos[0])
@@ -793,6 +802,7 @@ def bench_replay(
     plain.close()
     spec.close()
     chained.close()
+    both.close()
     torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory() as tmp:
         folder = shape_folder(Path(tmp) / "shape", shape, eos, model)
@@ -842,6 +852,8 @@ def summarize_replay(res: dict[str, Any]) -> None:
         extra = f"live x{v['live_ratio_error']:+.1%}" if "live_ratio_error" in v else ""
         if "chained_out_share" in v:
             extra = f"{v['chained_out_share']:.0%} of verify steps chained out"
+        if "chained_into_share" in v:
+            extra = f"{v['chained_into_share']:.0%} of verify steps chained into (both chains on)"
         if "replay_exact" in v:
             extra = f"replay exact {v['replay_exact']}"
         rows.append(

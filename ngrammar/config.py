@@ -175,6 +175,12 @@ class EngineConfig:
     chain_verify: bool = _opt(
         False, "launch a plain step out of a pipelined verify step before reading its result back"
     )
+    # A verify step chained out of a plain step still in flight (engine.py): drafted one token
+    # behind, its trees picked on the device by that token. Off by default until the GPU has timed
+    # it against draining (benchmarks/results/LOG.md); free-text batches only.
+    chain_into_verify: bool = _opt(
+        False, "launch a verify step from a plain step still in flight, its trees drafted one token behind"
+    )
     # Parallelism (ngrammar/distributed/): one process per tensor-parallel rank, rank 0 the engine;
     # data-parallel replicas are whole engines (each tensor_parallel_size ranks) behind one server.
     tensor_parallel_size: int = _opt(1, "tensor-parallel ranks (one process and device each)", flag="tp")

@@ -145,9 +145,12 @@ def test_chaining_out_of_verify_is_off_by_default() -> None:
     assert EngineConfig().chain_verify is False
 
 
-def test_arrivals_aborts_and_preemption(llm: LLM) -> None:
+def arrivals_aborts_and_preemption(llm: LLM, spec: dict[str, Any]) -> LLM:
+    """A small KV pool (preemption), a late arrival and an abort mid-run on an engine of ``spec``:
+    every request's tokens equal plain decoding's (``llm``), every page is free after. Returns the
+    engine, for its counters."""
     tiny = LLM(
-        **{**SPEC, "kv_cache_tokens": 512},
+        **{**spec, "kv_cache_tokens": 512},
         page_size=16,
         max_prefill_tokens=64,
         overlap_schedule=True,
@@ -170,8 +173,12 @@ def test_arrivals_aborts_and_preemption(llm: LLM) -> None:
     prompts = [*PROMPTS, PROMPTS[2]]
     want = llm.generate([prompts[ids.index(i)] for i in keep], params)
     assert [done[i].outputs[0].token_ids for i in keep] == _ids(want)
-    assert eng.stats.chained_out_of_verify > 0
     assert _all_free(tiny)
+    return tiny
+
+
+def test_arrivals_aborts_and_preemption(llm: LLM) -> None:
+    assert arrivals_aborts_and_preemption(llm, SPEC).engine.stats.chained_out_of_verify > 0
 
 
 def test_no_read_between_a_verify_launch_and_the_next_launch(chained: LLM) -> None:

@@ -61,3 +61,24 @@ def test_graphs_and_overlap_change_nothing(plain: LLM) -> None:
         assert ids(eager, PROMPTS) == ids(plain, PROMPTS)
     finally:
         eager.close()
+
+
+def test_verify_steps_chained_into_and_out_of_plain_ones_equal_plain(plain: LLM) -> None:
+    """``chain_into_verify`` (trees picked on the device, copied into the captured graphs' static
+    buffers) with ``chain_verify``: greedy outputs equal plain decoding's, batched and alone."""
+    both = LLM(
+        device="cuda",
+        kv_cache_tokens=16384,
+        speculative="ngram",
+        num_draft_tokens=16,
+        spec_policy="threshold",
+        chain_verify=True,
+        chain_into_verify=True,
+    )
+    try:
+        alone = [ids(plain, [p])[0] for p in PROMPTS]
+        assert ids(both, PROMPTS) == alone
+        assert [ids(both, [p])[0] for p in PROMPTS] == alone
+        assert both.engine.stats.chained_into_verify > 0
+    finally:
+        both.close()

@@ -318,6 +318,7 @@ def test_a_decision_ahead_sees_the_committed_match_lengths(spec_llm: LLM) -> Non
         remaining: Any = None,
         ahead: bool = False,
         cap: Any = None,
+        final: bool = False,
     ) -> int:
         seen.append((list(lengths()), ahead))
         return 1
@@ -453,7 +454,7 @@ def test_the_plain_step_restarting_the_chain_carries_the_verify_steps_tail() -> 
     eng = spec.engine
     assert eng.ngram is not None
     widths = [4, 4]  # the first decode step verifies (asked ahead, then afresh), every later one is plain
-    eng.ngram.choose_width = lambda seqs, draining, ahead=False: widths.pop() if widths else 1  # type: ignore[method-assign]
+    eng.ngram.choose_width = lambda seqs, draining, ahead=False, final=False: widths.pop() if widths else 1  # type: ignore[method-assign]
     observed: list[tuple[int, float, float | None]] = []
     observe = eng.ngram.observe_step
     eng.ngram.observe_step = lambda bs, width, seconds, restart=None, result=None: (  # type: ignore[method-assign]

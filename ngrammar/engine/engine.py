@@ -66,6 +66,7 @@ class _Chain(NamedTuple):
     keep: list[int]  # indices into the batch in flight of the members launched
     members: list[Sequence]
     leaving: int | None  # prompts ride along (members ending with the token in flight); None: none do
+    width: int = 1  # > 1: a verify step of this width, drafted one token behind (``chain_into_verify``)
 
 
 class LLMEngine:
@@ -101,6 +102,11 @@ class LLMEngine:
         # receive host steps only, so they drain instead).
         self.chain_verify = (
             config.chain_verify and self.pipeline and self.overlap and config.tensor_parallel_size == 1
+        )
+        # A verify step chained out of a plain step in flight, where the policy wants one (the same
+        # conditions; ``_chain_into_verify``).
+        self.chain_into_verify = (
+            config.chain_into_verify and self.pipeline and self.overlap and config.tensor_parallel_size == 1
         )
         self.grammar_rows = GrammarRows(self.model_config.vocab_size, self.device, self.stats)
         # The step not read back yet: a plain one (overlap scheduling) or a verify one (pipelined).
@@ -257,12 +263,14 @@ class LLMEngine:
         start = self._step_start = time.perf_counter()
         self.scheduler.tick()
         host, shadow = self._host_seconds(), self.stats.shadow_seconds
-        chained = (isinstance(self._in_flight, PendingDecode) and self._chain_decode()) or (
-            isinstance(self._in_flight, PendingVerify) and self._chain_out_of_verify()
-        )
+        chained, width = 0, 1
+        if isinstance(self._in_flight, PendingDecode):
+            chained, width = self._chain_decode()
+        elif isinstance(self._in_flight, PendingVerify):
+            chained = self._chain_out_of_verify()
         if chained:
-            kind: StepKind = "chain"
-            size, width = chained, 1
+            kind: StepKind = "chain" if width == 1 else "verify"
+            size = chained
         else:
             self._drain()
             kind, size, width = self._schedule_and_run()
@@ -414,18 +422,22 @@ class LLMEngine:
             seq.num_cached += 1
         return logits
 
-    def _chain_decode(self) -> int:
+    def _chain_decode(self) -> tuple[int, int]:
         """Overlap: launch the in-flight batch's next step from its device tokens, then commit
         those tokens while the forward runs. Members that finished, or finish with the token in
         flight, are left out of the launch (``_chainable``). With mixed steps, prompts waiting or
         part-prefilled ride along in it (a chained mixed step: a serving engine's usual step).
-        Returns the rows launched; 0 (nothing launched) when the batch cannot simply go on."""
+        With ``chain_into_verify`` the step may be a verify step (``_chain_into_verify``).
+        Returns the rows launched and the step's width; 0 rows (nothing launched) when the batch
+        cannot simply go on."""
         flight = self._in_flight
         assert isinstance(flight, PendingDecode)
         self._retire()  # requests aborted since the last step must not be admitted
         chain = self._chainable(flight.seqs)
         if chain is None:
-            return 0
+            return 0, 1
+        if chain.width > 1:
+            return self._chain_into_verify(flight, chain), chain.width
         keep, seqs = chain.keep, chain.members
         tokens = flight.tokens
         if len(keep) < len(flight.seqs):
@@ -445,7 +457,30 @@ class LLMEngine:
                 seqs, logits
             )  # after the commit: grammar rows need its tokens
         self.stats.chained_steps += 1
-        return len(seqs) + len(chunks)
+        return len(seqs) + len(chunks), 1
+
+    def _chain_into_verify(self, flight: PendingDecode, chain: _Chain) -> int:
+        """Launch the verify step the policy wants from the plain step in flight, before its
+        tokens are read back: drafted from the committed tokens one level deeper, each member's
+        tree picked on the device by its token in flight (``NgramSpecWorker.launch_verify_ahead``);
+        then commit that token and queue the acceptance (``finish_ahead``). The device goes from
+        the plain step to the verify step without waiting for the host, where a drain would leave
+        it idle through the commit, the drafting and the launch. Returns the rows launched; 0
+        where no member had a draft under any outcome (the chain drains, as the policy asked)."""
+        ngram = self.ngram
+        assert ngram is not None
+        seqs = chain.members  # every member of the batch in flight (``_chainable``)
+        ahead = ngram.launch_verify_ahead(seqs, chain.width, flight.tokens, self._step_start)
+        if ahead is None:
+            self.stats.policy_drains += 1
+            self._policy_drained = True
+            return 0
+        # Not timed for the policy (its time would hold this verify step's drafting and launch),
+        # unless it restarted the chain after a verify step, whose break it carries (``restart``).
+        self._commit_decode(flight, timed=flight.restart is not None)
+        self._in_flight = ngram.finish_ahead(ahead, chain=self.chain_verify)
+        self.stats.pipelined_steps += 1
+        return len(seqs)
 
     def _chain_out_of_verify(self) -> int:
         """Launch the in-flight verify step's batch's next plain step from its device result (each
@@ -541,14 +576,37 @@ class LLMEngine:
         # The policy sees the committed tokens, one behind the step it decides for, and prices the
         # token in flight: chain unless a verify step is expected to pay; otherwise drain and decide
         # afresh with that token. A step that prefills is plain (``Scheduler._schedule_mixed``).
+        width, final = 1, False
         if plain is None:
-            plain = prefill_now or self.speculator.choose_width(members, not sched.waiting, ahead=True) == 1
+            # A verify step may be chained into this one where it pays without a drain deciding
+            # again with the token in flight (the speculator's ``final_ok``).
+            final = not prefill_now and self._verifies_ahead(seqs, members)
+            if not prefill_now:
+                width = self.speculator.choose_width(members, not sched.waiting, ahead=True, final=final)
+            plain = width == 1
         if not plain:
+            if final and self.speculator.final_ok and sched.reserve_decode(members, width):
+                return _Chain(keep, members, None, width)
             self.stats.policy_drains += 1
             self._policy_drained = True
         if plain and sched.reserve_decode(members, reserve):
             return _Chain(keep, members, leaving if prefill_now else None)
         return None
+
+    def _verifies_ahead(self, seqs: list[Sequence], members: list[Sequence]) -> bool:
+        """Whether a verify step the policy may want for a plain batch in flight would be chained
+        out of it (``_chain_into_verify``): on, every member goes on, the corpus is their only
+        draft source (no grammar, external corpus or tree size of their own) and a tree of the
+        widest width stays inside the context (its root, the token in flight, sits at
+        ``len(token_ids)``)."""
+        ngram = self.ngram
+        if not self.chain_into_verify or ngram is None or len(members) != len(seqs):
+            return False
+        width = ngram.graph_widths()[-1]
+        return (
+            ngram.proposer.corpus_only(members, width)
+            and max(len(s.token_ids) for s in members) + width <= self.max_model_len
+        )
 
     def _drain(self) -> None:
         """Commit the step in flight, if any (its forward and sampling are already queued)."""

@@ -24,6 +24,9 @@ class Speculator(Protocol):
     @property
     def reason(self) -> str: ...  # why the last width was chosen (``policy.REASONS``; "" for none)
 
+    @property
+    def final_ok(self) -> bool: ...  # the last width chosen ``final`` pays without a drain (policy)
+
     def graph_widths(self) -> list[int]: ...
 
     def acceptor(self, one_rank: bool) -> Callable[..., Any] | None: ...
@@ -40,7 +43,9 @@ class Speculator(Protocol):
 
     def index_plain_step(self, seqs: list[Sequence], read_wait: float) -> None: ...
 
-    def choose_width(self, seqs: list[Sequence], draining: bool, ahead: bool = False) -> int: ...
+    def choose_width(
+        self, seqs: list[Sequence], draining: bool, ahead: bool = False, final: bool = False
+    ) -> int: ...
 
     def observe_step(
         self,
@@ -72,6 +77,10 @@ class NoSpeculation:
     def reason(self) -> str:
         return ""
 
+    @property
+    def final_ok(self) -> bool:
+        return False
+
     def graph_widths(self) -> list[int]:
         return [1]
 
@@ -97,7 +106,9 @@ class NoSpeculation:
     def index_plain_step(self, seqs: list[Sequence], read_wait: float) -> None:
         pass
 
-    def choose_width(self, seqs: list[Sequence], draining: bool, ahead: bool = False) -> int:
+    def choose_width(
+        self, seqs: list[Sequence], draining: bool, ahead: bool = False, final: bool = False
+    ) -> int:
         return 1
 
     def observe_step(

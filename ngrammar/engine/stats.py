@@ -36,6 +36,7 @@ class EngineStats:
     chained_steps: int = 0  # decode steps launched before the previous step was read back
     chained_out_of_verify: int = 0  # ... of which the previous step was a verify step
     chained_mixed: int = 0  # ... of which prefilled prompts too (a chained mixed step)
+    chained_into_verify: int = 0  # verify steps launched before the plain step before them was read back
     policy_drains: int = 0  # chains the draft policy broke for a verify step (overlap scheduling)
     # ... after which the next decode step was plain after all: the policy, seeing the committed
     # token, called the verify step off (or the batch changed: a member finished on that token)

@@ -17,6 +17,7 @@ The worker sees the runner, the grammar rows and the stats, never the engine or 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -57,7 +58,12 @@ from ngrammar.speculative.policy import MAX_MATCH, FixedWidthPolicy, make_policy
 from ngrammar.speculative.proposer import DraftProposer, Proposal
 from ngrammar.speculative.replay import ReplayTarget
 from ngrammar.speculative.step_costs import NO_GRAMMAR, grammar_class
-from ngrammar.speculative.tree import DraftTree, reconstruct_indices_from_tree_mask
+from ngrammar.speculative.tree import (
+    DraftTree,
+    Outcomes,
+    reconstruct_indices_from_tree_mask,
+    subtree_outcomes,
+)
 from ngrammar.speculative.upkeep import CorpusUpkeep
 
 # On CUDA a constrained step's grammar check before the launch covers the first level of each
@@ -66,6 +72,17 @@ from ngrammar.speculative.upkeep import CorpusUpkeep
 # the forward waits for the host anyway and costs far more per token than a walk: the whole tree
 # is checked, so trimming narrows the verify as far as it can.
 CUDA_GRAMMAR_CHECK_DEPTH = 1
+# A verify step drafted one token behind (``launch_verify_ahead``) drafts twice its width, at most
+# this many nodes: the subtree under the token in flight then still fills most of the width.
+MAX_AHEAD_WIDTH = 64
+
+
+@functools.cache
+def _placeholder_mask(batch: int, width: int) -> np.ndarray:
+    """A [B, D, D] tree mask of the right shape for a step whose mask is picked on the device."""
+    mask = np.broadcast_to(np.tri(width, dtype=np.bool_), (batch, width, width))
+    mask.flags.writeable = False
+    return mask
 
 
 @dataclass
@@ -82,6 +99,36 @@ class VerifyResult:
     censored: set[str]  # ... whose run ended at a leaf of the tree as drafted (not a rejection)
     depths: dict[str, int]  # ... how many levels that tree had below its root
     launched: float  # perf_counter() at the start of the engine step that launched it
+
+
+@dataclass
+class _Verified:
+    """A verify forward launched, as the acceptance needs it: the trees verified (host), what the
+    policy learns of them, the logits and, for the eager acceptance, the drafts [B, D] and mask
+    [B, D, D] on the device (None: the CUDA graph's acceptor reads its own static buffers)."""
+
+    seqs: list[Sequence]
+    chosen: int
+    tree: DraftTree
+    has_child: np.ndarray
+    levels: list[int]
+    logits: torch.Tensor
+    inputs: tuple[torch.Tensor, torch.Tensor] | None
+    launched: float
+
+
+@dataclass
+class VerifyAhead:
+    """A verify forward launched before its members' last tokens were read back
+    (``NgramSpecWorker.launch_verify_ahead``); ``finish_ahead`` completes it once they are
+    committed."""
+
+    seqs: list[Sequence]
+    chosen: int
+    outcomes: Outcomes
+    logits: torch.Tensor
+    inputs: tuple[torch.Tensor, torch.Tensor] | None
+    launched: float
 
 
 @dataclass
@@ -194,6 +241,12 @@ class NgramSpecWorker:
         """Why the policy chose the last width (``policy.REASONS``)."""
         return self.policy.reason
 
+    @property
+    def final_ok(self) -> bool:
+        """Whether the last width chosen ``final`` pays without a drain deciding again
+        (``DraftPolicy.final_ok``)."""
+        return self.policy.final_ok
+
     def graph_widths(self) -> list[int]:
         """The widths a decode or verify step may run at: every width the policy may pick, or a
         trimmed tree be verified at (``DraftProposer.propose``)."""
@@ -216,13 +269,17 @@ class NgramSpecWorker:
         the policy prices a width by them until its own steps are timed (``StepCosts.set_profile``)."""
         self.policy.costs.set_profile(profile)
 
-    def choose_width(self, seqs: list[Sequence], draining: bool, ahead: bool = False) -> int:
+    def choose_width(
+        self, seqs: list[Sequence], draining: bool, ahead: bool = False, final: bool = False
+    ) -> int:
         """The next decode step's width. ``draining``: no request waits to join the batch (the
         policy then judges it by its critical members). ``ahead``: one token per sequence is still
         in flight (overlap scheduling): the match lengths are those of the committed tokens, and
         the policy prices what the token in flight may make of them
         (``AcceptanceModel.expected``); pricing each length at its bound, one longer, broke chains for
-        verify steps the committed token then called off."""
+        verify steps the committed token then called off. ``final``: a verify step could go ahead
+        without that token (``LLMEngine._chain_into_verify``), where a member it breaks gains
+        nothing: ``final_ok`` then says whether the width chosen pays so."""
         self._grammar_class = grammar_class(s.params.grammar_kind for s in seqs)
         # A request that opted out never takes a verify step, so neither does its batch.
         if not all(s.params.speculative for s in seqs):
@@ -238,6 +295,7 @@ class NgramSpecWorker:
             (lambda: [s.remaining_tokens - grow for s in seqs]) if draining else None,
             ahead,
             cap,
+            final,
         )
 
     def _width_cap(self, seqs: list[Sequence]) -> int | None:
@@ -336,25 +394,138 @@ class NgramSpecWorker:
             if tree.draft_token_num < width:
                 self.stats.trimmed_nodes += len(seqs) * (width - tree.draft_token_num)
                 width = tree.draft_token_num
-            depths = tree.depths()  # [B, D] host: the mask is host data, no device read
-            step = self._step_input(seqs, tree, depths)
-            greedy = all(s.params.greedy for s in seqs)
-            # Greedy verify steps served by a CUDA graph accept from its static buffers (one replay);
-            # everything else copies the drafts and mask in for the eager acceptance.
-            graphs = runner.graphs  # (no acceptor with tensor parallelism: every rank moves its own KV)
-            graph_accept = (
-                greedy and graphs is not None and graphs.acceptor is not None and graphs.accepts(step)
-            )
+            step = self._step_input(seqs, tree, tree.depths())  # the mask is host data, no device read
+            graph_accept = self._graph_accepts(seqs, step)
+            inputs = None  # the drafts and mask on the device, for the eager acceptance
             if not graph_accept:
-                meta_mask = to_device(tree.mask, torch.bool, self.device)
-                candidates = to_device(tree.tokens.reshape(len(seqs), width), torch.int64, self.device)
+                inputs = (
+                    to_device(tree.tokens.reshape(len(seqs), width), torch.int64, self.device),
+                    to_device(tree.mask, torch.bool, self.device),
+                )
             if self.readback_links:
                 self._read_links_back(tree)
             logits = timed_forward(runner, step, self.stats)  # [B*D, V]; before any host-side tree work
+        verified = _Verified(
+            seqs, chosen, tree, proposal.has_child, proposal.levels, logits, inputs, launched
+        )
+        pending = self._accept_and_read(verified, chain)
+        if prepare and proposal.batched:
+            self.prepare_next(seqs, tree, chosen)
+        self.stats.spec_steps += 1
+        self.stats.verify_seconds += time.perf_counter() - t0
+        return pending
+
+    def launch_verify_ahead(
+        self, seqs: list[Sequence], width: int, in_flight: torch.Tensor, launched: float
+    ) -> VerifyAhead | None:
+        """Launch a verify step for ``seqs`` whose next token is still in flight (``in_flight`` [B]
+        on the device: a chained plain step's samples), before that token is read back: the
+        corpus drafts from the committed tokens, one level deeper than a verify step would
+        (``subtree_outcomes``: under each draft of the token in flight, its subtree), and the
+        device picks each member's tree by that token (``_pick_on_device``). None: no draft to
+        verify in any outcome (the caller drains instead). ``finish_ahead``, after the token is
+        committed, masks nothing (the batch has no grammar), accepts and starts the read."""
+        t0 = time.perf_counter()
+        with self._no_sync_region():
+            t = time.perf_counter()
+            wide = min(MAX_AHEAD_WIDTH, 2 * width)
+            drafted = self.corpus.batch_get([s.seq_id for s in seqs], [s.token_ids for s in seqs], wide)
+            graphs = self.runner.graphs
+            widths = [w for w in (graphs.widths if graphs is not None else self.policy.widths) if w > 1]
+            outcomes = subtree_outcomes(drafted, widths, width)
+            self.stats.draft_seconds += time.perf_counter() - t
+            if outcomes is None:
+                return None
+            d = outcomes.trees.draft_token_num
+            ids, positions, mask = self._pick_on_device(seqs, outcomes, in_flight)
+            starts = [s.num_cached for s in seqs]
+            step = StepInput(
+                [[0] * d for _ in seqs],
+                [[start] * d for start in starts],
+                starts,
+                [s.pages for s in seqs],
+                list(range(len(seqs) * d)),
+                _placeholder_mask(len(seqs), d),
+                input_ids=ids,
+                device_positions=positions,
+                device_tree_mask=mask,
+            )
+            graph_accept = self._graph_accepts(seqs, step)
+            logits = timed_forward(self.runner, step, self.stats)
+        self.stats.chained_into_verify += 1
+        self.stats.verify_seconds += time.perf_counter() - t0
+        inputs = None if graph_accept else (ids.view(len(seqs), d), mask)
+        return VerifyAhead(seqs, width, outcomes, logits, inputs, launched)
+
+    def finish_ahead(self, ahead: VerifyAhead, chain: bool = False) -> PendingVerify:
+        """``launch_verify_ahead``'s second half, once the token in flight is committed (each
+        member's last token): the trees picked, acceptance and the read started, as a verify step's."""
+        t0 = time.perf_counter()
+        seqs = ahead.seqs
+        _, tree = ahead.outcomes.picked([s.token_ids[-1] for s in seqs])
+        verified = _Verified(
+            seqs,
+            ahead.chosen,
+            tree,
+            tree.has_child(),
+            tree.depths().max(axis=1).tolist(),
+            ahead.logits,
+            ahead.inputs,
+            ahead.launched,
+        )
+        pending = self._accept_and_read(verified, chain)
+        self.stats.spec_steps += 1
+        self.stats.verify_seconds += time.perf_counter() - t0
+        return pending
+
+    def _pick_on_device(
+        self, seqs: list[Sequence], outcomes: Outcomes, in_flight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each member's outcome tree picked by its token in flight, on the device, no host read:
+        node tokens [B * D] (the root: that token), positions [B * D] (``num_cached`` + depth) and
+        the ancestor mask [B, D, D]."""
+        b, k, d = len(seqs), outcomes.per_request, outcomes.trees.draft_token_num
+        dev = self.device
+        children = to_device(outcomes.children, torch.int64, dev)  # [B, K - 1]
+        tokens = to_device(outcomes.trees.tokens, torch.int64, dev).view(b, k, d)
+        depths = to_device(outcomes.trees.depths(), torch.int64, dev).view(b, k, d)
+        masks = to_device(outcomes.trees.mask, torch.bool, dev).view(b, k, d, d)
+        starts = to_device([s.num_cached for s in seqs], torch.int64, dev)
+        hit = children == in_flight[:, None]
+        pick = torch.where(hit.any(dim=1), hit.to(torch.int32).argmax(dim=1), k - 1)  # the first hit
+        rows = torch.arange(b, device=dev)
+        ids = tokens[rows, pick]
+        ids[:, 0] = in_flight
+        positions = starts[:, None] + depths[rows, pick]
+        return ids.reshape(-1), positions.reshape(-1), masks[rows, pick]
+
+    def _graph_accepts(self, seqs: list[Sequence], step: StepInput) -> bool:
+        """Greedy verify steps served by a CUDA graph accept from its static buffers (one replay);
+        everything else takes the drafts and mask for the eager acceptance (no acceptor with tensor
+        parallelism: every rank moves its own KV)."""
+        graphs = self.runner.graphs
+        return (
+            all(s.params.greedy for s in seqs)
+            and graphs is not None
+            and graphs.acceptor is not None
+            and graphs.accepts(step)
+        )
+
+    def _accept_and_read(self, v: _Verified, chain: bool) -> PendingVerify:
+        """A launched verify forward's host work while it runs, then its acceptance on the device:
+        replay targets, corpus indexing, grammar rows, acceptance, the accepted paths' KV moved,
+        the read started. ``chain``: keep the device result a plain step chained out of it starts
+        from (``PendingVerify``)."""
+        runner, seqs, tree, logits = self.runner, v.seqs, v.tree, v.logits
+        width = tree.draft_token_num
+        depths = tree.depths()
         if self.replay is not None:
             replay = self.replay
+            starts = [s.num_cached for s in seqs]
             targets = [
-                t for s, pos in zip(seqs, step.positions) for t in replay.targets(s.prompt_token_ids, pos)
+                t
+                for s, start, row in zip(seqs, starts, depths.tolist())
+                for t in replay.targets(s.prompt_token_ids, [start + depth for depth in row])
             ]
             replay.apply(logits[: len(targets)], targets)
         upkeep = self.upkeep
@@ -363,25 +534,23 @@ class NgramSpecWorker:
         deepest = int(depths.max())  # levels below the deepest root of the verified trees
         # The accepted paths' KV moves next to their prefixes on the device, before the read: the
         # host never computes slots, and the copy is queued while the verify forward still runs.
-        if graph_accept:  # acceptance, the move and the packing: one graph launch
+        if v.inputs is None:  # acceptance, the move and the packing: one graph launch
             assert runner.graphs is not None
             accepted, packed = runner.graphs.accept(len(seqs), width)
             result, packed = accepted.head(len(seqs)), packed[: len(seqs)]
         else:
-            result = self._accept(seqs, candidates, meta_mask, logits, width, greedy)
+            candidates, mask = v.inputs
+            greedy = all(s.params.greedy for s in seqs)
+            result = self._accept(seqs, candidates, mask, logits, width, greedy)
             # A path is at most as long as the deepest tree: only those positions can move.
             slots = runner.last_slots().view(len(seqs), width)  # [B, D] this forward's KV slots
             runner.compact_accepted_kv(slots, result.accept_nodes[:, : deepest + 1], result.accept_len)
             packed = result.packed()
         lp = logprob_tensors(seqs, logits, result.accept_index, result.accept_tokens)
         read = runner.to_host_async(packed, *lp)
-        pending = PendingVerify(seqs, chosen, width, read, proposal.has_child, proposal.levels, launched)
+        pending = PendingVerify(seqs, v.chosen, width, read, v.has_child, v.levels, v.launched)
         if chain:  # copies: a graph's outputs are overwritten by its next replay
             pending.next_tokens, pending.offsets = result.bonus.clone(), result.accept_len.clone()
-        if prepare and proposal.batched:
-            self.prepare_next(seqs, tree, chosen)
-        self.stats.spec_steps += 1
-        self.stats.verify_seconds += time.perf_counter() - t0
         return pending
 
     # ----------------------------------------------------------- drafting

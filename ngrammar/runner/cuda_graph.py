@@ -300,10 +300,14 @@ class CUDAGraphRunner:
         b, w = step.batch_size, len(step.tokens[0])
         entry = self._entry(self._bucket_of[b], w)
         max_kv_len = self._stage(step, entry.bucket, w)
-        if step.input_ids is not None:  # a chained decode step: its tokens are still on the device
-            self._dev.ids[:b].copy_(step.input_ids)
+        d = self._dev
+        if step.input_ids is not None:  # a chained step: its tokens are still on the device
+            d.ids[: b * w].copy_(step.input_ids)
+        if step.device_positions is not None:  # (and a verify step's trees picked there)
+            d.positions[: b * w].copy_(step.device_positions)
+        if step.device_tree_mask is not None:
+            d.tree_mask[: b * w * w].copy_(step.device_tree_mask.reshape(-1))
         if step.offsets is not None:  # chained out of a verify step: its accepted lengths too
-            d = self._dev
             shift_rows(step.offsets, d.positions, d.kv_lens, d.slots, self._table, self.page_size)
         if entry.graph is not None:
             entry.graph.replay()

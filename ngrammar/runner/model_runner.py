@@ -52,6 +52,10 @@ class StepInput:
     out of a verify step: each row's accepted length, not on the host yet, is added to its position
     and kv length on the device (``shift_rows``), and ``max_offset`` bounds it; the page tables
     already cover ``starts[b] + max_offset + 1`` tokens.
+    ``device_positions`` ([total tokens] int64) and ``device_tree_mask`` ([B, Q, Q] bool), on the
+    device, are set only for a verify step chained out of a plain step still in flight: its trees
+    were picked on the device by that step's tokens (``input_ids``), so ``tokens``, ``positions``
+    and ``tree_mask`` hold placeholders of the right shapes and the forward reads these instead.
     """
 
     tokens: list[list[int]]
@@ -63,6 +67,8 @@ class StepInput:
     input_ids: torch.Tensor | None = None
     offsets: torch.Tensor | None = None
     max_offset: int = 0
+    device_positions: torch.Tensor | None = None
+    device_tree_mask: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -278,7 +284,9 @@ class ModelRunner:
         """The step's attention metadata, built with numpy (no Python loop over tokens: a mixed
         step carries hundreds); ``arrays``: the step's ``step_arrays`` when already built."""
         a = arrays if arrays is not None else step_arrays(step, self.page_size)
-        tree = None if step.tree_mask is None else self._tensor(step.tree_mask, torch.bool)
+        tree = step.device_tree_mask
+        if tree is None and step.tree_mask is not None:
+            tree = self._tensor(step.tree_mask, torch.bool)
         return AttentionMetadata(
             slot_mapping=self._tensor(a.slots),
             page_table=self._tensor(a.table),
@@ -316,7 +324,10 @@ class ModelRunner:
             ids = step.input_ids
         else:
             ids = self._tensor([t for toks in step.tokens for t in toks])
-        pos = self._tensor([p for ps in step.positions for p in ps])
+        if step.device_positions is not None:
+            pos = step.device_positions
+        else:
+            pos = self._tensor([p for ps in step.positions for p in ps])
         if step.offsets is not None:
             shift_rows(step.offsets, pos, meta.kv_lens, meta.slot_mapping, meta.page_table, self.page_size)
         rows = self._tensor(step.logits_rows)

@@ -127,6 +127,7 @@ class AcceptanceModel:
         lengths: Sequence[int],
         widths: Sequence[int] | None = None,
         ahead: bool = False,
+        final: bool = False,
     ) -> dict[int, list[float]]:
         """width -> accepted drafts expected from one verify step of each sequence at its match
         length, for ``widths`` (default: every draft width).
@@ -136,7 +137,9 @@ class AcceptanceModel:
         length n (the same agreement of model and corpus that accepts a first draft); otherwise it is
         priced at length 1. That is exact from n <= 1 and an approximation from n >= 2, where a
         shorter suffix followed by that token elsewhere in the corpus can leave up to n. From n = 0
-        the token reaches length 1 at most: priced at 1."""
+        the token reaches length 1 at most: priced at 1. ``final``: the trees are drafted before
+        that token is known and only its branch is verified, so a token that breaks the match
+        leaves nothing to accept: priced at 0 (and a member at length 0 too)."""
         bias = self.seq_bias
         widths = self.widths if widths is None else widths
         out = {w: [0.0] * len(seq_ids) for w in widths}
@@ -155,10 +158,8 @@ class AcceptanceModel:
                 for column, gains in columns:
                     f_up, g_up = gains[up]
                     f_one, g_one = gains[1]
-                    column[i] = (
-                        hit * min(max(f_up + shift, 0.0), top) * g_up
-                        + (1.0 - hit) * min(max(f_one + shift, 0.0), top) * g_one
-                    )
+                    miss = 0.0 if final else min(max(f_one + shift, 0.0), top) * g_one
+                    column[i] = hit * min(max(f_up + shift, 0.0), top) * g_up + (1.0 - hit) * miss
                 continue
             if not n:
                 continue  # no match: a padding-only tree accepts nothing

@@ -97,6 +97,9 @@ class DraftPolicy(Protocol):
     max_width: int
     widths: list[int]  # 1 and every width a step may run at (``width_ladder``)
     reason: str  # why the last ``choose`` returned what it did (one of REASONS)
+    # Whether the last width ``choose`` picked with ``final`` pays without a drain deciding again
+    # once the token in flight is known (a verify step chained into the plain step in flight).
+    final_ok: bool
     learns: bool
     costs: StepCosts
 
@@ -108,6 +111,7 @@ class DraftPolicy(Protocol):
         remaining: Callable[[], Sequence[int]] | None = None,
         ahead: bool = False,
         cap: int | None = None,
+        final: bool = False,
     ) -> int: ...
 
     def observe(
@@ -143,6 +147,7 @@ class _TimedPolicy:
         self.widths = width_ladder(max_width)
         self.costs = StepCosts(self.widths)
         self.reason = ""
+        self.final_ok = False
 
     def observe(
         self,
@@ -184,8 +189,10 @@ class FixedWidthPolicy(_TimedPolicy):
         remaining: Callable[[], Sequence[int]] | None = None,
         ahead: bool = False,
         cap: int | None = None,
+        final: bool = False,
     ) -> int:
         self.reason = "fixed" if seq_ids else "empty"
+        self.final_ok = final  # every step verifies: nothing to decide again
         return _capped(self.widths, cap)[-1] if seq_ids else 1
 
 
@@ -205,13 +212,16 @@ class ThresholdDraftPolicy(_TimedPolicy):
         remaining: Callable[[], Sequence[int]] | None = None,
         ahead: bool = False,
         cap: int | None = None,
+        final: bool = False,
     ) -> int:
         if not seq_ids:
             self.reason = "empty"
             return 1
-        # ``ahead``: the token in flight may extend a match by one.
-        need = self.min_match - int(ahead)
-        long_enough = self.max_width > 1 and max(match_lengths()) >= need
+        # ``ahead``: the token in flight may extend a match by one. Final only where the match is
+        # long enough already: else a drain decides again once the token is known.
+        lengths = match_lengths()
+        long_enough = self.max_width > 1 and max(lengths) >= self.min_match - int(ahead)
+        self.final_ok = final and long_enough and max(lengths) >= self.min_match
         self.reason = "threshold" if long_enough else "short"
         return _capped(self.widths, cap)[-1] if long_enough else 1
 
@@ -232,6 +242,7 @@ class AdaptiveDraftPolicy:
             self.widths[1:], self.params, self.params.prior_continue_constrained
         )
         self.reason = ""
+        self.final_ok = False
         # For the last exploit or explore decision: seq id -> (match length, accepted drafts expected)
         # at the width chosen (for calibration: ``benchmarks/bench_calibration.py``).
         self.priced: dict[str, tuple[int, float]] = {}
@@ -267,6 +278,7 @@ class AdaptiveDraftPolicy:
         remaining: Callable[[], Sequence[int]] | None = None,
         ahead: bool = False,
         cap: int | None = None,
+        final: bool = False,
     ) -> int:
         """The draft width for a decode step over these sequences (``grammar``: their ``grammar_class``).
 
@@ -274,9 +286,13 @@ class AdaptiveDraftPolicy:
         batch is draining (nothing waits to join it): then only the members on its critical path
         count (``_drafts``). ``ahead``: a token per member is still in flight, so the lengths are
         one token old and each member is priced by what that token may make of it
-        (``AcceptanceModel.expected``); such estimates do not feed the members' outlooks."""
+        (``AcceptanceModel.expected``); such estimates do not feed the members' outlooks.
+        ``final``: a verify step could go ahead without a drain deciding again once the token is
+        known (chained into the plain step in flight), where a member whose token breaks its match
+        gains nothing: ``final_ok`` says whether the width chosen still pays priced so."""
         widths = _capped(self.widths, cap)
-        width, self.reason = self._decide(seq_ids, match_lengths, grammar, remaining, ahead, widths)
+        self.final_ok = False
+        width, self.reason = self._decide(seq_ids, match_lengths, grammar, remaining, ahead, widths, final)
         return width
 
     def _decide(
@@ -287,6 +303,7 @@ class AdaptiveDraftPolicy:
         remaining: Callable[[], Sequence[int]] | None,
         ahead: bool,
         widths: list[int],
+        final: bool = False,
     ) -> tuple[int, str]:
         """``widths``: the policy's widths up to the batch's cap; only those are timed and priced."""
         if not seq_ids:
@@ -347,6 +364,10 @@ class AdaptiveDraftPolicy:
                 return 1, "baseline"  # refresh the plain cost while speculating
             if not exploit and par is not None:  # no width pays by the estimates, but a draft exists
                 best = par
+                self.final_ok = final and ahead  # (at parity a token that breaks a match costs nothing)
+            elif final and ahead:  # does it pay where that token leaves a member nothing?
+                missed = model.expected(seq_ids, lengths, (best,), ahead=True, final=True)[best]
+                self.final_ok = _rate(costs[best], best, self._drafts(missed, critical)) > bar
             self.priced = dict(zip(seq_ids, zip(lengths, expected[best])))
             return best, "exploit" if exploit else "parity"
         if exploring and max(lengths) >= 2:

@@ -133,6 +133,90 @@ class DraftTree:
         )
 
 
+@dataclass(frozen=True)
+class Outcomes:
+    """Trees drafted one token behind (``subtree_outcomes``): for each request, the subtree under
+    each first-level draft, re-rooted there, for the case that its token is the one in flight, and
+    a last tree of the root alone for none of them.
+
+    ``children`` [bs, K] int64: each request's first-level draft tokens in node order (-1 past
+    them; K at least 1); ``trees``: bs * (K + 1) trees of ``width`` nodes, request-major, tree k
+    of request b (row b * (K + 1) + k) rooted at its child k, tree K the root alone (its root
+    token a placeholder: the token in flight takes its place); ``sizes`` [bs, K + 1]: real nodes."""
+
+    children: np.ndarray
+    trees: DraftTree
+    sizes: np.ndarray
+
+    @property
+    def per_request(self) -> int:
+        return self.children.shape[1] + 1
+
+    def picked(self, tokens: list[int]) -> tuple[np.ndarray, DraftTree]:
+        """The outcome each request's token in flight picks (``tokens`` [bs]: the first child of
+        that token, else the root alone) and the trees picked, their roots set to the tokens."""
+        k, children = self.per_request, self.children
+        pick = np.full(len(tokens), k - 1, dtype=np.int64)
+        for b, token in enumerate(tokens):
+            hit = np.flatnonzero(children[b] == token)
+            if hit.size:
+                pick[b] = hit[0]
+        rows = np.arange(len(tokens)) * k + pick
+        d = self.trees.draft_token_num
+        out = self.trees.tokens_2d()[rows].copy()
+        out[:, 0] = tokens
+        parents = self.trees.parents()[rows]
+        return pick, DraftTree(out.reshape(-1), self.trees.mask[rows], len(tokens), d, parents)
+
+
+def subtree_outcomes(tree: DraftTree, widths: list[int], width: int) -> Outcomes | None:
+    """``Outcomes`` of trees drafted from the committed tokens (each root: the last committed
+    token; its children: drafts of the token in flight), each subtree cut to its first ``width``
+    nodes in node order (closed under ancestors: a parent precedes its child) and padded to the
+    narrowest of ``widths`` that holds the largest (else ``width``). None: no subtree holds a
+    draft below its root."""
+    d = tree.draft_token_num
+    padding = tree.padding()
+    rows: list[tuple[list[int], list[int]]] = []
+    children: list[list[int]] = []
+    for b, (tokens, parents) in enumerate(zip(tree.tokens_2d().tolist(), tree.parents().tolist())):
+        firsts = [i for i in range(1, d) if parents[i] == 0 and not padding[b, i]]
+        children.append([tokens[i] for i in firsts])
+        for c in firsts:
+            index = {c: 0}
+            row_tokens, row_parents = [tokens[c]], [-1]
+            for i in range(c + 1, d):
+                if len(row_tokens) == width:
+                    break
+                parent = index.get(parents[i])
+                if parent is not None:
+                    index[i] = len(row_tokens)
+                    row_tokens.append(tokens[i])
+                    row_parents.append(parent)
+            rows.append((row_tokens, row_parents))
+        rows.append(([PAD_TOKEN], [-1]))  # the root alone
+    k = max(len(c) for c in children)
+    most = max(len(t) for t, _ in rows)
+    if most < 2:  # no subtree holds a draft below its root
+        return None
+    narrow = min((w for w in widths if most <= w <= width), default=width)
+    tokens_out = np.full((len(children), k + 1, narrow), PAD_TOKEN, dtype=np.int64)
+    parents_out = np.zeros((len(children), k + 1, narrow), dtype=np.int64)
+    sizes = np.ones((len(children), k + 1), dtype=np.int64)
+    kids = np.full((len(children), k), -1, dtype=np.int64)
+    at = 0
+    for b, firsts in enumerate(children):
+        kids[b, : len(firsts)] = firsts
+        for j in list(range(len(firsts))) + [k]:  # a request with fewer children: root-alone trees between
+            row_tokens, row_parents = rows[at]
+            at += 1
+            tokens_out[b, j, : len(row_tokens)] = row_tokens
+            parents_out[b, j, : len(row_parents)] = row_parents
+            sizes[b, j] = len(row_tokens)
+    trees = DraftTree.from_parents(tokens_out.reshape(-1), parents_out.reshape(-1, narrow))
+    return Outcomes(kids, trees, sizes)
+
+
 def carry_to_kept(values: np.ndarray, keep: np.ndarray, width: int, fill: int | bool) -> np.ndarray:
     """Per-node values [bs, D] of a tree moved onto the nodes of ``keep_nodes(keep, width)``
     [bs, width] (kept nodes in order, then ``fill`` at the padding)."""
