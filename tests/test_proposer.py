@@ -25,7 +25,14 @@ from ngrammar.speculative.field_memory import FieldMemory, JsonPath
 from ngrammar.speculative.forced import ForcedText, forced_text
 from ngrammar.speculative.policy import AdaptiveDraftPolicy, FixedWidthPolicy, ThresholdDraftPolicy
 from ngrammar.speculative.proposer import TEXT_MATCH, DraftProposer
-from ngrammar.speculative.text_lookup import CONTINUATION_BYTES, MAX_BYTES, MIN_BYTES, TAIL_TOKENS, TextLookup
+from ngrammar.speculative.text_lookup import (
+    CONTINUATION_BYTES,
+    LONG_BYTES,
+    MAX_BYTES,
+    MIN_BYTES,
+    TAIL_TOKENS,
+    TextLookup,
+)
 from tests.grammar_oracles import fork
 
 # ----------------------------------------------------------------------------- random schemas
@@ -293,22 +300,38 @@ def _byte_text() -> ForcedText:
     return ForcedText(lambda text: list(text.encode()), [bytes([i]) for i in range(256)], special=[])
 
 
-@settings(max_examples=200, deadline=None, derandomize=True)
+def _oracle(prompt: bytes, tail: bytes) -> tuple[int, int]:
+    """Brute force: (suffix size, end of the occurrence its continuation follows), or (0, 0)."""
+    starts = [i for i in range(len(prompt)) if i == 0 or not chr(prompt[i - 1]).isalnum()]
+    for n in range(len(tail), MIN_BYTES - 1, -1):
+        needle = tail[-n:]
+        hits = [i for i in range(len(prompt) - n) if prompt[i : i + n] == needle]  # a byte after
+        if not hits:
+            continue
+        if n >= LONG_BYTES:
+            return n, hits[0] + n
+        word = n == len(tail) or not chr(tail[-n - 1]).isalnum()
+        aligned = [i for i in hits if i in starts]
+        if word and aligned:
+            return n, aligned[0] + n
+    return 0, 0
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
 @given(prompt=st.binary(min_size=1, max_size=80), output=st.binary(min_size=0, max_size=40))
 def test_text_lookup_finds_the_longest_suffix_with_text_after_it(prompt: bytes, output: bytes) -> None:
     """Against a brute-force scan: the longest suffix (MIN_BYTES..MAX_BYTES) of the last
-    TAIL_TOKENS tokens' bytes found in the prompt with a byte after it, and the prompt's bytes after
-    its first occurrence; small alphabets so that matches are common."""
-    prompt, output = bytes(b % 4 + 97 for b in prompt), bytes(b % 4 + 97 for b in output)
+    TAIL_TOKENS tokens' bytes found in the prompt with a byte after it (below LONG_BYTES: starting a
+    word in both), and the prompt's bytes after that occurrence; small alphabets (a space among
+    them) so that matches are common."""
+    prompt, output = bytes(b" abcd"[b % 5] for b in prompt), bytes(b" abcd"[b % 5] for b in output)
     seq = _Seq(list(prompt + output), None, prompt_len=len(prompt))
     lookup = TextLookup(_byte_text())
     tail = (prompt + output)[-TAIL_TOKENS:][-MAX_BYTES:]
-    found = [n for n in range(MIN_BYTES, len(tail) + 1) if tail[-n:] in prompt[:-1]]
-    size = max(found, default=0)
+    size, end = _oracle(prompt, tail)
     assert lookup.match(seq) == size
     expected = b""
     if size:
-        end = prompt[:-1].find(tail[-size:]) + size
         expected = prompt[end : end + CONTINUATION_BYTES]
     assert bytes(lookup.continuation(seq, 64)) == expected
     assert len(lookup.continuation(seq, 2)) == min(2, len(expected))

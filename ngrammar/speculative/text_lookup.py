@@ -11,6 +11,10 @@ token ends there, so a new token starts).
 
 It only proposes: the proposer checks every node against the grammar, and the target model's
 verification decides what is kept, so it changes speed, never the output.
+
+A copy starts at a word: a suffix shorter than ``LONG_BYTES`` counts only where it starts one in the
+output and the prompt (a non-alphanumeric byte before it, in both), so ``Bob`` after ``"`` matches
+`` Bob``, while ``tle`` after ``Ket`` does not take the text after ``kettle``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ if TYPE_CHECKING:
     from ngrammar.speculative.request import DraftRequest as Seq
 
 MIN_BYTES = 3  # a shorter suffix occurs almost anywhere in a prompt
+LONG_BYTES = 8  # from this long a suffix counts wherever it occurs; shorter ones at word starts only
 MAX_BYTES = 32  # the longest suffix tried
 TAIL_TOKENS = 16  # the last tokens decoded for the suffix
 CONTINUATION_BYTES = 48  # prompt bytes after the match, tokenized for the draft
@@ -71,15 +76,44 @@ class TextLookup:
         if prompt is None:
             prompt = self._prompts[seq.seq_id] = self.forced.decode(seq.prompt_token_ids)
         tail = self.forced.decode(seq.token_ids[-TAIL_TOKENS:])[-MAX_BYTES:]
-        # A suffix found means each shorter one is found (ending at the same byte), so the longest
-        # is a binary search; ``find`` stops a byte early so that text follows the match.
-        size, end, lo, hi = 0, 0, MIN_BYTES, len(tail)
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            at = prompt.find(tail[-mid:], 0, len(prompt) - 1)
-            if at >= 0:
-                size, end, lo = mid, at + mid, mid + 1
-            else:
-                hi = mid - 1
+        size, end = _longest(prompt, tail)
+        if 0 < size < LONG_BYTES:
+            size, end = _at_word_start(prompt, tail, size)
         found = self._matches[seq.seq_id] = _Match(length, size, end)
         return found
+
+
+def _longest(prompt: bytes, tail: bytes) -> tuple[int, int]:
+    """The longest suffix of ``tail`` (at least ``MIN_BYTES``) found in ``prompt`` with a byte after
+    it, and where its first occurrence ends; (0, 0) for none. A suffix found means each shorter one
+    is found (ending at the same byte), so the longest is a binary search; ``find`` stops a byte
+    early so that text follows the match."""
+    size, end, lo, hi = 0, 0, MIN_BYTES, len(tail)
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        at = prompt.find(tail[-mid:], 0, len(prompt) - 1)
+        if at >= 0:
+            size, end, lo = mid, at + mid, mid + 1
+        else:
+            hi = mid - 1
+    return size, end
+
+
+def _at_word_start(prompt: bytes, tail: bytes, longest: int) -> tuple[int, int]:
+    """The longest suffix of ``tail`` no longer than ``longest`` that starts a word in ``tail`` and,
+    at its first such occurrence with a byte after it, in ``prompt``; (0, 0) for none."""
+    for n in range(longest, MIN_BYTES - 1, -1):
+        if n < len(tail) and not _boundary(tail[-n - 1]):
+            continue
+        needle, at = tail[-n:], prompt.find(tail[-n:], 0, len(prompt) - 1)
+        while at >= 0:
+            if at == 0 or _boundary(prompt[at - 1]):
+                return n, at + n
+            at = prompt.find(needle, at + 1, len(prompt) - 1)
+    return 0, 0
+
+
+def _boundary(byte: int) -> bool:
+    """Whether a byte ends a word: ASCII other than letters and digits (UTF-8 multibyte parts are
+    letters for this)."""
+    return byte < 0x80 and not chr(byte).isalnum()
