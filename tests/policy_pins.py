@@ -28,8 +28,9 @@ def pin_step_costs(llm: Any, plain: float = 0.010, per_node: float = 0.0002) -> 
         censored: Collection[str] = (),
         depths: Mapping[str, int] | None = None,
         restart: float | None = None,
+        lengths: Mapping[str, int] | None = None,
     ) -> None:
         cost = batch_size * (plain + per_node * (width - 1))
-        observe(batch_size, width, cost, drafts, constrained, censored, depths, None)
+        observe(batch_size, width, cost, drafts, constrained, censored, depths, None, lengths)
 
     policy.observe = fixed

@@ -76,6 +76,23 @@ def _paths(tokens: list[int], parents: list[int], padding: list[bool]) -> set[tu
     return out
 
 
+def _ancestors(parents: list[int], i: int) -> list[int]:
+    out = []
+    while parents[i] >= 0:
+        i = parents[i]
+        out.append(i)
+    return out
+
+
+def _path_below(tokens: list[int], parents: list[int], i: int, top: int) -> tuple[int, ...]:
+    """The tokens from ``top``'s child on the way down to node ``i`` (``top`` excluded)."""
+    path = []
+    while i != top:
+        path.append(tokens[i])
+        i = parents[i]
+    return tuple(path[::-1])
+
+
 @st.composite
 def _trees(draw: st.DrawFn) -> DraftTree:
     """A batch of BFS-ordered trees over a small alphabet, padded as the corpus pads them."""
@@ -142,10 +159,12 @@ def test_the_picked_tree_is_the_subtree_under_the_token_in_flight(
         if token not in firsts:
             assert pick[b] == outcomes.per_request - 1 and not got
             continue
+        c = next(i for i in range(1, tree.draft_token_num) if parents[b][i] == 0 and tokens[b][i] == token)
+        under = [i for i in range(c + 1, tree.draft_token_num) if c in _ancestors(parents[b], i)]
         below = {p[1:] for p in _paths(tokens[b], parents[b], padding[b]) if p[0] == token and len(p) > 1}
-        assert got <= below  # the subtree's paths, no others
-        assert len(got) == min(len(below), outcomes.sizes[b, pick[b]] - 1)
-        assert outcomes.sizes[b, pick[b]] == min(len(below) + 1, width)
+        # the first width - 1 nodes below the picked root, in node order: the paths down to them
+        kept = {_path_below(tokens[b], parents[b], i, c) for i in under[: width - 1]}
+        assert got == kept and got <= below
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -159,6 +178,48 @@ def test_greedy_chained_into_verify_equals_plain(
     assert chained.engine.stats.chained_into_verify > before
     assert _ids(got) == plain_greedy
     assert _all_free(chained)
+    ngram = chained.engine.ngram
+    assert ngram is not None and not ngram.ran_to_leaf  # nothing of a member kept past its finish
+
+
+def test_a_chained_into_step_teaches_at_the_length_with_its_token(chained: LLM) -> None:
+    """Its samples are learned at each member's match length with the token that picked its tree
+    (as a drained step is probed), and a member whose token left it the root alone teaches nothing."""
+    ngram = chained.engine.ngram
+    assert ngram is not None
+    seen: list[tuple[dict[str, int], dict[str, int], dict[str, int]]] = []
+    finish = ngram.finish_ahead
+
+    def traced(ahead: Any, chain: bool = False) -> Any:
+        pending = finish(ahead, chain)
+        picks, _ = ahead.outcomes.picked([s.token_ids[-1] for s in ahead.seqs])
+        hits = {
+            s.seq_id: ngram.proposer.match_length(s, MAX_MATCH)
+            for s, k in zip(ahead.seqs, picks)
+            if k < ahead.outcomes.per_request - 1
+        }
+        observed = ngram.observe_step
+
+        def check(
+            batch_size: int, width: int, seconds: float, restart: Any = None, result: Any = None
+        ) -> None:
+            if result is not None:  # this verify step's commit
+                seen.append((hits, result.lengths, result.drafts))
+                ngram.observe_step = observed  # type: ignore[method-assign]
+            observed(batch_size, width, seconds, restart, result)
+
+        ngram.observe_step = check  # type: ignore[method-assign]
+        return pending
+
+    ngram.finish_ahead = traced  # type: ignore[method-assign]
+    try:
+        chained.generate(PROMPTS, GREEDY)
+    finally:
+        del ngram.finish_ahead
+        ngram.__dict__.pop("observe_step", None)
+    assert seen
+    for hits, lengths, drafts in seen:
+        assert lengths == hits and set(drafts) <= set(hits)
 
 
 def test_with_plain_steps_chained_out_of_verify_too(plain_greedy: list[list[int]]) -> None:
@@ -180,7 +241,7 @@ def _same_steps_unchained(llm: LLM) -> None:
     ngram = eng.ngram
     assert ngram is not None
 
-    def commit_then_verify(flight: Any, chain: Any) -> int:
+    def commit_then_verify(flight: Any, chain: Any) -> tuple[int, int]:
         seqs = chain.members
         drafted = ngram.corpus.batch_get(
             [s.seq_id for s in seqs], [s.token_ids for s in seqs], min(MAX_AHEAD_WIDTH, 2 * chain.width)
@@ -190,7 +251,7 @@ def _same_steps_unchained(llm: LLM) -> None:
         outcomes = subtree_outcomes(drafted, widths, chain.width)
         if outcomes is None:
             eng._policy_drained = True
-            return 0
+            return 0, 1
         eng._commit_decode(flight, timed=False)
         _, tree = outcomes.picked([s.token_ids[-1] for s in seqs])
         step = ngram._step_input(seqs, tree, tree.depths())
@@ -207,7 +268,7 @@ def _same_steps_unchained(llm: LLM) -> None:
         )
         eng._in_flight = ngram._accept_and_read(verified, False)
         eng.stats.chained_into_verify += 1
-        return len(seqs)
+        return len(seqs), tree.draft_token_num
 
     eng._chain_into_verify = commit_then_verify  # type: ignore[method-assign]
 
@@ -245,6 +306,8 @@ def test_grammar_stops_and_short_budgets_equal_plain(chained: LLM, llm: LLM) -> 
         (c.token_ids, c.text, c.finish_reason) for o in want for c in o.outputs
     ]
     assert _all_free(chained)
+    ngram = chained.engine.ngram
+    assert ngram is not None and not ngram.ran_to_leaf  # a member's state goes with its finish
     before = chained.engine.stats.chained_into_verify
     chained.generate(prompts[:1], params[:1])  # alone: a constrained batch
     assert chained.engine.stats.chained_into_verify == before
@@ -268,7 +331,7 @@ def test_no_read_between_the_plain_launch_and_the_verify_launch(chained: LLM) ->
     marks: list[str] = []
     launch = eng._chain_into_verify
 
-    def traced(flight: Any, chain: Any) -> int:
+    def traced(flight: Any, chain: Any) -> tuple[int, int]:
         marks.append("into verify")
         return launch(flight, chain)
 

@@ -174,6 +174,7 @@ def arrivals_aborts_and_preemption(llm: LLM, spec: dict[str, Any]) -> LLM:
     want = llm.generate([prompts[ids.index(i)] for i in keep], params)
     assert [done[i].outputs[0].token_ids for i in keep] == _ids(want)
     assert _all_free(tiny)
+    assert eng.ngram is not None and not eng.ngram.ran_to_leaf  # nothing kept past a finish
     return tiny
 
 

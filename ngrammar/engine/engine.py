@@ -437,7 +437,7 @@ class LLMEngine:
         if chain is None:
             return 0, 1
         if chain.width > 1:
-            return self._chain_into_verify(flight, chain), chain.width
+            return self._chain_into_verify(flight, chain)
         keep, seqs = chain.keep, chain.members
         tokens = flight.tokens
         if len(keep) < len(flight.seqs):
@@ -459,28 +459,30 @@ class LLMEngine:
         self.stats.chained_steps += 1
         return len(seqs) + len(chunks), 1
 
-    def _chain_into_verify(self, flight: PendingDecode, chain: _Chain) -> int:
+    def _chain_into_verify(self, flight: PendingDecode, chain: _Chain) -> tuple[int, int]:
         """Launch the verify step the policy wants from the plain step in flight, before its
         tokens are read back: drafted from the committed tokens one level deeper, each member's
         tree picked on the device by its token in flight (``NgramSpecWorker.launch_verify_ahead``);
         then commit that token and queue the acceptance (``finish_ahead``). The device goes from
         the plain step to the verify step without waiting for the host, where a drain would leave
-        it idle through the commit, the drafting and the launch. Returns the rows launched; 0
-        where no member had a draft under any outcome (the chain drains, as the policy asked)."""
+        it idle through the commit, the drafting and the launch. Returns the rows launched and the
+        width verified; 0 rows where no member had a draft under any outcome (the chain drains, as
+        the policy asked)."""
         ngram = self.ngram
         assert ngram is not None
-        seqs = chain.members  # every member of the batch in flight (``_chainable``)
+        seqs = chain.members
+        assert len(seqs) == len(flight.seqs)  # every member goes on (``_verifies_ahead``): no row to drop
         ahead = ngram.launch_verify_ahead(seqs, chain.width, flight.tokens, self._step_start)
         if ahead is None:
             self.stats.policy_drains += 1
             self._policy_drained = True
-            return 0
-        # Not timed for the policy (its time would hold this verify step's drafting and launch),
-        # unless it restarted the chain after a verify step, whose break it carries (``restart``).
-        self._commit_decode(flight, timed=flight.restart is not None)
+            return 0, 1
+        # Not timed for the policy: its time would hold this verify step's drafting and launch (a
+        # plain step that restarted the chain after a verify step so leaves that break uncharged).
+        self._commit_decode(flight, timed=False)
         self._in_flight = ngram.finish_ahead(ahead, chain=self.chain_verify)
         self.stats.pipelined_steps += 1
-        return len(seqs)
+        return len(seqs), ahead.outcomes.trees.draft_token_num
 
     def _chain_out_of_verify(self) -> int:
         """Launch the in-flight verify step's batch's next plain step from its device result (each
@@ -547,7 +549,8 @@ class LLMEngine:
         and each drain there costs about half a step. Without mixed steps the chain breaks for
         requests that wait while the batch and the KV pool have room for them
         (``Scheduler.can_admit``); with them, those prompts ride along in the chained step. It also
-        breaks for a verify step the policy wants, or KV that cannot grow."""
+        breaks for a verify step the policy wants (unless it is chained into: ``_Chain.width``,
+        ``_verifies_ahead``), or KV that cannot grow."""
         sched = self.scheduler
         mixed = prefill and sched.mixed_step_tokens is not None
         # Waiting requests stop an unmixed chain only while they could be admitted (and, with mixed
@@ -604,7 +607,8 @@ class LLMEngine:
             return False
         width = ngram.graph_widths()[-1]
         return (
-            ngram.proposer.corpus_only(members, width)
+            all(s.grammar is None for s in members)  # (grammar drafts off: the corpus alone drafts)
+            and ngram.proposer.corpus_only(members, width)
             and max(len(s.token_ids) for s in members) + width <= self.max_model_len
         )
 

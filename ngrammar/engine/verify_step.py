@@ -99,6 +99,8 @@ class VerifyResult:
     censored: set[str]  # ... whose run ended at a leaf of the tree as drafted (not a rejection)
     depths: dict[str, int]  # ... how many levels that tree had below its root
     launched: float  # perf_counter() at the start of the engine step that launched it
+    # ... the match length each is learned at, where the step knew it (None: the policy's last probe)
+    lengths: dict[str, int] | None = None
 
 
 @dataclass
@@ -147,11 +149,19 @@ class PendingVerify:
     # accepted length (drafts + 1: how far past the verify's root that token sits).
     next_tokens: torch.Tensor | None = None
     offsets: torch.Tensor | None = None
+    # A verify step chained into a plain step (``finish_ahead``): the match length each member is
+    # learned at (with the token that picked its tree); a member absent (its token broke its match:
+    # the root alone was verified) teaches nothing. None: every member, at the policy's last probe.
+    learn_at: dict[str, int] | None = None
 
     def wait(self) -> VerifyResult:
+        """The result on the host. Members that finished while the step was in flight (an abort, a
+        stop on the token a chained-into step was picked by) keep nothing and teach nothing (their
+        state was forgotten at their finish)."""
         host = self.read.wait()
         tokens, lens, nodes = unpack_accepted(host[0])
-        seqs = self.seqs
+        seqs, at = self.seqs, self.learn_at
+        taught = [b for b, s in enumerate(seqs) if not s.is_finished and (at is None or s.seq_id in at)]
         return VerifyResult(
             seqs,
             self.chosen,
@@ -159,10 +169,11 @@ class PendingVerify:
             [tokens[b][: lens[b]] for b in range(len(seqs))],
             unpack_logprobs(seqs, host[1:], lens),
             # The model's agreement with the drafts (lens - 1), not what the request keeps of it.
-            {seq.seq_id: lens[b] - 1 for b, seq in enumerate(seqs)},
-            {seq.seq_id for b, seq in enumerate(seqs) if not self.has_child[b, nodes[b][lens[b] - 1]]},
-            {seq.seq_id: self.levels[b] for b, seq in enumerate(seqs)},
+            {seqs[b].seq_id: lens[b] - 1 for b in taught},
+            {seqs[b].seq_id for b in taught if not self.has_child[b, nodes[b][lens[b] - 1]]},
+            {seqs[b].seq_id: self.levels[b] for b in taught},
             self.launched,
+            at,
         )
 
 
@@ -335,6 +346,7 @@ class NgramSpecWorker:
             () if result is None else result.censored,
             None if result is None else result.depths,
             restart,
+            None if result is None else result.lengths,
         )
 
     # --------------------------------------------------------------- step
@@ -462,7 +474,8 @@ class NgramSpecWorker:
         member's last token): the trees picked, acceptance and the read started, as a verify step's."""
         t0 = time.perf_counter()
         seqs = ahead.seqs
-        _, tree = ahead.outcomes.picked([s.token_ids[-1] for s in seqs])
+        pick, tree = ahead.outcomes.picked([s.token_ids[-1] for s in seqs])
+        missed = ahead.outcomes.per_request - 1
         verified = _Verified(
             seqs,
             ahead.chosen,
@@ -474,6 +487,12 @@ class NgramSpecWorker:
             ahead.launched,
         )
         pending = self._accept_and_read(verified, chain)
+        # Learned at the length with the token that picked the tree, as a drained step is probed.
+        pending.learn_at = {
+            s.seq_id: self.proposer.match_length(s, MAX_MATCH)
+            for s, k in zip(seqs, pick.tolist())
+            if k != missed
+        }
         self.stats.spec_steps += 1
         self.stats.verify_seconds += time.perf_counter() - t0
         return pending

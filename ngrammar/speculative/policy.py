@@ -124,6 +124,7 @@ class DraftPolicy(Protocol):
         censored: Collection[str] = (),
         depths: Mapping[str, int] | None = None,
         restart: float | None = None,
+        lengths: Mapping[str, int] | None = None,
     ) -> None: ...
 
     def observe_vetoed(
@@ -159,6 +160,7 @@ class _TimedPolicy:
         censored: Collection[str] = (),
         depths: Mapping[str, int] | None = None,
         restart: float | None = None,
+        lengths: Mapping[str, int] | None = None,
     ) -> None:
         b = bucket_of(batch_size, grammar)
         self.costs.record(b, width, seconds * b[0] / max(batch_size, 1))
@@ -468,6 +470,7 @@ class AdaptiveDraftPolicy:
         censored: Collection[str] = (),
         depths: Mapping[str, int] | None = None,
         restart: float | None = None,
+        lengths: Mapping[str, int] | None = None,
     ) -> None:
         """A decode step ran: its time, and for a verify step the drafts each sequence accepted.
 
@@ -476,7 +479,9 @@ class AdaptiveDraftPolicy:
         censored whether named or not. ``depths``: how many levels each sequence's tree had
         below its root (a run can be no longer; unknown means a chain). ``restart``: this plain
         step restarts the overlap chain the verify step before it broke; the verify step's engine
-        step spent that long on the host after its commit (``_charge_break``)."""
+        step spent that long on the host after its commit (``_charge_break``). ``lengths``: the
+        match length each sample is learned at, where the step knew it better than the last probe
+        (a verify step chained into a plain step was probed a token before its trees' root)."""
         b = bucket_of(batch_size, grammar)
         now = self._steps.get(b, 0)
         self._steps[b] = now + 1
@@ -492,7 +497,7 @@ class AdaptiveDraftPolicy:
             self._verified = (b, width, now)
         if width == 1 or not drafts:
             return
-        lengths = self._lengths
+        lengths = self._lengths if lengths is None else lengths
         self.model(grammar).learn(
             width,
             [

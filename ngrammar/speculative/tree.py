@@ -142,11 +142,10 @@ class Outcomes:
     ``children`` [bs, K] int64: each request's first-level draft tokens in node order (-1 past
     them; K at least 1); ``trees``: bs * (K + 1) trees of ``width`` nodes, request-major, tree k
     of request b (row b * (K + 1) + k) rooted at its child k, tree K the root alone (its root
-    token a placeholder: the token in flight takes its place); ``sizes`` [bs, K + 1]: real nodes."""
+    token a placeholder: the token in flight takes its place)."""
 
     children: np.ndarray
     trees: DraftTree
-    sizes: np.ndarray
 
     @property
     def per_request(self) -> int:
@@ -202,7 +201,6 @@ def subtree_outcomes(tree: DraftTree, widths: list[int], width: int) -> Outcomes
     narrow = min((w for w in widths if most <= w <= width), default=width)
     tokens_out = np.full((len(children), k + 1, narrow), PAD_TOKEN, dtype=np.int64)
     parents_out = np.zeros((len(children), k + 1, narrow), dtype=np.int64)
-    sizes = np.ones((len(children), k + 1), dtype=np.int64)
     kids = np.full((len(children), k), -1, dtype=np.int64)
     at = 0
     for b, firsts in enumerate(children):
@@ -212,9 +210,8 @@ def subtree_outcomes(tree: DraftTree, widths: list[int], width: int) -> Outcomes
             at += 1
             tokens_out[b, j, : len(row_tokens)] = row_tokens
             parents_out[b, j, : len(row_parents)] = row_parents
-            sizes[b, j] = len(row_tokens)
     trees = DraftTree.from_parents(tokens_out.reshape(-1), parents_out.reshape(-1, narrow))
-    return Outcomes(kids, trees, sizes)
+    return Outcomes(kids, trees)
 
 
 def carry_to_kept(values: np.ndarray, keep: np.ndarray, width: int, fill: int | bool) -> np.ndarray:
