@@ -8,6 +8,7 @@ logits on the device. All device->host reads of a step go through ``to_host`` (o
 from __future__ import annotations
 
 import itertools
+import mmap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -166,13 +167,15 @@ class PendingRead:
 
 
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero KV pool. On a CPU its memory comes from calloc, whose pages the OS maps (zeroed) on first
-    write: the resident size follows the pages in use, not the pool's capacity (``torch.zeros``
-    writes every byte up front)."""
+    """A zero KV pool. On a CPU its memory is an anonymous mapping of its own, whose pages the OS
+    maps (zeroed) on first write: the resident size follows the pages in use, not the pool's
+    capacity. (``torch.zeros`` writes every byte up front; calloc usually maps fresh pages too, but
+    may hand back heap memory it must clear first, which made a whole pool resident in a test run.)"""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    raw = np.zeros(int(np.prod(shape)) * dtype.itemsize, dtype=np.uint8)
-    return torch.from_numpy(raw).view(dtype).view(shape)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8) if nbytes else np.zeros(0, np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)  # (the array keeps the mapping alive)
 
 
 class ModelRunner:
