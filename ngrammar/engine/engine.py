@@ -579,16 +579,20 @@ class LLMEngine:
         # The policy sees the committed tokens, one behind the step it decides for, and prices the
         # token in flight: chain unless a verify step is expected to pay; otherwise drain and decide
         # afresh with that token. A step that prefills is plain (``Scheduler._schedule_mixed``).
-        width, final = 1, False
+        width = 1
         if plain is None:
-            # A verify step may be chained into this one where it pays without a drain deciding
-            # again with the token in flight (the speculator's ``final_ok``).
-            final = not prefill_now and self._verifies_ahead(seqs, members)
+            # With ``chain_into_verify`` the policy also says whether its width pays without a drain
+            # deciding again with the token in flight (``final_ok``).
             if not prefill_now:
+                final = self.chain_into_verify
                 width = self.speculator.choose_width(members, not sched.waiting, ahead=True, final=final)
             plain = width == 1
         if not plain:
-            if final and self.speculator.final_ok and sched.reserve_decode(members, width):
+            if (
+                self.speculator.final_ok
+                and self._verifies_ahead(seqs, members, width)
+                and sched.reserve_decode(members, width)
+            ):
                 return _Chain(keep, members, None, width)
             self.stats.policy_drains += 1
             self._policy_drained = True
@@ -596,16 +600,14 @@ class LLMEngine:
             return _Chain(keep, members, leaving if prefill_now else None)
         return None
 
-    def _verifies_ahead(self, seqs: list[Sequence], members: list[Sequence]) -> bool:
-        """Whether a verify step the policy may want for a plain batch in flight would be chained
-        out of it (``_chain_into_verify``): on, every member goes on, the corpus is their only
-        draft source (no grammar, external corpus or tree size of their own) and a tree of the
-        widest width stays inside the context (its root, the token in flight, sits at
-        ``len(token_ids)``)."""
+    def _verifies_ahead(self, seqs: list[Sequence], members: list[Sequence], width: int) -> bool:
+        """Whether the verify step of ``width`` the policy wants for a batch in flight can be
+        chained out of it (``_chain_into_verify``): on, every member goes on, the corpus is their
+        only draft source (no grammar, external corpus or tree size of their own) and each tree
+        stays inside the context (its root, the token in flight, sits at ``len(token_ids)``)."""
         ngram = self.ngram
         if not self.chain_into_verify or ngram is None or len(members) != len(seqs):
             return False
-        width = ngram.graph_widths()[-1]
         return (
             all(s.grammar is None for s in members)  # (grammar drafts off: the corpus alone drafts)
             and ngram.proposer.corpus_only(members, width)

@@ -105,7 +105,8 @@ def _at_word_start(prompt: bytes, tail: bytes, longest: int) -> tuple[int, int]:
     for n in range(longest, MIN_BYTES - 1, -1):
         if n < len(tail) and not _boundary(tail[-n - 1]):
             continue
-        needle, at = tail[-n:], prompt.find(tail[-n:], 0, len(prompt) - 1)
+        needle = tail[-n:]
+        at = prompt.find(needle, 0, len(prompt) - 1)
         while at >= 0:
             if at == 0 or _boundary(prompt[at - 1]):
                 return n, at + n

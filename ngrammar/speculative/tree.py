@@ -176,40 +176,37 @@ def subtree_outcomes(tree: DraftTree, widths: list[int], width: int) -> Outcomes
     draft below its root."""
     d = tree.draft_token_num
     padding = tree.padding()
-    rows: list[tuple[list[int], list[int]]] = []
-    children: list[list[int]] = []
+    # per request, each first-level draft's (token, subtree tokens, subtree parents)
+    subtrees: list[list[tuple[int, list[int], list[int]]]] = []
     for b, (tokens, parents) in enumerate(zip(tree.tokens_2d().tolist(), tree.parents().tolist())):
-        firsts = [i for i in range(1, d) if parents[i] == 0 and not padding[b, i]]
-        children.append([tokens[i] for i in firsts])
-        for c in firsts:
+        row = []
+        for c in (i for i in range(1, d) if parents[i] == 0 and not padding[b, i]):
             index = {c: 0}
-            row_tokens, row_parents = [tokens[c]], [-1]
+            sub_tokens, sub_parents = [tokens[c]], [-1]
             for i in range(c + 1, d):
-                if len(row_tokens) == width:
+                if len(sub_tokens) == width:
                     break
                 parent = index.get(parents[i])
                 if parent is not None:
-                    index[i] = len(row_tokens)
-                    row_tokens.append(tokens[i])
-                    row_parents.append(parent)
-            rows.append((row_tokens, row_parents))
-        rows.append(([PAD_TOKEN], [-1]))  # the root alone
-    k = max(len(c) for c in children)
-    most = max(len(t) for t, _ in rows)
+                    index[i] = len(sub_tokens)
+                    sub_tokens.append(tokens[i])
+                    sub_parents.append(parent)
+            row.append((tokens[c], sub_tokens, sub_parents))
+        subtrees.append(row)
+    most = max((len(t) for row in subtrees for _, t, _ in row), default=1)
     if most < 2:  # no subtree holds a draft below its root
         return None
+    k = max(len(row) for row in subtrees)
     narrow = min((w for w in widths if most <= w <= width), default=width)
-    tokens_out = np.full((len(children), k + 1, narrow), PAD_TOKEN, dtype=np.int64)
-    parents_out = np.zeros((len(children), k + 1, narrow), dtype=np.int64)
-    kids = np.full((len(children), k), -1, dtype=np.int64)
-    at = 0
-    for b, firsts in enumerate(children):
-        kids[b, : len(firsts)] = firsts
-        for j in list(range(len(firsts))) + [k]:  # a request with fewer children: root-alone trees between
-            row_tokens, row_parents = rows[at]
-            at += 1
-            tokens_out[b, j, : len(row_tokens)] = row_tokens
-            parents_out[b, j, : len(row_parents)] = row_parents
+    # Trees no child fills (a request with fewer children, and tree K) stay the root alone.
+    tokens_out = np.full((len(subtrees), k + 1, narrow), PAD_TOKEN, dtype=np.int64)
+    parents_out = np.zeros((len(subtrees), k + 1, narrow), dtype=np.int64)
+    kids = np.full((len(subtrees), k), -1, dtype=np.int64)
+    for b, row in enumerate(subtrees):
+        for j, (child, sub_tokens, sub_parents) in enumerate(row):
+            kids[b, j] = child
+            tokens_out[b, j, : len(sub_tokens)] = sub_tokens
+            parents_out[b, j, : len(sub_parents)] = sub_parents
     trees = DraftTree.from_parents(tokens_out.reshape(-1), parents_out.reshape(-1, narrow))
     return Outcomes(kids, trees)
 
